@@ -1,0 +1,26 @@
+"""Shared test settings: 8 simulated CPU devices, strict rank promotion, a `key` fixture."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` when no GPU backend is present."""
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def key() -> jax.Array:
+    return jax.random.PRNGKey(0)
