@@ -1,0 +1,34 @@
+"""Tasks by name: `make_task("counting", nvars=3)` builds a task from its options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from train.tasks.base import METRICS, Batch, Split, Task, config_from_options
+from train.tasks.counting import CountingConfig, CountingTask, read_jsonl, write_jsonl
+from train.tasks.flipflop import FlipFlopConfig, FlipFlopTask
+from train.tasks.selective_copy import SelectiveCopyConfig, SelectiveCopyTask
+
+TASKS: dict[str, tuple[type, type]] = {  # name -> (config dataclass, task class)
+    "counting": (CountingConfig, CountingTask),
+    "flipflop": (FlipFlopConfig, FlipFlopTask),
+    "selective_copy": (SelectiveCopyConfig, SelectiveCopyTask),
+}
+TASK_NAMES: tuple[str, ...] = tuple(TASKS)
+
+
+def task_config_class(name: str) -> type:
+    """The frozen config dataclass of task `name` (its fields are the task's options)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
+    return TASKS[name][0]
+
+
+def make_task(name: str, **options: Any) -> Task:
+    """Task `name` built from its options; an unknown name or option is a ValueError naming it."""
+    config_cls = task_config_class(name)
+    return TASKS[name][1](config_from_options(config_cls, name, options))
+
+
+__all__ = ["METRICS", "TASK_NAMES", "Batch", "Split", "Task", "make_task", "read_jsonl", "task_config_class",
+           "write_jsonl"]

@@ -1,0 +1,201 @@
+"""The task interface and the pieces the tasks share.
+
+A task hands the training loop fixed-length token batches and fixed evaluation
+splits. Every array is `[B, L]` (B sequences, L positions):
+`inputs[b, t]` is the token the model reads at position t, `targets[b, t]` the
+token it must predict there, and `weights[b, t]` is 1 where the loss and the
+metric count (answer tokens, read bits, copied tokens, every byte) and 0
+elsewhere (padding, context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+"""{"inputs": int32 [B, L], "targets": int32 [B, L], "weights": float32 [B, L]}."""
+
+METRICS = ("seq_error", "token_error", "bits_per_byte")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A fixed evaluation set; all arrays are [N, L] (N sequences of length L)."""
+
+    name: str  # "valid", "test", "ood_sparse", "len_x2", ...
+    inputs: np.ndarray  # int32 [N, L]
+    targets: np.ndarray  # int32 [N, L]
+    weights: np.ndarray  # float32 [N, L]
+
+    def __post_init__(self) -> None:
+        for field, dtype in (("inputs", np.int32), ("targets", np.int32), ("weights", np.float32)):
+            object.__setattr__(self, field, np.array(getattr(self, field), dtype))  # a private copy
+        if self.inputs.ndim != 2 or self.inputs.shape[0] == 0:
+            raise ValueError(f"split {self.name!r}: inputs.shape={self.inputs.shape} must be [N, L] with N >= 1")
+        for field in ("targets", "weights"):
+            shape = getattr(self, field).shape
+            if shape != self.inputs.shape:
+                raise ValueError(f"split {self.name!r}: {field}.shape={shape} != inputs.shape={self.inputs.shape}")
+        for array in (self.inputs, self.targets, self.weights):
+            array.flags.writeable = False
+
+    @property
+    def seq_len(self) -> int:
+        """L, the length of this split's sequences."""
+        return self.inputs.shape[1]
+
+    def batch(self, start: int, stop: int) -> Batch:
+        """Rows [start, stop) as a Batch."""
+        return {"inputs": self.inputs[start:stop], "targets": self.targets[start:stop],
+                "weights": self.weights[start:stop]}
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the training loop needs from a task."""
+
+    name: str
+    vocab_size: int
+    seq_len: int  # training length L
+    metric: str  # one of METRICS
+
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        """The batch for `step`: a pure function of (task seed, step, batch_size)."""
+        ...
+
+    def eval_splits(self) -> dict[str, Split]:
+        """In-distribution and OOD/longer evaluation splits, deterministic."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text."""
+        ...
+
+
+def make_batch(inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> Batch:
+    """A Batch with the contract's dtypes (int32, int32, float32)."""
+    return {"inputs": np.asarray(inputs, np.int32), "targets": np.asarray(targets, np.int32),
+            "weights": np.asarray(weights, np.float32)}
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A 64-bit seed from `seed` and labels (split name, step...), stable across runs and platforms."""
+    text = "/".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def check_step(step: int, batch_size: int) -> None:
+    """Shared argument check of `Task.train_batch`."""
+    if not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"{step=} must be an int >= 0")
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"{batch_size=} must be an int >= 1")
+
+
+def epoch_indices(n: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
+    """Indices into a fixed set of `n` examples for the batch of `step`.
+
+    The examples are read as an endless stream of epochs, each a permutation
+    seeded by (seed, epoch); batch `step` is items [step·B, (step+1)·B) of that
+    stream. A pure function of its arguments, so a resumed run sees the same data.
+    """
+    check_step(step, batch_size)
+    first = step * batch_size
+    positions = np.arange(first, first + batch_size)
+    epochs, offsets = np.divmod(positions, n)
+    out = np.empty(batch_size, np.int64)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng(derive_seed(seed, "epoch", int(epoch))).permutation(n)
+        sel = epochs == epoch
+        out[sel] = perm[offsets[sel]]
+    return out
+
+
+def pad_and_shift(sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]],
+                  seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Next-token arrays [N, seq_len] from variable-length token sequences.
+
+    Each sequence is cut to its last `seq_len + 1` tokens (trimmed from the left,
+    so that the question and answer at the end survive, as the official CoPE
+    collator does), right-padded with `pad_id`, then shifted:
+    inputs = tokens[:-1], targets = tokens[1:], weights = loss_mask[1:] (0 on padding).
+    `loss_masks[i][t]` marks the tokens of sequence i that are scored.
+    """
+    if seq_len < 1:
+        raise ValueError(f"{seq_len=} must be >= 1")
+    n = len(sequences)
+    tokens = np.full((n, seq_len + 1), pad_id, np.int32)
+    mask = np.zeros((n, seq_len + 1), np.float32)
+    for i, (seq, m) in enumerate(zip(sequences, loss_masks, strict=True)):
+        if len(seq) != len(m):
+            raise ValueError(f"sequence {i}: {len(seq)=} tokens but {len(m)=} mask entries")
+        seq, m = seq[-(seq_len + 1):], m[-(seq_len + 1):]
+        tokens[i, :len(seq)] = seq
+        mask[i, :len(m)] = m
+    return tokens[:, :-1], tokens[:, 1:], mask[:, 1:]
+
+
+class WordVocab:
+    """A word-level vocabulary: specials first, then words in a fixed order."""
+
+    def __init__(self, words: Iterable[str], specials: Sequence[str] = ("<pad>",)):
+        self.words: list[str] = []
+        self.ids: dict[str, int] = {}
+        for word in (*specials, *words):
+            self.add(word)
+        self.num_specials = len(specials)
+
+    def add(self, word: str) -> int:
+        """The id of `word`, appending it if new."""
+        if word not in self.ids:
+            self.ids[word] = len(self.words)
+            self.words.append(word)
+        return self.ids[word]
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def encode(self, words: Sequence[str]) -> list[int]:
+        """Ids of `words`; an unknown word is a ValueError."""
+        try:
+            return [self.ids[w] for w in words]
+        except KeyError as err:
+            raise ValueError(f"word {err.args[0]!r} is not in the vocabulary") from None
+
+    def decode(self, ids: Sequence[int], skip_specials: bool = True) -> str:
+        """Space-joined words of `ids` (specials such as padding left out unless asked)."""
+        for i in ids:
+            if not 0 <= int(i) < len(self.words):
+                raise ValueError(f"token id {int(i)} is outside the vocabulary of {len(self.words)} words")
+        return " ".join(self.words[int(i)] for i in ids if not (skip_specials and int(i) < self.num_specials))
+
+
+def config_from_options(config_cls: type, task_name: str, options: Mapping[str, Any]) -> Any:
+    """`config_cls(**options)`, with an unknown option a ValueError naming the key."""
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    for key in options:
+        if key not in known:
+            raise ValueError(f"unknown option {key!r} for task {task_name!r}; known options: {sorted(known)}")
+    return config_cls(**options)
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    """A ValueError/TypeError naming the field unless minimum <= value (<= maximum)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={value!r} must be {bound}")
+
+
+def check_probability(name: str, value: object) -> None:
+    """A ValueError/TypeError naming the field unless 0 <= value < 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a float")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}={value!r} must be in [0, 1)")
