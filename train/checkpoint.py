@@ -1,0 +1,98 @@
+"""Checkpoints with orbax: asynchronous saves, the last K plus the best, fall back past bad ones.
+
+A checkpoint holds the train state (params, optimizer state, step, RNG key) and a small JSON
+`meta` item with the data position. The data position is the step: a task's training batch
+is a deterministic function of (task seed, step, batch size), so resuming at step s replays
+exactly the batches an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    """Saves and restores train states under `directory` (an orbax CheckpointManager).
+
+    keep: latest checkpoints kept; the best by `best_metric` (lower is better) is kept as well.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int, best_metric: str, async_save: bool = True):
+        if keep < 1:
+            raise ValueError(f"{keep=} must be >= 1")
+        self.directory = pathlib.Path(directory).absolute()
+        self.best_metric = best_metric
+        policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+            [
+                ocp.checkpoint_managers.LatestN(n=keep),
+                ocp.checkpoint_managers.BestN(
+                    get_metric_fn=lambda metrics: metrics[best_metric],
+                    reverse=True,  # sorted descending, the last (kept) one is the lowest
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, enable_async_checkpointing=async_save, create=True
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        """Starts saving (returns before the write ends when async); `metrics` rank it for 'best'."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
+        self.manager.save(step, args=args, metrics=dict(metrics) if metrics is not None else None, force=True)
+
+    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+        """(state, meta, problems) from the newest readable checkpoint, or (None, {}, problems).
+
+        An unreadable checkpoint (partial or corrupt) is reported in `problems`, logged, moved
+        to `<directory>/../corrupt_checkpoints/<step>` (so that the run can save that step
+        again), and the previous one is tried.
+        """
+        problems: list[dict[str, Any]] = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+                )
+            except Exception as error:  # noqa: BLE001 -- any failure to read means "use the previous one"
+                message = f"checkpoint at step {step} in {self.directory} is unreadable ({type(error).__name__}: {error})"
+                log.warning("%s; falling back to the previous checkpoint", message)
+                problems.append({"step": step, "error": message})
+                self._quarantine(step)
+                continue
+            return restored["state"], dict(restored["meta"]), problems
+        return None, {}, problems
+
+    def _quarantine(self, step: int) -> None:
+        target = self.directory.parent / "corrupt_checkpoints" / str(step)
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), str(target))
+        self.manager.reload()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def best_step(self) -> int | None:
+        return self.manager.best_step()
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,270 @@
+"""The training entry point's one nested config, presets and `key=value` overrides.
+
+`TrainConfig{task, model, optim, run}` is a tree of frozen dataclasses. It is built from the
+defaults, then a preset file (`train/presets/<name>.json`), then `--task`/`--pe`, then
+`key=value` overrides such as `model.num_layers=2`, `task.nvars=3` or
+`model.pe_options.npos=32`. Every override is parsed against the field's type; an unknown key
+or a value of the wrong type raises ValueError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PRESET_DIR = pathlib.Path(__file__).parent / "presets"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    name: str = "flipflop"  # a train.tasks registry name (counting, flipflop, selective_copy, lm)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # make_task(name, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """jaxpe.ModelConfig without vocab_size (the task's) and with max_len derivable."""
+
+    d_model: int = 256  # width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int | None = None  # key/value heads (GQA); None = num_heads
+    mlp_dim: int | None = None  # hidden width of the MLP; None = 4 * d_model
+    max_len: int | None = None  # size of fixed position tables; None = the longest evaluation split
+    dropout: float = 0.1  # dropout rate (train only)
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    prenorm: bool = True  # pre-norm blocks (False = post-norm, the CoPE paper's setting)
+    mlp: str = "gelu"  # "gelu" | "swiglu"
+    tie_embeddings: bool = True  # output projection = input embedding transposed
+    pe: str = "rope"  # positional encoding, a jaxpe.PE_NAMES entry
+    pe_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # that encoding's config fields
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (params stay float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    batch_size: int = 32  # global batch (sequences per optimizer step, over all devices and hosts)
+    learning_rate: float = 1e-3  # peak learning rate after warmup
+    warmup_steps: int = 100  # linear warmup from 0 to learning_rate
+    min_lr_ratio: float = 0.1  # cosine decay ends at learning_rate * min_lr_ratio
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.98  # Adam second-moment decay
+    eps: float = 1e-9  # Adam epsilon
+    clip_norm: float = 1.0  # global gradient-norm clipping threshold
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(f"optim.{self.batch_size=} must be a positive multiple of optim.{self.grad_accum=}")
+        if self.warmup_steps < 0 or self.learning_rate < 0 or self.clip_norm <= 0:
+            raise ValueError(f"optim: {self.warmup_steps=}, {self.learning_rate=} must be >= 0, {self.clip_norm=} > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    steps: int = 1000  # optimizer steps in total
+    seed: int = 0  # parameter init and dropout seed (the task has its own seed in task.options)
+    log_every: int = 50  # steps between metrics lines (metrics.jsonl) and NaN checks
+    eval_every: int = 500  # steps between evaluations (0 = only at the end)
+    checkpoint_every: int = 500  # steps between checkpoints (0 = no checkpoints)
+    keep: int = 2  # latest checkpoints kept (the best one by the eval metric is kept too)
+    async_checkpoints: bool = True  # orbax saves in a background thread
+    eval_batch_size: int = 64  # sequences per evaluation batch (global)
+    eval_splits: tuple[str, ...] = ()  # splits evaluated during training; () = all (the final eval always uses all)
+    num_devices: int = 0  # devices in the data-parallel mesh; 0 = all
+    fsdp: bool = False  # shard params and optimizer state over the "data" axis instead of replicating
+    progress: bool = True  # tqdm progress bar
+
+    def __post_init__(self):
+        if self.steps < 1 or self.log_every < 1 or self.keep < 1 or self.eval_batch_size < 1:
+            raise ValueError(f"run: {self.steps=}, {self.log_every=}, {self.keep=}, {self.eval_batch_size=} must be >= 1")
+        if self.eval_every < 0 or self.checkpoint_every < 0 or self.num_devices < 0:
+            raise ValueError(f"run: {self.eval_every=}, {self.checkpoint_every=}, {self.num_devices=} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)  # which data
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # which network
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)  # how to fit it
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)  # how long, how often, where
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names of the preset files in train/presets/."""
+    return tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The preset's nested dict: sections model/optim/run, and tasks: {task name: options}."""
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"preset {name=} not found; choose one of {preset_names()}")
+    return json.loads(path.read_text())
+
+
+def build_config(
+    *,
+    preset: str | None = None,
+    task: str | None = None,
+    pe: str | None = None,
+    overrides: Sequence[str] = (),
+) -> TrainConfig:
+    """Defaults, then the preset, then task and pe, then `key=value` overrides (last wins)."""
+    config = TrainConfig()
+    preset_tasks: Mapping[str, Any] = {}
+    if preset is not None:
+        data = load_preset(preset)
+        preset_tasks = data.pop("tasks", {})
+        config = apply_dict(config, {k: v for k, v in data.items() if not k.startswith("_")})
+    if task is not None:
+        config = apply_dict(config, {"task": {"name": task}})
+    if config.task.name in preset_tasks:
+        config = apply_dict(config, {"task": {"options": preset_tasks[config.task.name]}})
+    if pe is not None:
+        config = apply_dict(config, {"model": {"pe": pe}})
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """Applies `section.field=value` strings; ValueError names a bad key or value."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. model.num_layers=2)")
+        config = _set(config, key.strip().split("."), text.strip(), key.strip(), parse=True)
+    return config
+
+
+def apply_dict(config: TrainConfig, values: Mapping[str, Any], prefix: str = "") -> TrainConfig:
+    """Applies a nested dict of already-typed values (a preset); ValueError names a bad key."""
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping) and not _is_mapping_field(config, key.split(".")):
+            config = apply_dict(config, value, prefix=f"{key}.")
+        else:
+            config = _set(config, key.split("."), value, key, parse=False)
+    return config
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-serialisable dict of a config tree."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=list))
+
+
+def from_dict(data: Mapping[str, Any]) -> TrainConfig:
+    """Inverse of to_dict (checks every key and type)."""
+    return apply_dict(TrainConfig(), data)
+
+
+def _is_mapping_field(config: Any, path: list[str]) -> bool:
+    node = config
+    for name in path:
+        if not dataclasses.is_dataclass(node):
+            return False
+        if name not in {f.name for f in dataclasses.fields(node)}:
+            # task.<option> is a task option, a leaf
+            return False
+        node = getattr(node, name)
+    return isinstance(node, Mapping)
+
+
+def _set(node: Any, path: list[str], value: Any, key: str, *, parse: bool) -> Any:
+    """Returns a copy of the dataclass `node` with the field at `path` set to `value`."""
+    if isinstance(node, TaskConfig) and path[0] not in ("name", "options"):
+        path = ["options", *path]  # task.nvars=3 is task.options.nvars=3
+    name, rest = path[0], path[1:]
+    fields = {f.name: f for f in dataclasses.fields(node)}
+    if name not in fields:
+        raise ValueError(f"unknown config key {key!r}: {name!r} is not one of {sorted(fields)}")
+    hint = typing.get_type_hints(type(node))[name]
+    current = getattr(node, name)
+    if dataclasses.is_dataclass(current):
+        if not rest:
+            raise ValueError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=...")
+        return dataclasses.replace(node, **{name: _set(current, rest, value, key, parse=parse)})
+    if isinstance(current, Mapping):
+        if not rest:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config key {key!r} needs a mapping, got {value!r}")
+            return dataclasses.replace(node, **{name: {**current, **value}})
+        return dataclasses.replace(node, **{name: _set_in_mapping(current, rest, value, parse=parse)})
+    if rest:
+        raise ValueError(f"unknown config key {key!r}: {name!r} has no field {'.'.join(rest)!r}")
+    typed = _parse(key, value, hint) if parse else _check(key, value, hint)
+    return dataclasses.replace(node, **{name: typed})
+
+
+def _set_in_mapping(mapping: Mapping[str, Any], path: list[str], value: Any, *, parse: bool) -> dict[str, Any]:
+    name, rest = path[0], path[1:]
+    out = dict(mapping)
+    if rest:
+        out[name] = _set_in_mapping(out.get(name, {}), rest, value, parse=parse)
+    else:
+        out[name] = _parse_literal(value) if parse else value
+    return out
+
+
+def _parse_literal(text: str) -> Any:
+    """A JSON literal (3, 0.5, true, null, [1, 2]) or else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parse(key: str, text: str, hint: Any) -> Any:
+    """Parses override text for a field annotated `hint`."""
+    options = _options(hint)
+    if type(None) in options and text.lower() in ("none", "null"):
+        return None
+    if bool in options:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+    elif int in options:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    elif float in options:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    elif str in options:
+        return text
+    elif tuple in options:
+        return tuple(s for s in text.split(",") if s)
+    raise ValueError(f"config key {key!r}: cannot read {text!r} as {_describe(hint)}")
+
+
+def _check(key: str, value: Any, hint: Any) -> Any:
+    """Checks an already-typed value (from a preset) against `hint`."""
+    options = _options(hint)
+    if value is None and type(None) in options:
+        return None
+    if tuple in options and isinstance(value, (list, tuple)):
+        return tuple(value)
+    if float in options and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    for kind in (bool, int, str):
+        if kind in options and type(value) is kind:
+            return value
+    raise ValueError(f"config key {key!r}: {value!r} is not {_describe(hint)}")
+
+
+def _options(hint: Any) -> set[Any]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return {typing.get_origin(a) or a for a in typing.get_args(hint)}
+    return {typing.get_origin(hint) or hint}
+
+
+def _describe(hint: Any) -> str:
+    return " or ".join(sorted(getattr(o, "__name__", str(o)) for o in _options(hint)))

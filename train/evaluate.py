@@ -1,0 +1,132 @@
+"""Evaluation: per-split sums on device, the task's metric on the host, JSON and Markdown.
+
+Metrics (lower is better for all three):
+- `seq_error`: fraction of sequences with any weighted token predicted wrong (counting);
+- `token_error`: fraction of weighted tokens predicted wrong (flip-flop reads, copied tokens);
+- `bits_per_byte`: mean NLL over weighted byte positions / ln 2 (language modelling).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+METRICS = ("seq_error", "token_error", "bits_per_byte")
+
+LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, inputs [B, L]) -> logits [B, L, V]
+
+
+def batch_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> dict[str, jax.Array]:
+    """Sums over a batch: logits [B, L, V], targets [B, L] int, weights [B, L] float.
+
+    Rows whose weights are all zero (padding) count nowhere.
+    """
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)  # [B, L]
+    wrong = (jnp.argmax(logits, axis=-1) != targets) & (weights > 0)  # [B, L]
+    row_used = jnp.sum(weights, axis=-1) > 0  # [B]
+    return {
+        "nll": jnp.sum(nll * weights),
+        "wrong": jnp.sum(wrong * weights),
+        "weight": jnp.sum(weights),
+        "seq_wrong": jnp.sum(jnp.any(wrong, axis=-1) & row_used),
+        "seqs": jnp.sum(row_used),
+    }
+
+
+def make_eval_step(logits_fn: LogitsFn) -> Callable[[Any, Mapping[str, jax.Array]], dict[str, jax.Array]]:
+    """eval_step(params, batch) -> batch_sums (not jitted; the caller jits with its shardings)."""
+
+    def eval_step(params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        logits = logits_fn(params, batch["inputs"])
+        return batch_sums(logits, batch["targets"], batch["weights"])
+
+    return eval_step
+
+
+def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
+    """All metrics of METRICS plus loss (mean weighted NLL, nats) from summed counts."""
+    weight = max(float(sums["weight"]), 1e-9)
+    return {
+        "loss": float(sums["nll"]) / weight,
+        "seq_error": float(sums["seq_wrong"]) / max(float(sums["seqs"]), 1.0),
+        "token_error": float(sums["wrong"]) / weight,
+        "bits_per_byte": float(sums["nll"]) / weight / math.log(2),
+        "sequences": int(sums["seqs"]),
+    }
+
+
+def padded_batches(
+    arrays: Mapping[str, np.ndarray], batch_size: int
+) -> list[dict[str, np.ndarray]]:
+    """Splits [N, L] arrays into batches of `batch_size` rows; the last is padded with weight-0 rows."""
+    n = next(iter(arrays.values())).shape[0]
+    out = []
+    for start in range(0, n, batch_size):
+        batch = {}
+        for name, array in arrays.items():
+            chunk = array[start : start + batch_size]
+            if chunk.shape[0] < batch_size:
+                pad = np.zeros((batch_size - chunk.shape[0], *chunk.shape[1:]), chunk.dtype)
+                chunk = np.concatenate([chunk, pad])
+            batch[name] = chunk
+        out.append(batch)
+    return out
+
+
+def evaluate_split(
+    eval_step: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]],
+    params: Any,
+    split: Any,
+    *,
+    batch_size: int,
+    put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
+    to_host: Callable[[Any], Any],
+) -> dict[str, float]:
+    """Metrics of one split (a train.tasks Split: inputs, targets, weights [N, L])."""
+    arrays = {
+        "inputs": np.asarray(split.inputs, np.int32),
+        "targets": np.asarray(split.targets, np.int32),
+        "weights": np.asarray(split.weights, np.float32),
+    }
+    totals: dict[str, float] = {}
+    for batch in padded_batches(arrays, batch_size):
+        sums = to_host(eval_step(params, put_batch(batch)))
+        for name, value in sums.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return metrics_from_sums(totals)
+
+
+def results_markdown(
+    rows: Sequence[Mapping[str, Any]], *, metric: str, splits: Sequence[str], label_keys: Sequence[str]
+) -> str:
+    """A Markdown table: one row per run, columns label_keys then `metric` (in %) per split."""
+    scale, unit = (100.0, " (%)") if metric != "bits_per_byte" else (1.0, "")
+    header = [*label_keys, *(f"{s} {metric}{unit}" for s in splits)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [str(row[k]) for k in label_keys]
+        for split in splits:
+            value = row["splits"].get(split, {})
+            if metric in value:
+                cell = f"{scale * value[metric]:.2f}"
+                if f"{metric}_std" in value:
+                    cell += f" ± {scale * value[metric + '_std']:.2f}"
+            else:
+                cell = "-"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    """Writes `data` as indented JSON, atomically (write then rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
