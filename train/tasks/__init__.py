@@ -7,12 +7,14 @@ from typing import Any
 from train.tasks.base import METRICS, Batch, Split, Task, config_from_options
 from train.tasks.counting import CountingConfig, CountingTask, read_jsonl, write_jsonl
 from train.tasks.flipflop import FlipFlopConfig, FlipFlopTask
+from train.tasks.lm import LMConfig, LMTask
 from train.tasks.selective_copy import SelectiveCopyConfig, SelectiveCopyTask
 
 TASKS: dict[str, tuple[type, type]] = {  # name -> (config dataclass, task class)
     "counting": (CountingConfig, CountingTask),
     "flipflop": (FlipFlopConfig, FlipFlopTask),
     "selective_copy": (SelectiveCopyConfig, SelectiveCopyTask),
+    "lm": (LMConfig, LMTask),
 }
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)
 
