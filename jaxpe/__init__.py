@@ -1,0 +1,25 @@
+"""jaxpe: positional encodings for JAX/Flax, contextual (CoPE, Co-RoPE) and classic.
+
+Pure functions first, thin linen modules on top; every encoding is also selectable by name (`PE_NAMES`).
+Shapes: B batch, L length, H heads (Hq query, Hkv key/value), D head dim.
+"""
+# Imported in registry order (SPEC §2): none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated,
+# cope_rope, corope.
+from jaxpe import learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated, corope  # noqa: F401,I001
+from jaxpe.alibi import alibi_bias, alibi_slopes
+from jaxpe.amspe import AMSPE
+from jaxpe.attention import Attention
+from jaxpe.cope import cope_attention, cope_positions
+from jaxpe.corope import corope_attention, corope_mileage
+from jaxpe.model import ModelConfig, TransformerLM, generate, init_cache
+from jaxpe.registry import PEConfig, pe_config, pe_names, register
+from jaxpe.rope import apply_rope
+from jaxpe.sinusoidal import sinusoidal_table
+
+PE_NAMES = pe_names()
+
+__all__ = [
+    "AMSPE", "Attention", "ModelConfig", "PEConfig", "PE_NAMES", "TransformerLM", "alibi_bias", "alibi_slopes",
+    "apply_rope", "cope_attention", "cope_positions", "corope_attention", "corope_mileage", "generate", "init_cache",
+    "pe_config", "pe_names", "register", "sinusoidal_table",
+]

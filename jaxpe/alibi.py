@@ -1,0 +1,42 @@
+"""ALiBi: a linear bias −slope_h·(i − j) on attention logits, slopes 2^(−8h/H) for h = 1..H."""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.registry import PEConfig, register
+from jaxpe.softmax_attention import attend
+
+
+def alibi_slopes(num_heads: int) -> jax.Array:
+    """[H] float32, the standard geometric sequence 2^(−8h/H), h = 1..H."""
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"{num_heads=} must be a positive int")
+    return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
+
+
+def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int) -> jax.Array:
+    """q_pos [B, Lq] -> bias [B, H, Lq, Lk] = −slope_h·(i − j) (keys at 0..Lk-1)."""
+    dist = (q_pos[:, :, None] - jnp.arange(k_len)[None, None, :]).astype(jnp.float32)  # [B, Lq, Lk]
+    return -alibi_slopes(num_heads)[None, :, None, None] * dist[:, None]
+
+
+class ALiBiCore(nn.Module):
+    """Causal softmax attention with the ALiBi bias."""
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
+                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+        bias = alibi_bias(q_pos, k.shape[1], q.shape[2])
+        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=mask, bias=bias)
+
+
+@register("alibi")
+@dataclasses.dataclass(frozen=True)
+class ALiBiConfig(PEConfig):
+    """Attention with linear biases (no parameters)."""
+
+    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        return ALiBiCore()

@@ -1,0 +1,98 @@
+"""The CoPE gate-network variant (seeds/cope_gate_network.md) and its RoPE hybrid.
+
+B batch, L length, H heads, D head dim, d_model width, max_pos table rows.
+Gates come from the token embeddings, not from q·k: g_j = sigmoid(x_j W_g + b_g) per head; absolute soft positions
+p_j = Σ_{t≤j} g_t, clamped to [0, max_pos − 1]; e(p_j) interpolated from a table [max_pos, D];
+bias_ij = (W_q q_i)·e(p_j)/√D added to the scaled logits. `cope_rope` also rotates q and k (RoPE).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.kv_cache import update_cache
+from jaxpe.registry import PEConfig, register
+from jaxpe.relative import check_npos
+from jaxpe.rope import apply_rope
+from jaxpe.softmax_attention import attend
+from jaxpe.validation import check_even_head_dim
+
+
+def interpolate_table(table: jax.Array, positions: jax.Array) -> jax.Array:
+    """table [max_pos, D], positions [B, L, H] (clamped to [0, max_pos − 1]) -> [B, L, H, D] float32, linear between
+    rows ⌊p⌋ and ⌈p⌉ (gradient through the fraction, not the indices)."""
+    max_pos = table.shape[0]
+    positions = jnp.clip(positions, 0.0, max_pos - 1)
+    lo = jax.lax.stop_gradient(jnp.floor(positions))
+    w = (positions - lo)[..., None]
+    lo_i = lo.astype(jnp.int32)
+    hi_i = jnp.minimum(lo_i + 1, max_pos - 1)
+    table = table.astype(jnp.float32)
+    return (1.0 - w) * table[lo_i] + w * table[hi_i]
+
+
+def gated_cope_bias(q_pos_proj: jax.Array, key_emb: jax.Array) -> jax.Array:
+    """q_pos_proj [B, Lq, H, D] (= W_q q), key_emb [B, Lk, H, D] (= e(p_j)) -> [B, H, Lq, Lk] float32 / √D."""
+    d = q_pos_proj.shape[-1]
+    return jnp.einsum("bqhd,bkhd->bhqk", q_pos_proj.astype(jnp.float32), key_emb) * d ** -0.5
+
+
+class GatedCoPECore(nn.Module):
+    """Attention with the gate-network CoPE bias; params "gate" (Dense d_model -> H), "pos_table" [max_pos, D],
+    "pos_query" (D -> D, no bias). While decoding, the keys' soft positions are cached."""
+
+    max_pos: int
+    rope: bool = False
+    theta: float = 10000.0
+
+    @nn.compact
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
+                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+        hq, d = q.shape[2], q.shape[3]
+        gates = jax.nn.sigmoid(nn.Dense(hq, kernel_init=nn.initializers.normal(0.02), name="gate")(x)
+                               .astype(jnp.float32))  # [B, Lq, H]
+        steps = jnp.cumsum(gates, axis=1)
+        index = q_pos[0, 0]
+        if decode and self.has_variable("cache", "gate_positions"):
+            cached = self.get_variable("cache", "gate_positions")  # [B, S, H]
+            prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
+            steps = steps + jnp.where(index > 0, prev, 0.0)[:, None]
+        key_positions = update_cache(self, "gate_positions", steps, index) if decode else steps
+        table = self.param("pos_table", nn.initializers.normal(0.02), (self.max_pos, d))
+        q_proj = nn.DenseGeneral(d, use_bias=False, kernel_init=nn.initializers.normal(0.02), dtype=q.dtype,
+                                 name="pos_query")(q)
+        bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
+        if self.rope:
+            q = apply_rope(q, q_pos, theta=self.theta)
+            k = apply_rope(k, jnp.arange(k.shape[1]), theta=self.theta)
+        return attend(q, k, v, sm_scale=d ** -0.5, mask=mask, bias=bias)
+
+
+@register("cope_gated")
+@dataclasses.dataclass(frozen=True)
+class GatedCoPEConfig(PEConfig):
+    """Gate-network CoPE: absolute soft positions from per-token gates."""
+
+    max_pos: int | None = None  # interpolated table rows; None means max_len + 1
+
+    def __post_init__(self) -> None:
+        if self.max_pos is not None:
+            check_npos(self.max_pos, "max_pos")
+
+    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        return GatedCoPECore(max_pos=self.max_pos or max_len + 1)
+
+
+@register("cope_rope")
+@dataclasses.dataclass(frozen=True)
+class GatedCoPERoPEConfig(GatedCoPEConfig):
+    """RoPE on q and k plus the gate-network CoPE bias."""
+
+    theta: float = 10000.0  # RoPE base
+
+    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        check_even_head_dim(head_dim)
+        return GatedCoPECore(max_pos=self.max_pos or max_len + 1, rope=True, theta=self.theta)

@@ -1,0 +1,129 @@
+"""Co-RoPE: rotary encoding driven by contextual mileage (seeds/corope_triton.md).
+
+B batch, Lq/Lk query/key length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim.
+1. the leader of GQA group g is query head g·G; z_ij = sigmoid(sm_scale · q^leader_i·k_j) (0 for j > i);
+2. mileage a_ij = Σ_{t≤j} z_it; Δ_ij = a_ii − a_ij = Σ_{t=j+1..i} z_it, shared by the heads of the group;
+3. φ_ijd = Δ_ij·ω_d, ω_d = θ^(−2d/D), d < D/2; q = [q1, q2], k = [k1, k2];
+4. E_A = q1_d k1_d + q2_d k2_d, E_B = q2_d k1_d − q1_d k2_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ);
+   causal softmax, times v.
+With Δ_ij = i − j this is RoPE; with every z = c it is RoPE with every ω_d multiplied by c.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.dispatch import resolve_impl
+from jaxpe.registry import PEConfig, register
+from jaxpe.rope import rope_frequencies
+from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
+from jaxpe.validation import check_even_head_dim, check_qkv
+
+
+def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
+                   mask: jax.Array | None = None) -> jax.Array:
+    """Δ [B, Hkv, Lq, Lk] float32 = Σ_{t=j+1..i} z_it from the leader heads q[:, :, ::G] (0 where j ≥ i).
+
+    q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last).
+    """
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if mask is None:
+        mask = causal_mask(q.shape[1], k.shape[1])
+    leaders = q[:, :, :: q.shape[2] // k.shape[2]]  # [B, Lq, Hkv, D]
+    z = jnp.where(mask[:, None], jax.nn.sigmoid(sm_scale * qk_logits(leaders, k)), 0.0)  # [B, Hkv, Lq, Lk]
+    return reverse_cumsum(z) - z
+
+
+def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: float = 10000.0,
+                  sm_scale: float | None = None) -> jax.Array:
+    """Scores [B, Hq, Lq, Lk] float32 = sm_scale·Σ_d (E_A cos φ − E_B sin φ), φ = mileage·ω_d.
+
+    mileage [B, Hkv, Lq, Lk] is shared by the G heads of each group. One frequency at a time (a rematerialised scan)
+    so that memory stays O(L²), not O(L²·D).
+    """
+    d = q.shape[-1]
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    groups = q.shape[2] // k.shape[2]
+    q1, q2 = jnp.split(q.astype(jnp.float32), 2, axis=-1)  # [B, Lq, Hq, D/2]
+    k1, k2 = jnp.split(jnp.repeat(k, groups, axis=2).astype(jnp.float32), 2, axis=-1)
+    mileage = jnp.repeat(mileage, groups, axis=1)  # [B, Hq, Lq, Lk]
+
+    @jax.checkpoint
+    def one_frequency(acc: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        omega, q1d, q2d, k1d, k2d = xs  # q·d [B, Lq, Hq], k·d [B, Lk, Hq]
+        e_a = jnp.einsum("bqh,bkh->bhqk", q1d, k1d) + jnp.einsum("bqh,bkh->bhqk", q2d, k2d)
+        e_b = jnp.einsum("bqh,bkh->bhqk", q2d, k1d) - jnp.einsum("bqh,bkh->bhqk", q1d, k2d)
+        phi = mileage * omega
+        return acc + e_a * jnp.cos(phi) - e_b * jnp.sin(phi), None
+
+    last_first = lambda x: jnp.moveaxis(x, -1, 0)
+    xs = (rope_frequencies(d, theta), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
+    acc0 = jnp.zeros(mileage.shape, jnp.float32)
+    scores, _ = jax.lax.scan(one_frequency, acc0, xs)
+    return sm_scale * scores
+
+
+def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
+                               mask: jax.Array | None = None, mileage: jax.Array | None = None) -> jax.Array:
+    """Dense Co-RoPE attention, the ground truth. `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use
+    it to fix Δ). Returns [B, Lq, Hq, D] in q's dtype."""
+    if mask is None:
+        mask = causal_mask(q.shape[1], k.shape[1])
+    if mileage is None:
+        mileage = corope_mileage(q, k, sm_scale=sm_scale, mask=mask)
+    scores = corope_scores(q, k, mileage, theta=theta, sm_scale=sm_scale)
+    return masked_softmax_attention(scores, v, mask).astype(q.dtype)
+
+
+def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
+                     sm_scale: float | None = None, causal: bool = True, impl: str = "auto") -> jax.Array:
+    """Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D].
+
+    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
+    """
+    check_qkv(q, k, v)
+    check_even_head_dim(q.shape[-1])
+    if not theta > 0:
+        raise ValueError(f"{theta=} must be > 0")
+    if not causal:
+        raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
+                         "defined under a causal mask only (this first version is causal)")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    impl = resolve_impl(impl, q.shape[1])
+    if impl == "reference":
+        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale)
+    if impl == "blockwise":
+        from kernels.corope_blockwise import corope_attention_blockwise
+        return corope_attention_blockwise(q, k, v, theta=theta, sm_scale=sm_scale)
+    from kernels.corope_attention import corope_attention_pallas
+    return corope_attention_pallas(q, k, v, theta=theta, sm_scale=sm_scale)
+
+
+class CoRoPECore(nn.Module):
+    """Co-RoPE inside a layer (no parameters)."""
+
+    theta: float = 10000.0
+    impl: str = "auto"
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
+                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+        if mask is None:
+            return corope_attention(q, k, v, theta=self.theta, impl=self.impl)
+        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5, mask=mask)
+
+
+@register("corope")
+@dataclasses.dataclass(frozen=True)
+class CoRoPEConfig(PEConfig):
+    """Contextual rotary positions (leader-head mileage)."""
+
+    theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
+
+    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        check_even_head_dim(head_dim)
+        return CoRoPECore(theta=self.theta, impl=impl)

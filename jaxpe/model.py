@@ -1,0 +1,208 @@
+"""A decoder-only Transformer language model with any registered encoding, and cached generation.
+
+B batch, L length, V vocabulary, d d_model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.attention import Attention
+from jaxpe.registry import PEConfig, pe_config
+from jaxpe.validation import check_impl
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of TransformerLM. `pe_options` may be given as a dict; it is stored as sorted pairs."""
+
+    vocab_size: int  # token ids are 0..vocab_size-1
+    d_model: int = 256  # residual width
+    num_layers: int = 4  # Transformer blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int | None = None  # key/value heads (GQA); None means num_heads (MHA), 1 is MQA
+    mlp_dim: int | None = None  # MLP hidden width; None means 4·d_model
+    max_len: int = 512  # rows of fixed position tables and the default CoPE npos − 1; also the generation limit
+    dropout: float = 0.1  # dropout on embeddings, attention output and MLP output
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    prenorm: bool = True  # pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)), the paper's counting runs)
+    mlp: str = "gelu"  # "gelu" or "swiglu"
+    tie_embeddings: bool = True  # output logits through the token embedding matrix
+    pe: str = "rope"  # encoding name from the registry (jaxpe.PE_NAMES)
+    pe_options: Any = ()  # that encoding's config fields, e.g. {"npos": 64}
+    dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
+    impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pe_options, Mapping):
+            object.__setattr__(self, "pe_options", tuple(sorted(self.pe_options.items())))
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
+        check_impl(self.impl)
+        self.pe_config  # validates the encoding name and its options
+
+    @property
+    def pe_config(self) -> PEConfig:
+        """The encoding's config object."""
+        return pe_config(self.pe, **dict(self.pe_options))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+
+def _norm(config: ModelConfig, name: str) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dtype=config.compute_dtype, name=name)
+    return nn.LayerNorm(dtype=config.compute_dtype, name=name)
+
+
+class MLP(nn.Module):
+    """x [B, L, d] -> [B, L, d]: GELU MLP or SwiGLU."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+        c = self.config
+        hidden = c.mlp_dim or 4 * c.d_model
+        dense = lambda features, name: nn.Dense(features, dtype=c.compute_dtype, name=name)
+        if c.mlp == "swiglu":
+            h = nn.silu(dense(hidden, "gate")(x)) * dense(hidden, "up")(x)
+        else:
+            h = nn.gelu(dense(hidden, "up")(x))
+        return nn.Dropout(c.dropout)(dense(c.d_model, "down")(h), deterministic=deterministic)
+
+
+class Block(nn.Module):
+    """One Transformer block, pre-norm or post-norm."""
+
+    config: ModelConfig
+    layer_index: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool, decode: bool,
+                 pos_emb: jax.Array | None) -> jax.Array:
+        c = self.config
+        attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim, pe=c.pe_config,
+                         layer_index=self.layer_index, max_len=c.max_len, dropout=c.dropout, impl=c.impl,
+                         dtype=c.compute_dtype, name="attn")
+        mlp = MLP(c, name="mlp")
+        norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")
+        kw = dict(deterministic=deterministic)
+        if c.prenorm:
+            x = x + attn(norm1(x), decode=decode, pos_emb=pos_emb, **kw)
+            return x + mlp(norm2(x), **kw)
+        x = norm1(x + attn(x, decode=decode, pos_emb=pos_emb, **kw))
+        return norm2(x + mlp(x, **kw))
+
+
+class TransformerLM(nn.Module):
+    """tokens [B, L] int -> logits [B, L, V] float32.
+
+    `decode=True` runs with the KV cache (see `generate`): initialise the cache with an input of the full length.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False) -> jax.Array:
+        c = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"tokens must be an int array [B, L], got shape={tuple(tokens.shape)} dtype={tokens.dtype}")
+        b, length = tokens.shape
+        pe = c.pe_config
+        embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
+        x = embed(tokens).astype(c.compute_dtype)
+        positions = None
+        if decode:
+            initialised = self.has_variable("cache", "position")
+            pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            if initialised:
+                positions = pos_var.value + jnp.arange(length, dtype=jnp.int32)
+                pos_var.value = pos_var.value + length
+        additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
+        if additive is not None:
+            x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
+        x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        shape = pe.shared_table_shape(head_dim=c.head_dim, num_heads=c.num_heads, max_len=c.max_len)
+        shared = None if shape is None else self.param("shared_pos_emb", nn.initializers.normal(0.02), shape)
+        for i in range(c.num_layers):
+            x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared)
+        if c.prenorm:
+            x = _norm(c, "final_norm")(x)
+        if c.tie_embeddings:
+            logits = embed.attend(x.astype(jnp.float32))
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, name="unembed")(x.astype(jnp.float32))
+        return logits.astype(jnp.float32)
+
+
+def init_cache(model: TransformerLM, batch_size: int, length: int) -> Any:
+    """A zeroed decoding cache for `length` tokens (shapes from jax.eval_shape; nothing is computed)."""
+    tokens = jnp.zeros((batch_size, length), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True))["cache"]
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_tokens: int,
+             rng: jax.Array | None = None, temperature: float = 0.0) -> jax.Array:
+    """prompt [B, P] int32 -> [B, P + max_new_tokens]: prefill the cache with the prompt, then decode one token at a
+    time (greedy when temperature == 0, else sampled with `rng`)."""
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{max_new_tokens=} must be a positive int")
+    if temperature < 0 or (temperature > 0 and rng is None):
+        raise ValueError(f"{temperature=} must be >= 0, and > 0 needs an rng")
+    b, p = prompt.shape
+    total = p + max_new_tokens
+    if total > model.config.max_len:
+        raise ValueError(f"prompt length {p} + {max_new_tokens=} exceeds max_len={model.config.max_len}")
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+
+    def pick(logits: jax.Array, key: jax.Array) -> jax.Array:
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+    def step(carry: tuple[Any, jax.Array, jax.Array], key: jax.Array) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
+        cache, token, _ = carry
+        logits, updated = model.apply({"params": params, "cache": cache}, token[:, None], decode=True,
+                                      mutable=["cache"])
+        nxt = pick(logits[:, -1], key)
+        return (updated["cache"], nxt, token), nxt
+
+    cache = init_cache(model, b, total)
+    logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, mutable=["cache"])
+    keys = jax.random.split(rng, max_new_tokens)
+    first = pick(logits[:, -1], keys[0])
+    _, rest = jax.lax.scan(step, (updated["cache"], first, first), keys[1:])
+    return jnp.concatenate([prompt, first[:, None], rest.T], axis=1)

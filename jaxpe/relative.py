@@ -1,0 +1,57 @@
+"""Learned relative position logits, the CoPE paper's "relative PE" baseline.
+
+bias_ij = q_i · r[min(i − j, npos − 1)], r a table [npos, D]; logits = sm_scale·(q_i·k_j + bias_ij).
+B batch, Lq/Lk query/key length, H heads, D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.registry import PEConfig, register
+from jaxpe.softmax_attention import attend
+
+
+def check_npos(npos: int, name: str = "npos") -> None:
+    """A position table needs at least two rows."""
+    if not isinstance(npos, int) or npos < 2:
+        raise ValueError(f"{name}={npos!r} must be an int >= 2")
+
+
+def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_len: int) -> jax.Array:
+    """q [B, Lq, H, D], table [npos, D], q_pos [B, Lq] -> [B, H, Lq, Lk] float32 q_i·r[clip(i − j, 0, npos − 1)]."""
+    npos = table.shape[0]
+    z = jnp.einsum("bqhd,pd->bhqp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, H, Lq, npos]
+    rel = jnp.clip(q_pos[:, :, None] - jnp.arange(k_len)[None, None, :], 0, npos - 1)  # [B, Lq, Lk]
+    rel = jnp.broadcast_to(rel[:, None], z.shape[:3] + (k_len,))
+    return jnp.take_along_axis(z, rel, axis=-1)
+
+
+class RelativeCore(nn.Module):
+    """Causal softmax attention with learned relative position logits; param "rel_table" [npos, D]."""
+
+    npos: int
+
+    @nn.compact
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
+                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+        table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, q.shape[-1]))
+        sm_scale = q.shape[-1] ** -0.5
+        bias = sm_scale * relative_logits(q, table, q_pos, k.shape[1])
+        return attend(q, k, v, sm_scale=sm_scale, mask=mask, bias=bias)
+
+
+@register("relative")
+@dataclasses.dataclass(frozen=True)
+class RelativeConfig(PEConfig):
+    """Learned relative position logits clipped at npos − 1."""
+
+    npos: int | None = None  # table size; None means max_len + 1
+
+    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        npos = self.npos if self.npos is not None else max_len + 1
+        check_npos(npos)
+        return RelativeCore(npos=npos)

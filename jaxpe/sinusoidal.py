@@ -1,0 +1,69 @@
+"""Sinusoidal absolute positions (Vaswani et al.), interleaved sin/cos, added to token embeddings.
+
+L length, d model width.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpe.registry import PEConfig, register
+from jaxpe.validation import check_positive
+
+
+def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0) -> jax.Array:
+    """[length, dim] float32: PE[i, 2k] = sin(scale·i·θ^(−2k/dim)), PE[i, 2k+1] = cos(same angle).
+
+    Odd `dim` keeps every sine column and drops the last cosine column.
+    """
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"{length=} must be a positive int")
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"{dim=} must be a positive int")
+    check_positive("theta", theta)
+    half = (dim + 1) // 2
+    freqs = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / dim)  # [half]
+    angles = scale * jnp.arange(length, dtype=jnp.float32)[:, None] * freqs[None, :]  # [L, half]
+    table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
+    return table[:, :dim]
+
+
+def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
+    """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
+
+    Raises when a static length exceeds the table; traced positions beyond it give NaN rows.
+    """
+    max_len = table.shape[0]
+    if positions is None:
+        if length > max_len:
+            raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
+        return table[None, :length]
+    positions = jnp.asarray(positions)
+    if positions.ndim == 1:
+        positions = positions[None]
+    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+class SinusoidalPE(nn.Module):
+    """x [B, L, d] -> x + PE[positions]."""
+
+    max_len: int
+    theta: float = 10000.0
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
+        table = sinusoidal_table(self.max_len, x.shape[-1], theta=self.theta)
+        return x + gather_positions(table, positions, x.shape[1]).astype(x.dtype)
+
+
+@register("sinusoidal")
+@dataclasses.dataclass(frozen=True)
+class SinusoidalConfig(PEConfig):
+    """Fixed sinusoidal table added to token embeddings."""
+
+    theta: float = 10000.0  # base of the geometric frequency sequence
+
+    def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
+        return SinusoidalPE(max_len=max_len, theta=self.theta)
