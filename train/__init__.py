@@ -1,0 +1,39 @@
+"""jaxpe's training package: tasks, an optax loop with orbax checkpoints, evaluation, a CLI.
+
+    from train import build_config, train_and_evaluate
+    config = build_config(preset="cpu-small", task="flipflop", pe="cope", overrides=["run.steps=200"])
+    result = train_and_evaluate(config, "runs/ff-cope")
+"""
+from train.checkpoint import Checkpoints
+from train.config import (
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_overrides,
+    build_config,
+    load_preset,
+    preset_names,
+)
+from train.distributed import initialize, make_mesh
+from train.evaluate import METRICS, metrics_from_sums
+from train.tasks import TASK_NAMES, make_task
+from train.loop import (
+    NonFiniteLossError,
+    Trainer,
+    TrainState,
+    compare_encodings,
+    evaluate_checkpoint,
+    make_optimizer,
+    make_train_step,
+    train_and_evaluate,
+    weighted_loss,
+)
+
+__all__ = [
+    "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "RunConfig", "TaskConfig",
+    "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "compare_encodings",
+    "evaluate_checkpoint", "initialize", "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step",
+    "metrics_from_sums", "preset_names", "train_and_evaluate", "weighted_loss",
+]

@@ -50,6 +50,13 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
         self.manager.save(step, args=args, metrics=dict(metrics) if metrics is not None else None, force=True)
 
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        """(state, meta) of the checkpoint at `step`; raises if it is unreadable."""
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        )
+        return restored["state"], dict(restored["meta"])
+
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
         """(state, meta, problems) from the newest readable checkpoint, or (None, {}, problems).
 
@@ -60,17 +67,12 @@ class Checkpoints:
         problems: list[dict[str, Any]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-                )
+                return (*self.restore(step, abstract_state), problems)
             except Exception as error:  # noqa: BLE001 -- any failure to read means "use the previous one"
                 message = f"checkpoint at step {step} in {self.directory} is unreadable ({type(error).__name__}: {error})"
                 log.warning("%s; falling back to the previous checkpoint", message)
                 problems.append({"step": step, "error": message})
                 self._quarantine(step)
-                continue
-            return restored["state"], dict(restored["meta"]), problems
         return None, {}, problems
 
     def _quarantine(self, step: int) -> None:

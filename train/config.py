@@ -43,6 +43,7 @@ class ModelConfig:
     pe: str = "rope"  # positional encoding, a jaxpe.PE_NAMES entry
     pe_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # that encoding's config fields
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (params stay float32)
+    impl: str = "auto"  # CoPE/Co-RoPE attention implementation: auto, reference, blockwise, pallas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,3 +130,22 @@ def write_json(path: pathlib.Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "pe") -> list[dict[str, Any]]:
+    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus `<name>_std`."""
+    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    for result in results:
+        groups.setdefault(result[label_key], []).append(result)
+    rows = []
+    for label, runs in groups.items():
+        splits: dict[str, dict[str, float]] = {}
+        for split in runs[0]["splits"]:
+            names = [k for k, v in runs[0]["splits"][split].items() if isinstance(v, float)]
+            splits[split] = {}
+            for name in names:
+                values = np.array([run["splits"][split][name] for run in runs], np.float64)
+                splits[split][name] = float(values.mean())
+                splits[split][f"{name}_std"] = float(values.std())
+        rows.append({label_key: label, "seeds": ",".join(str(r["seed"]) for r in runs), "splits": splits})
+    return rows

@@ -15,7 +15,7 @@ import json
 import logging
 import pathlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
@@ -25,7 +25,7 @@ import optax
 
 from train import distributed, evaluate, plots
 from train.checkpoint import Checkpoints
-from train.config import ModelConfig, OptimConfig, TrainConfig, to_dict
+from train.config import ModelConfig, OptimConfig, TrainConfig, from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +299,8 @@ def train_and_evaluate(
             if save_now and checkpoints is not None:
                 checkpoints.save(step, state, {"step": step, "data_position": step}, eval_metrics)
                 last_good = step
+            if eval_metrics is not None or save_now:
+                clock, clock_step = time.perf_counter(), step  # tokens/s measures training only
             if progress is not None:
                 progress.update(1)
         if start == run.steps:  # resumed a finished run: evaluate its final state
@@ -331,3 +333,61 @@ def _progress_bar(run: Any, start: int, *, enabled: bool) -> Any:
 
     return tqdm(total=run.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
+
+
+def compare_encodings(
+    config: TrainConfig, pes: Sequence[str], seeds: Sequence[int], workdir: str | pathlib.Path
+) -> dict[str, Any]:
+    """Trains every (encoding, seed) in workdir/<pe>/seed<seed> (each resumes by itself) and
+    writes one comparison: compare.json, compare.md and compare.png (mean ± std over seeds)."""
+    if not pes or not seeds:
+        raise ValueError(f"{pes=} and {seeds=} must both be non-empty")
+    workdir = pathlib.Path(workdir).absolute()
+    results = []
+    for pe in pes:
+        for seed in seeds:
+            run_config = dataclasses.replace(
+                config,
+                model=dataclasses.replace(config.model, pe=pe),
+                run=dataclasses.replace(config.run, seed=seed),
+            )
+            log.info("training %s seed %d", pe, seed)
+            results.append(train_and_evaluate(run_config, workdir / pe / f"seed{seed}"))
+    metric, splits = results[0]["metric"], list(results[0]["splits"])
+    rows = evaluate.summarize_seeds(results)
+    table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
+    comparison = {"task": config.task.name, "metric": metric, "splits": splits, "rows": rows, "runs": results}
+    if jax.process_index() == 0:
+        evaluate.write_json(workdir / "compare.json", comparison)
+        (workdir / "compare.md").write_text(f"# {config.task.name}: {metric}, lower is better\n\n{table}")
+        plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
+    return {**comparison, "table": table}
+
+
+def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
+    """Evaluates a run's checkpoint (the latest, or `step`) on every split; writes eval.json and eval.md."""
+    workdir = pathlib.Path(workdir).absolute()
+    config_path = workdir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
+    config = from_dict(json.loads(config_path.read_text()))
+    task = build_task(config)
+    model = build_model(config.model, task.vocab_size, longest_length(task))
+    trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
+    try:
+        steps = checkpoints.all_steps()
+        if not steps or (step is not None and step not in steps):
+            raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
+        state, _ = checkpoints.restore(step if step is not None else steps[-1], trainer.abstract_state())
+    finally:
+        checkpoints.close()
+    splits = trainer.evaluate(state.params, task.eval_splits())
+    result = {"task": config.task.name, "pe": config.model.pe, "seed": config.run.seed, "metric": task.metric,
+              "step": int(distributed.to_host(state.step)), "splits": splits}
+    table = evaluate.results_markdown([result], metric=task.metric, splits=list(splits),
+                                      label_keys=("task", "pe", "seed", "step"))
+    if jax.process_index() == 0:
+        evaluate.write_json(workdir / "eval.json", result)
+        (workdir / "eval.md").write_text(table)
+    return {**result, "table": table}
