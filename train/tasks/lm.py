@@ -161,7 +161,8 @@ def _hf_documents(config: LMConfig) -> tuple[Documents, str]:
         if part not in renamed:
             continue
         if config.text_field not in dataset.column_names:
-            raise ValueError(f"{config.text_field=} is not a column of {config.source!r} ({dataset.column_names})")
+            raise ValueError(f"text_field={config.text_field!r} is not a column of {config.source!r} "
+                             f"(columns: {dataset.column_names})")
         total, row = 0, 0
         for batch in dataset.iter(batch_size=1024):
             for text in batch[config.text_field]:
