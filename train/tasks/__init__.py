@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from train.tasks.base import METRICS, Batch, Split, Task, config_from_options
+from train.tasks.base import Batch, Split, Task, config_from_options
 from train.tasks.counting import CountingConfig, CountingTask, read_jsonl, write_jsonl
 from train.tasks.flipflop import FlipFlopConfig, FlipFlopTask
 from train.tasks.lm import LMConfig, LMTask
@@ -32,5 +32,6 @@ def make_task(name: str, **options: Any) -> Task:
     return TASKS[name][1](config_from_options(config_cls, name, options))
 
 
-__all__ = ["METRICS", "TASK_NAMES", "Batch", "Split", "Task", "make_task", "read_jsonl", "task_config_class",
-           "write_jsonl"]
+__all__ = ["TASKS", "TASK_NAMES", "Batch", "CountingConfig", "CountingTask", "FlipFlopConfig", "FlipFlopTask",
+           "LMConfig", "LMTask", "SelectiveCopyConfig", "SelectiveCopyTask", "Split", "Task", "make_task", "read_jsonl",
+           "task_config_class", "write_jsonl"]

@@ -20,9 +20,6 @@ import numpy as np
 Batch = dict[str, np.ndarray]
 """{"inputs": int32 [B, L], "targets": int32 [B, L], "weights": float32 [B, L]}."""
 
-METRICS = ("seq_error", "token_error", "bits_per_byte")
-
-
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A fixed evaluation set; all arrays are [N, L] (N sequences of length L)."""
@@ -49,11 +46,6 @@ class Split:
         """L, the length of this split's sequences."""
         return self.inputs.shape[1]
 
-    def batch(self, start: int, stop: int) -> Batch:
-        """Rows [start, stop) as a Batch."""
-        return {"inputs": self.inputs[start:stop], "targets": self.targets[start:stop],
-                "weights": self.weights[start:stop]}
-
 
 @runtime_checkable
 class Task(Protocol):
@@ -62,7 +54,7 @@ class Task(Protocol):
     name: str
     vocab_size: int
     seq_len: int  # training length L
-    metric: str  # one of METRICS
+    metric: str  # "seq_error", "token_error" or "bits_per_byte"
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
         """The batch for `step`: a pure function of (task seed, step, batch_size)."""
