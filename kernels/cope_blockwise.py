@@ -8,7 +8,7 @@ The maths (SPEC §3): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = mi
 z_ip = q_i·e_p, pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋, hi = min(lo + 1, P − 1), w = p − lo,
 logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
 
-Forward: query chunks (a static loop); for each, key blocks scanned in reverse from the diagonal, carrying the
+Forward: query chunks (lax.map, one compiled body); for each, key blocks walked in reverse from the diagonal, carrying the
 suffix sum R_i of the gates seen so far, so that inside a block p = R + (rowtotal − cumsum + g). Once every row
 of the chunk has R ≥ P − 1, every earlier key sits at the clamped position: those blocks are plain attention
 plus the per-row constant z_i,P−1 (no gates, no gathers) and R stops changing.
@@ -27,12 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _key_blocks(x: jax.Array, size: int) -> jax.Array:
-    """[B, Hkv, L, D] -> [L / size, B, Hkv, size, D], the scanned axis first."""
-    b, h, length, d = x.shape
-    return x.reshape(b, h, length // size, size, d).transpose(2, 0, 1, 3, 4)
 
 
 def _causal(rows: jax.Array, index: jax.Array, size: int) -> jax.Array:
@@ -61,25 +55,29 @@ def _interpolate(z: jax.Array, p: jax.Array) -> tuple[jax.Array, tuple[jax.Array
     return z_lo + w * (z_hi - z_lo), (lo, hi, w, z_lo, z_hi)
 
 
-def _chunk_forward(q: jax.Array, z: jax.Array, kv_blocks: tuple[jax.Array, ...], rows: jax.Array, *,
-                   sm_scale: float, length: int) -> tuple[jax.Array, ...]:
-    """One query chunk against its key blocks [N, B, Hkv, T, D] (k, v, kg), walked in reverse.
+def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, r0: jax.Array, *,
+                   size: int, sm_scale: float, length: int) -> tuple[jax.Array, ...]:
+    """One query chunk (rows r0 .. r0 + C) against key blocks of `size`, walked in reverse from the diagonal.
 
-    q [B, Hkv, G, C, D], z [B, Hkv, G, C, P], rows [C] (global row index).
-    Returns out [B, Hkv, G, C, D], lse [B, Hkv, G, C], R [B, Hkv, G, C], clamped [N] bool.
+    q [B, Hkv, G, C, D], z [B, Hkv, G, C, P], k/v/kg [B, Hkv, Lp, D].
+    Returns out [B, Hkv, G, C, D], lse [B, Hkv, G, C], R [B, Hkv, G, C] and the number of leading key blocks
+    that were clamped (they are always a prefix: R only grows).
     """
-    size, npos = kv_blocks[0].shape[3], z.shape[-1]
+    npos = z.shape[-1]
+    rows = r0 + jnp.arange(q.shape[3])
     live = (rows < length)[None, None, None]  # padded rows never decide anything
+    num_blocks = (r0 + q.shape[3]) // size
 
-    def step(carry, xs):
-        m, l, acc, r = carry
-        k, v, kg, index = xs
+    def step(i, carry):
+        m, l, acc, r, clamped_blocks = carry
+        index = num_blocks - 1 - i
+        k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in (k, v, kg))
         mask = _causal(rows, index, size)
-        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k)
+        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k_b)
         clamped = jnp.all(jnp.where(live, r >= npos - 1, True))
 
         def full():
-            g = _gates(q, kg, mask, sm_scale)
+            g = _gates(q, kg_b, mask, sm_scale)
             csum = jnp.cumsum(g, axis=-1)
             total = csum[..., -1:]
             p = jnp.minimum(r[..., None] + total - csum + g, npos - 1)
@@ -94,26 +92,27 @@ def _chunk_forward(q: jax.Array, z: jax.Array, kv_blocks: tuple[jax.Array, ...],
         correction = jnp.exp(m - m_new)
         probs = jnp.exp(logits - m_new[..., None])
         l = l * correction + jnp.sum(probs, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bhgct,bhtd->bhgcd", probs, v)
-        return (m_new, l, acc, r), clamped
+        acc = acc * correction[..., None] + jnp.einsum("bhgct,bhtd->bhgcd", probs, v_b)
+        return m_new, l, acc, r, clamped_blocks + clamped.astype(jnp.int32)
 
     rowshape = q.shape[:-1]
-    init = (jnp.full(rowshape, _MASK_VALUE), jnp.zeros(rowshape), jnp.zeros(q.shape), jnp.zeros(rowshape))
-    indices = jnp.arange(kv_blocks[0].shape[0])
-    (m, l, acc, r), clamped = lax.scan(step, init, (*kv_blocks, indices), reverse=True)
-    return acc / l[..., None], m + jnp.log(l), r, clamped
+    init = (jnp.full(rowshape, _MASK_VALUE), jnp.zeros(rowshape), jnp.zeros(q.shape), jnp.zeros(rowshape),
+            jnp.zeros((), jnp.int32))
+    m, l, acc, r, clamped_blocks = lax.fori_loop(0, num_blocks, step, init)
+    return acc / l[..., None], m + jnp.log(l), r, clamped_blocks
 
 
 def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, r: jax.Array,
-                    first_full: jax.Array, kv_blocks: tuple[jax.Array, ...], rows: jax.Array, *,
-                    sm_scale: float) -> tuple[jax.Array, ...]:
+                    first_full: jax.Array, kv: tuple[jax.Array, ...], dkv: tuple[jax.Array, ...], r0: jax.Array, *,
+                    size: int, sm_scale: float) -> tuple[jax.Array, ...]:
     """Gradients of one query chunk, key blocks walked forward (prefix sums of g and ∂L/∂p carried).
 
     q/do [B, Hkv, G, C, D], z [B, Hkv, G, C, P], lse/delta/r [B, Hkv, G, C]; blocks before `first_full`
-    were clamped in the forward. Returns dq [B, Hkv, G, C, D], dz [B, Hkv, G, C, P] and per key block
-    dk, dv, dkg [N, B, Hkv, T, D].
+    were clamped in the forward. kv = (k, v, kg) [B, Hkv, Lp, D]; dkv = their gradients so far, to which this
+    chunk's part is added. Returns dq [B, Hkv, G, C, D], dz [B, Hkv, G, C, P], dk, dv, dkg.
     """
-    size, npos = kv_blocks[0].shape[3], z.shape[-1]
+    npos = z.shape[-1]
+    rows = r0 + jnp.arange(q.shape[3])
     flat_rows = jnp.arange(z.size // npos)[:, None]
 
     def scatter(dz: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
@@ -121,58 +120,65 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
         flat = dz.reshape(-1, npos).at[flat_rows, index.reshape(-1, size)].add(values.reshape(-1, size))
         return flat.reshape(dz.shape)
 
-    def softmax_grads(s, mask, v):
+    def softmax_grads(s, mask, v_b):
         probs = jnp.exp(jnp.where(mask[None, None, None], sm_scale * s, _MASK_VALUE) - lse[..., None])
-        dprobs = jnp.einsum("bhgcd,bhtd->bhgct", do, v)
+        dprobs = jnp.einsum("bhgcd,bhtd->bhgct", do, v_b)
         return probs, sm_scale * probs * (dprobs - delta[..., None])  # ds: gradient of q·k + pos
 
-    def step(carry, xs):
-        dq, dz, g_before, dp_before = carry
-        k, v, kg, index = xs
+    def step(index, carry):
+        dq, dz, g_before, dp_before, dkv = carry
+        k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in kv)
         mask = _causal(rows, index, size)
-        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k)
+        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k_b)
 
         def full():
-            g = _gates(q, kg, mask, sm_scale)
+            g = _gates(q, kg_b, mask, sm_scale)
             csum = jnp.cumsum(g, axis=-1)
             p = jnp.clip(r[..., None] - g_before[..., None] - (csum - g), 0.0, npos - 1)
             pos, (lo, hi, w, z_lo, z_hi) = _interpolate(z, p)
-            probs, ds = softmax_grads(qk + pos, mask, v)
+            probs, ds = softmax_grads(qk + pos, mask, v_b)
             dz_new = scatter(scatter(dz, lo, ds * (1.0 - w)), hi, ds * w)
             dp_csum = jnp.cumsum(ds * (z_hi - z_lo), axis=-1)
             dgate = sm_scale * (dp_before[..., None] + dp_csum) * g * (1.0 - g)
-            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k) + jnp.einsum("bhgct,bhtd->bhgcd", dgate, kg)
+            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k_b) + jnp.einsum("bhgct,bhtd->bhgcd", dgate, kg_b)
             dkg = jnp.einsum("bhgct,bhgcd->bhtd", dgate, q)
             return (dq_new, dz_new, g_before + csum[..., -1], dp_before + dp_csum[..., -1]), probs, ds, dkg
 
         def at_clamp():
-            probs, ds = softmax_grads(qk + z[..., -1:], mask, v)
+            probs, ds = softmax_grads(qk + z[..., -1:], mask, v_b)
             dz_new = dz.at[..., -1].add(jnp.sum(ds, axis=-1))
-            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k)
-            return (dq_new, dz_new, g_before, dp_before), probs, ds, jnp.zeros_like(kg)
+            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k_b)
+            return (dq_new, dz_new, g_before, dp_before), probs, ds, jnp.zeros_like(kg_b)
 
         carry, probs, ds, dkg = lax.cond(index < first_full, at_clamp, full)
         dk = jnp.einsum("bhgct,bhgcd->bhtd", ds, q)
         dv = jnp.einsum("bhgct,bhgcd->bhtd", probs, do)
-        return carry, (dk, dv, dkg)
+        dkv = tuple(_add_block(total, part, index * size) for total, part in zip(dkv, (dk, dv, dkg)))
+        return (*carry, dkv)
 
     rowshape = q.shape[:-1]
-    init = (jnp.zeros(q.shape), jnp.zeros(z.shape), jnp.zeros(rowshape), jnp.zeros(rowshape))
-    indices = jnp.arange(kv_blocks[0].shape[0])
-    (dq, dz, _, _), dkv = lax.scan(step, init, (*kv_blocks, indices))
-    return (dq, dz, *dkv)
+    init = (jnp.zeros(q.shape), jnp.zeros(z.shape), jnp.zeros(rowshape), jnp.zeros(rowshape), dkv)
+    dq, dz, _, _, dkv = lax.fori_loop(0, (r0 + q.shape[3]) // size, step, init)
+    return dq, dz, *dkv
 
 
-def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, size: int
+def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array:
+    """total[:, :, start : start + T] += part, for total [B, Hkv, Lp, D] and part [B, Hkv, T, D]."""
+    size = part.shape[2]
+    return lax.dynamic_update_slice_in_dim(
+        total, lax.dynamic_slice_in_dim(total, start, size, axis=2) + part, start, axis=2)
+
+
+def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, padded: int
              ) -> tuple[jax.Array, ...]:
     """[B, L, H, D] inputs -> float32 q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], e [P, D] or [Hkv, G, P, D],
-    with L zero-padded to Lp, a multiple of `size`."""
+    with L zero-padded to Lp = `padded`."""
     b, length, hq, d = q.shape
     hkv = k.shape[2]
     e = pos_emb.astype(q.dtype).astype(jnp.float32)  # the table at the inputs' precision, as the reference uses it
     if pos_emb.ndim == 3:
         e = e.reshape(hkv, hq // hkv, *pos_emb.shape[1:])
-    pad = [(0, 0), (0, -length % size), (0, 0), (0, 0)]
+    pad = [(0, 0), (0, padded - length), (0, 0), (0, 0)]
     q = jnp.pad(q, pad).astype(jnp.float32).reshape(b, -1, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
     k, v, kg = (jnp.pad(x, pad).astype(jnp.float32).transpose(0, 2, 1, 3) for x in (k, v, kg))
     return q, k, v, kg, e
@@ -184,63 +190,78 @@ def _position_logits(q: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.einsum(spec, q, e)
 
 
-def _chunks(padded: int, size: int, chunk: int) -> list[tuple[int, int]]:
-    """Query chunk bounds [(r0, r1)], r0, r1 multiples of the key block `size`."""
-    chunk = max(size, chunk // size * size)
-    return [(r0, min(r0 + chunk, padded)) for r0 in range(0, padded, chunk)]
+def _tiling(length: int, block_k: int, block_q: int) -> tuple[int, int, int]:
+    """(key block T, query chunk C, padded length Lp): T ≤ L, C a multiple of T, Lp a multiple of C."""
+    size = min(block_k, length)
+    num_blocks = -(-length // size)
+    chunk = size * max(1, min(block_q // size, num_blocks))
+    return size, chunk, -(-length // chunk) * chunk
+
+
+def _chunked(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, Hkv, G, Lp, ...] -> [Lp / C, B, Hkv, G, C, ...], chunks first (for lax.map)."""
+    b, h, g, padded, *rest = x.shape
+    x = x.reshape(b, h, g, padded // chunk, chunk, *rest)
+    return jnp.moveaxis(x, 3, 0)
+
+
+def _unchunked(x: jax.Array) -> jax.Array:
+    """Inverse of `_chunked`."""
+    x = jnp.moveaxis(x, 0, 3)
+    b, h, g, n, chunk, *rest = x.shape
+    return x.reshape(b, h, g, n * chunk, *rest)
+
+
+def _ungrouped(x: jax.Array, length: int) -> jax.Array:
+    """[B, Hkv, G, Lp, D] -> [B, L, Hkv·G, D]."""
+    b, hkv, g, padded, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, padded, hkv * g, d)[:, :length]
 
 
 def _forward(q, k, v, kg, pos_emb, sm_scale, block_k, block_q):
     length = q.shape[1]
-    size = min(block_k, length)
-    qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, size)
+    size, chunk, padded = _tiling(length, block_k, block_q)
+    qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
     z = _position_logits(qg, e)
-    blocks = tuple(_key_blocks(x, size) for x in (kt, vt, kgt))
-    outs = []
-    for r0, r1 in _chunks(qg.shape[3], size, block_q):
-        rows = jnp.arange(r0, r1)
-        outs.append(_chunk_forward(qg[:, :, :, r0:r1], z[:, :, :, r0:r1], tuple(x[:r1 // size] for x in blocks),
-                                   rows, sm_scale=sm_scale, length=length))
-    out = jnp.concatenate([o[0] for o in outs], axis=3)
-    lse = jnp.concatenate([o[1] for o in outs], axis=3)
-    r = jnp.concatenate([o[2] for o in outs], axis=3)
-    first_full = jnp.stack([jnp.sum(o[3]) for o in outs])
-    b, hkv, g, padded, d = out.shape
-    result = out.transpose(0, 3, 1, 2, 4).reshape(b, padded, hkv * g, d)[:, :length].astype(q.dtype)
-    return result, (q, k, v, kg, pos_emb, out, lse, r, first_full)
+
+    def one_chunk(xs):
+        q_c, z_c, r0 = xs
+        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, size=size, sm_scale=sm_scale, length=length)
+
+    starts = jnp.arange(0, padded, chunk)
+    out, lse, r, first_full = lax.map(one_chunk, (_chunked(qg, chunk), _chunked(z, chunk), starts))
+    out, lse, r = _unchunked(out), _unchunked(lse), _unchunked(r)
+    return _ungrouped(out, length).astype(q.dtype), (q, k, v, kg, pos_emb, out, lse, r, first_full)
 
 
 def _backward(sm_scale, block_k, block_q, residuals, dout):
     q, k, v, kg, pos_emb, out, lse, r, first_full = residuals
     length = q.shape[1]
-    size = min(block_k, length)
-    qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, size)
-    do = _grouped(dout, k, v, kg, pos_emb, size)[0]
+    size, chunk, padded = _tiling(length, block_k, block_q)
+    qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
+    do = _grouped(dout, k, v, kg, pos_emb, padded)[0]
     z = _position_logits(qg, e)
     delta = jnp.sum(out * do, axis=-1)
-    blocks = tuple(_key_blocks(x, size) for x in (kt, vt, kgt))
-    dq_parts, dz_parts = [], []
-    dkv = [jnp.zeros_like(x) for x in blocks]
-    for c, (r0, r1) in enumerate(_chunks(qg.shape[3], size, block_q)):
-        rows = slice(r0, r1)
-        dq, dz, *dkv_c = _chunk_backward(
-            qg[:, :, :, rows], z[:, :, :, rows], do[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows],
-            r[:, :, :, rows], first_full[c], tuple(x[:r1 // size] for x in blocks), jnp.arange(r0, r1),
-            sm_scale=sm_scale)
-        dkv = [total.at[:r1 // size].add(part) for total, part in zip(dkv, dkv_c)]
-        dq_parts.append(dq)
-        dz_parts.append(dz)
-    dq, dz = jnp.concatenate(dq_parts, axis=3), jnp.concatenate(dz_parts, axis=3)
+    per_chunk = tuple(_chunked(x, chunk) for x in (qg, z, do, lse, delta, r))
+
+    def one_chunk(c, carry):
+        dq, dz, dkv = carry
+        q_c, z_c, do_c, lse_c, delta_c, r_c = (x[c] for x in per_chunk)
+        dq_c, dz_c, *dkv = _chunk_backward(q_c, z_c, do_c, lse_c, delta_c, r_c, first_full[c], (kt, vt, kgt),
+                                           dkv, c * chunk, size=size, sm_scale=sm_scale)
+        return dq.at[c].set(dq_c), dz.at[c].set(dz_c), tuple(dkv)
+
+    init = (jnp.zeros_like(per_chunk[0]), jnp.zeros_like(per_chunk[1]), tuple(jnp.zeros_like(kt) for _ in range(3)))
+    dq, dz, dkv = lax.fori_loop(0, padded // chunk, one_chunk, init)
+    dq, dz = _unchunked(dq), _unchunked(dz)
     if e.ndim == 2:
         dq = dq + jnp.einsum("bhglp,pd->bhgld", dz, e)
         de = jnp.einsum("bhglp,bhgld->pd", dz, qg)
     else:
         dq = dq + jnp.einsum("bhglp,hgpd->bhgld", dz, e)
         de = jnp.einsum("bhglp,bhgld->hgpd", dz, qg).reshape(pos_emb.shape)
-    b, hkv, g, padded, d = dq.shape
-    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, padded, hkv * g, d)[:, :length]
-    dk, dv, dkg = (x.transpose(1, 0, 3, 2, 4).reshape(b, padded, hkv, d)[:, :length] for x in dkv)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dkg.astype(kg.dtype),
+    dk, dv, dkg = (x.transpose(0, 2, 1, 3)[:, :length] for x in dkv)
+    return (_ungrouped(dq, length).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dkg.astype(kg.dtype),
             de.astype(pos_emb.dtype))
 
 
