@@ -27,7 +27,7 @@ class AMSPE(nn.Module):
     def __call__(self, x: jax.Array, detail_level: float = 0.5, *, positions: jax.Array | None = None) -> jax.Array:
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
-        alpha = jax.nn.sigmoid(self.param("alpha", nn.initializers.zeros, (1,)))
+        alpha = jax.nn.sigmoid(self.param("alpha", nn.initializers.zeros, (1,)))[0]
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
         pe = alpha * coarse + (1.0 - alpha) * detail_level * detail  # [max_len, d_model]

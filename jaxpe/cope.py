@@ -130,7 +130,7 @@ class CoPECore(nn.Module):
         if self.gates == "values":
             gate_k = v
         elif self.gates == "sep_keys":
-            gate_k = nn.DenseGeneral((k.shape[2], d), dtype=q.dtype, name="gate_key")(x)
+            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key")(x)
             if decode:
                 gate_k = update_cache(self, "gate_keys", gate_k, q_pos[0, 0])
         pos_emb = pos_emb.astype(q.dtype)

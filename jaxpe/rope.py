@@ -30,9 +30,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0) ->
     if positions.ndim not in (1, 2) or positions.shape[-1] != x.shape[1]:
         raise ValueError(f"positions must have shape [B, L] or [L] with L={x.shape[1]}, got {positions.shape=}")
     freqs = rope_frequencies(x.shape[-1], theta)
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # [B|, L, D/2]
-    if angles.ndim == 2:
-        angles = angles[None]
+    if positions.ndim == 1:
+        positions = positions[None]
+    angles = positions.astype(jnp.float32)[:, :, None] * freqs[None, None, :]  # [B|1, L, D/2]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # [B, L, 1, D/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

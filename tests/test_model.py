@@ -1,0 +1,225 @@
+"""Model-level properties for every encoding: causality, GQA = MHA with repeated heads, prefill + decode = full forward,
+jit/vmap/grad, pmap over 8 simulated devices, bf16 tolerance, and the paper-size config through jax.eval_shape."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpe
+
+ENCODINGS = jaxpe.PE_NAMES
+ATTENTION_ENCODINGS = ("none", "rope", "alibi", "relative", "cope", "cope_gated", "cope_rope", "corope")
+COPE_OPTIONS = (
+    {"gates": "sep_keys"}, {"gates": "values"}, {"per_head": True}, {"add_relative": True},
+    {"shared_table": True, "every": 2}, {"npos": 3},
+)
+VOCAB = 13
+
+
+def tiny(pe: str, **kw) -> jaxpe.ModelConfig:
+    base = dict(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=24, pe=pe, dropout=0.0)
+    base.update(kw)
+    return jaxpe.ModelConfig(**base)
+
+
+def tokens(key: jax.Array, b: int = 2, length: int = 10) -> jax.Array:
+    return jax.random.randint(key, (b, length), 0, VOCAB, dtype=jnp.int32)
+
+
+def init(config: jaxpe.ModelConfig, toks: jax.Array):
+    model = jaxpe.TransformerLM(config)
+    return model, model.init(jax.random.PRNGKey(1), toks)["params"]
+
+
+def decode_logits(model, params, toks, prefill: int) -> jax.Array:
+    cache = jaxpe.init_cache(model, toks.shape[0], toks.shape[1])
+    logits, state = model.apply({"params": params, "cache": cache}, toks[:, :prefill], decode=True, mutable=["cache"])
+    outs = [logits]
+    for t in range(prefill, toks.shape[1]):
+        logits, state = model.apply({"params": params, "cache": state["cache"]}, toks[:, t:t + 1], decode=True,
+                                    mutable=["cache"])
+        outs.append(logits)
+    return jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_causal_and_decode_matches_full_forward(pe, key):
+    toks = tokens(key)
+    model, params = init(tiny(pe), toks)
+    full = model.apply({"params": params}, toks)
+    chex.assert_shape(full, (2, 10, VOCAB))
+    changed = toks.at[:, 6:].set((toks[:, 6:] + 5) % VOCAB)
+    after = model.apply({"params": params}, changed)
+    np.testing.assert_allclose(full[:, :6], after[:, :6], atol=1e-5, rtol=1e-5)
+    assert not np.allclose(full[:, 6:], after[:, 6:], atol=1e-3)
+    np.testing.assert_allclose(decode_logits(model, params, toks, prefill=4), full, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("options", COPE_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_cope_options_causal_and_decode(options, key):
+    toks = tokens(key)
+    model, params = init(tiny("cope", pe_options=options, num_layers=3), toks)
+    full = model.apply({"params": params}, toks)
+    changed = toks.at[:, 5:].set((toks[:, 5:] + 3) % VOCAB)
+    np.testing.assert_allclose(full[:, :5], model.apply({"params": params}, changed)[:, :5], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(decode_logits(model, params, toks, prefill=3), full, atol=2e-5, rtol=2e-5)
+
+
+def test_cope_option_parameters(key):
+    """Options change the parameter tree the way the paper describes them."""
+    toks = tokens(key)
+    shapes = lambda opts: jax.tree_util.tree_map(jnp.shape, init(tiny("cope", pe_options=opts, num_layers=4), toks)[1])
+    default = shapes({})
+    assert default["block0"]["attn"]["pe"]["pos_emb"] == (25, 8)  # npos = max_len + 1, [npos, D]
+    assert shapes({"per_head": True})["block1"]["attn"]["pe"]["pos_emb"] == (4, 25, 8)
+    shared = shapes({"shared_table": True, "every": 2, "npos": 16})
+    assert shared["shared_pos_emb"] == (16, 8)
+    assert "pe" not in shared["block0"]["attn"] and "pe" not in shared["block1"]["attn"]  # table lives in the model
+    every = shapes({"every": 2})
+    assert "pe" in every["block0"]["attn"] and "pe" not in every["block1"]["attn"] and "pe" in every["block2"]["attn"]
+    assert shapes({"gates": "sep_keys"})["block0"]["attn"]["pe"]["gate_key"]["kernel"] == (32, 2, 8)
+    assert shapes({"add_relative": True})["block0"]["attn"]["pe"]["rel_table"] == (25, 8)
+
+
+def repeat_kv_params(params, groups: int):
+    """MHA parameters equivalent to GQA ones: every key/value (and gate-key) head repeated `groups` times."""
+    def fix(path, leaf):
+        names = [getattr(p, "key", "") for p in path]
+        if any(n in ("key", "value", "gate_key") for n in names) and names[-1] == "kernel":
+            return jnp.repeat(leaf, groups, axis=1)
+        return leaf
+    return jax.tree_util.tree_map_with_path(fix, params)
+
+
+@pytest.mark.parametrize("pe", [p for p in ATTENTION_ENCODINGS if p != "corope"] + ["cope:sep_keys"])
+def test_gqa_equals_mha_with_repeated_heads(pe, key):
+    name, _, gates = pe.partition(":")
+    options = {"gates": gates} if gates else {}
+    toks = tokens(key)
+    gqa_model, gqa_params = init(tiny(name, pe_options=options), toks)
+    mha_model = jaxpe.TransformerLM(tiny(name, pe_options=options, num_kv_heads=4))
+    mha_params = repeat_kv_params(gqa_params, 2)
+    chex.assert_trees_all_equal_shapes(mha_params, mha_model.init(jax.random.PRNGKey(0), toks)["params"])
+    np.testing.assert_allclose(mha_model.apply({"params": mha_params}, toks),
+                               gqa_model.apply({"params": gqa_params}, toks), atol=1e-5, rtol=1e-5)
+
+
+def test_corope_gqa_shares_the_leader_mileage(key):
+    """Co-RoPE with GQA is NOT MHA with repeated heads: the group's mileage comes from its leader head, so the
+    GQA result equals MHA only where every query head of a group equals its leader."""
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (1, 9, 2, 8))
+    k = jax.random.normal(kk, (1, 9, 1, 8))
+    v = jax.random.normal(kv, (1, 9, 1, 8))
+    q_same = jnp.concatenate([q[:, :, :1], q[:, :, :1]], axis=2)
+    gqa = jaxpe.corope_attention(q_same, k, v, impl="reference")
+    mha = jaxpe.corope_attention(q_same, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), impl="reference")
+    np.testing.assert_allclose(gqa, mha, atol=1e-5)
+    gqa = jaxpe.corope_attention(q, k, v, impl="reference")
+    mha = jaxpe.corope_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), impl="reference")
+    np.testing.assert_allclose(gqa[:, :, 0], mha[:, :, 0], atol=1e-5)  # the leader head itself agrees
+    assert not np.allclose(gqa[:, :, 1], mha[:, :, 1], atol=1e-3)  # the follower uses the leader's mileage
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_jit_grad_and_bf16(pe, key):
+    toks = tokens(key)
+    model, params = init(tiny(pe), toks)
+
+    @jax.jit
+    def loss(p, t):
+        logits = model.apply({"params": p}, t)
+        return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1].take(0, axis=-1))
+
+    value, grads = jax.value_and_grad(loss)(params, toks)
+    assert np.isfinite(value)
+    norms = jax.tree_util.tree_map(lambda g: float(jnp.linalg.norm(g)), grads)
+    assert all(np.isfinite(n) for n in jax.tree_util.tree_leaves(norms))
+    if "pos_embed" in norms:
+        assert any(n > 0 for n in jax.tree_util.tree_leaves(norms["pos_embed"]))
+    pe_grads = norms["block0"]["attn"].get("pe", {})
+    assert all(n > 0 for n in jax.tree_util.tree_leaves(pe_grads)), pe_grads
+    # bf16 compute stays within a stated tolerance of float32 (logits are O(1); bf16 has ~3 significant digits).
+    bf16 = jaxpe.TransformerLM(tiny(pe, dtype="bfloat16")).apply({"params": params}, toks)
+    assert bf16.dtype == jnp.float32
+    np.testing.assert_allclose(bf16, model.apply({"params": params}, toks), atol=6e-2)
+
+
+@pytest.mark.parametrize("fn", ["cope", "corope"])
+def test_pure_functions_vmap_and_bf16(fn, key):
+    kq, kk, kv, ke = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (3, 2, 12, 4, 16))
+    k = jax.random.normal(kk, (3, 2, 12, 2, 16))
+    v = jax.random.normal(kv, (3, 2, 12, 2, 16))
+    emb = jax.random.normal(ke, (8, 16))
+    if fn == "cope":
+        f = lambda q, k, v: jaxpe.cope_attention(q, k, v, emb, impl="reference")
+    else:
+        f = lambda q, k, v: jaxpe.corope_attention(q, k, v, impl="reference")
+    batched = jax.jit(jax.vmap(f))(q, k, v)
+    for i in range(3):
+        np.testing.assert_allclose(batched[i], f(q[i], k[i], v[i]), atol=1e-5, rtol=1e-5)
+    half = f(q[0].astype(jnp.bfloat16), k[0].astype(jnp.bfloat16), v[0].astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(half.astype(jnp.float32), f(q[0], k[0], v[0]), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("pe", ["rope", "cope", "corope", "learned"])
+def test_pmap_over_eight_devices_matches_single_device(pe, key):
+    assert jax.local_device_count() == 8
+    toks = tokens(key, b=8, length=8)
+    model, params = init(tiny(pe), toks)
+    single = model.apply({"params": params}, toks)
+    sharded = jax.pmap(lambda t: model.apply({"params": params}, t))(toks[:, None])
+    np.testing.assert_allclose(sharded[:, 0], single, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_greedy_matches_argmax_of_full_forward(key):
+    toks = tokens(key, b=2, length=4)
+    model, params = init(tiny("cope"), toks)
+    out = jaxpe.generate(model, params, toks, max_new_tokens=5)
+    chex.assert_shape(out, (2, 9))
+    np.testing.assert_array_equal(out[:, :4], toks)
+    for t in range(4, 9):  # each generated token is the argmax of a full forward pass over what came before
+        logits = model.apply({"params": params}, out[:, :t])
+        np.testing.assert_array_equal(out[:, t], jnp.argmax(logits[:, -1], axis=-1))
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        jaxpe.generate(model, params, toks, max_new_tokens=30)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_paper_config_shapes(pe):
+    """The counting setup of the paper (4 layers, hidden 256, 4 heads, block 512, post-norm, tied) via eval_shape."""
+    config = jaxpe.ModelConfig(vocab_size=64, d_model=256, num_layers=4, num_heads=4, max_len=512, prenorm=False,
+                               dropout=0.1, pe=pe)
+    model = jaxpe.TransformerLM(config)
+    toks = jax.ShapeDtypeStruct((64, 512), jnp.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), toks)["params"]
+    logits = jax.eval_shape(lambda p, t: model.apply({"params": p}, t), params, toks)
+    assert logits.shape == (64, 512, 64) and logits.dtype == jnp.float32
+    n_params = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    assert 3.1e6 < n_params < 3.5e6  # 4 × (4·256² + 2·256·1024) + embeddings (+ small encoding tables)
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match="num_heads=4 must be a multiple of num_kv_heads=3"):
+        tiny("rope", num_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown encoding pe='cop'"):
+        tiny("cop")
+    with pytest.raises(ValueError, match="unknown option 'nops' for pe='cope'"):
+        tiny("cope", pe_options={"nops": 3})
+    with pytest.raises(ValueError, match="npos=1 must be an int >= 2"):
+        tiny("cope", pe_options={"npos": 1})
+    with pytest.raises(ValueError, match="norm='batchnorm'"):
+        tiny("rope", norm="batchnorm")
+    with pytest.raises(ValueError, match="d_model=30 must be a multiple of num_heads=4"):
+        tiny("rope", d_model=30)
+    with pytest.raises(ValueError, match="head dim D=5 must be even"):
+        model = jaxpe.TransformerLM(tiny("rope", d_model=20, num_kv_heads=None))
+        model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="exceeds the position table's max_len=24"):
+        model = jaxpe.TransformerLM(tiny("learned"))
+        model.init(jax.random.PRNGKey(0), jnp.zeros((1, 30), jnp.int32))
+    with pytest.raises(TypeError, match="tokens must be an int array"):
+        jaxpe.TransformerLM(tiny("rope")).init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
