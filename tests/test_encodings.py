@@ -23,6 +23,7 @@ from jaxpe.sinusoidal import SinusoidalPE
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 # Jitted once here: one compilation per input shape instead of one per primitive (eager dispatch is slow on CPU).
+alibi_bias = jax.jit(jaxpe.alibi_bias, static_argnums=(1, 2))
 apply_rope = jax.jit(jaxpe.apply_rope, static_argnames=("theta",))
 cope_attention = jax.jit(jaxpe.cope_attention, static_argnames=("sm_scale", "causal", "impl"))
 cope_positions = jax.jit(jaxpe.cope_positions, static_argnames=("npos", "sm_scale"))
@@ -31,6 +32,8 @@ corope_attention = jax.jit(jaxpe.corope_attention, static_argnames=("theta", "sm
 corope_attention_reference = jax.jit(jaxpe_corope.corope_attention_reference, static_argnames=("theta", "sm_scale"))
 corope_mileage = jax.jit(jaxpe.corope_mileage, static_argnames=("sm_scale",))
 corope_scores = jax.jit(jaxpe_corope.corope_scores, static_argnames=("theta", "sm_scale"))
+jit_relative_logits = jax.jit(relative_logits, static_argnums=(3,))
+sinusoidal_table = jax.jit(jaxpe.sinusoidal_table, static_argnums=(0, 1), static_argnames=("theta", "scale"))
 
 
 def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
@@ -73,11 +76,11 @@ def test_sinusoidal_table_hand_values():
         [0.8414709848, 0.5403023059, 0.0099998333, 0.9999500004],
         [0.9092974268, -0.4161468365, 0.0199986667, 0.9998000067],
     ])
-    np.testing.assert_allclose(jaxpe.sinusoidal_table(3, 4), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sinusoidal_table(3, 4), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_sinusoidal_table_odd_dim_drops_last_cos():
-    table = np.asarray(jaxpe.sinusoidal_table(6, 5))
+    table = np.asarray(sinusoidal_table(6, 5))
     assert table.shape == (6, 5)
     i = np.arange(6)
     np.testing.assert_allclose(table[:, 4], np.sin(i * 10000.0 ** (-4 / 5)), rtol=1e-6, atol=1e-6)  # a sine column
@@ -85,7 +88,7 @@ def test_sinusoidal_table_odd_dim_drops_last_cos():
 
 
 def test_sinusoidal_table_theta_and_scale():
-    table = jaxpe.sinusoidal_table(7, 6, theta=100.0, scale=2.5)
+    table = sinusoidal_table(7, 6, theta=100.0, scale=2.5)
     np.testing.assert_allclose(table, ref.sinusoidal_table(7, 6, theta=100.0, scale=2.5), rtol=1e-5, atol=1e-5)
     # hand value: row 3, column 2 = sin(2.5·3·100^(-2/6))
     assert math.isclose(float(table[3, 2]), math.sin(7.5 * 100.0 ** (-1 / 3)), rel_tol=1e-5)
@@ -95,12 +98,12 @@ def test_sinusoidal_and_learned_layers_add_their_table():
     rng = np.random.default_rng(0)
     x = normal(rng, 2, 5, 6)
     sinusoidal = SinusoidalPE(max_len=8)
-    out = sinusoidal.apply({}, jnp.asarray(x))
+    out = jax.jit(sinusoidal.apply)({}, jnp.asarray(x))
     np.testing.assert_allclose(out, f64(x) + ref.sinusoidal_table(5, 6)[None], **TOL)
 
     learned = LearnedPE(max_len=8)
-    params = randomized(learned.init(jax.random.PRNGKey(0), jnp.asarray(x))["params"], rng)
-    out = learned.apply({"params": params}, jnp.asarray(x))
+    params = randomized(jax.eval_shape(learned.init, jax.random.PRNGKey(0), jnp.asarray(x))["params"], rng)
+    out = jax.jit(learned.apply)({"params": params}, jnp.asarray(x))
     np.testing.assert_allclose(out, f64(x) + f64(params["table"])[None, :5], **TOL)
 
 
@@ -111,11 +114,11 @@ def test_amspe_against_seed_code(alpha, detail_level, d_model):
     rng = np.random.default_rng(1)
     x = normal(rng, 2, 6, d_model)
     layer = jaxpe.AMSPE(d_model, max_len=10)
-    variables = layer.init(jax.random.PRNGKey(0), jnp.asarray(x))
+    variables = jax.jit(layer.init)(jax.random.PRNGKey(0), jnp.asarray(x))
     assert variables["params"]["alpha"].shape == (1,)
     np.testing.assert_array_equal(variables["params"]["alpha"], [0.0])  # initialised to 0: α = 1/2
     params = {"alpha": jnp.array([alpha], jnp.float32)}
-    out = layer.apply({"params": params}, jnp.asarray(x), detail_level)
+    out = jax.jit(layer.apply, static_argnums=(2,))({"params": params}, jnp.asarray(x), detail_level)
     np.testing.assert_allclose(out, ref.amspe(f64(x), alpha, detail_level=detail_level), **TOL)
 
 
@@ -123,7 +126,7 @@ def test_amspe_coarse_scale_and_blend_by_hand():
     # alpha → +∞ leaves only the coarse table: x + sin/cos(coarse_scale·i·ω).
     layer = jaxpe.AMSPE(2, max_len=4, coarse_scale=3.0)
     x = jnp.zeros((1, 3, 2))
-    out = layer.apply({"params": {"alpha": jnp.array([40.0])}}, x)
+    out = jax.jit(layer.apply)({"params": {"alpha": jnp.array([40.0])}}, x)
     i = np.arange(3)
     np.testing.assert_allclose(out[0], np.stack([np.sin(3.0 * i), np.cos(3.0 * i)], -1), **TOL)
 
@@ -173,12 +176,12 @@ def test_alibi_slopes_hand_values():
 
 
 def test_alibi_bias_hand_values():
-    bias = np.asarray(jaxpe.alibi_bias(jnp.array([[0, 1, 2]]), 3, 2))  # slopes 1/16, 1/256
+    bias = np.asarray(alibi_bias(jnp.array([[0, 1, 2]]), 3, 2))  # slopes 1/16, 1/256
     distance = np.array([[0, -1, -2], [1, 0, -1], [2, 1, 0]])
     np.testing.assert_allclose(bias[0, 0], -distance / 16)
     np.testing.assert_allclose(bias[0, 1], -distance / 256)
     q_pos = np.array([[4, 5], [1, 2]])  # decoding: queries at absolute positions, keys 0..5
-    np.testing.assert_allclose(jaxpe.alibi_bias(jnp.asarray(q_pos), 6, 8), ref.alibi_bias(q_pos, 6, 8), **TOL)
+    np.testing.assert_allclose(alibi_bias(jnp.asarray(q_pos), 6, 8), ref.alibi_bias(q_pos, 6, 8), **TOL)
 
 
 @pytest.mark.parametrize("npos", [2, 3, 10])
@@ -186,7 +189,7 @@ def test_relative_logits_clip_at_npos(npos):
     rng = np.random.default_rng(4)
     q, table = normal(rng, 2, 6, 2, 4), normal(rng, npos, 4)
     q_pos = np.broadcast_to(np.arange(6), (2, 6))
-    got = np.asarray(relative_logits(jnp.asarray(q), jnp.asarray(table), jnp.asarray(q_pos), 6))
+    got = np.asarray(jit_relative_logits(jnp.asarray(q), jnp.asarray(table), jnp.asarray(q_pos), 6))
     want = ref.relative_logits(f64(q), f64(table), q_pos, 6)
     causal = np.tril(np.ones((6, 6), bool))
     np.testing.assert_allclose(got[..., causal], want[..., causal], **TOL)
@@ -198,7 +201,7 @@ def test_relative_logits_decode_positions():
     rng = np.random.default_rng(5)
     q, table = normal(rng, 1, 2, 1, 4), normal(rng, 3, 4)
     q_pos = np.array([[4, 5]])
-    got = np.asarray(relative_logits(jnp.asarray(q), jnp.asarray(table), jnp.asarray(q_pos), 6))
+    got = np.asarray(jit_relative_logits(jnp.asarray(q), jnp.asarray(table), jnp.asarray(q_pos), 6))
     visible = np.arange(6)[None, :] <= q_pos[0][:, None]  # the future key 5 of query 4 is masked anyway
     np.testing.assert_allclose(got[..., visible], ref.relative_logits(f64(q), f64(table), q_pos, 6)[..., visible],
                                **TOL)
@@ -386,7 +389,8 @@ def test_cope_core_options_against_numpy(options):
     if options.get("gates") == "values":
         gate_k = f64(v)
     if options.get("gates") == "sep_keys":
-        gate_k = np.einsum("blm,mhd->blhd", f64(x), params["gate_key"]["kernel"]) + params["gate_key"]["bias"]
+        dense = params["gate_key"]
+        gate_k = np.einsum("blm,mhd->blhd", f64(x), dense["kernel"]) + dense.get("bias", 0.0)
     extra = None
     if options.get("add_relative"):
         extra = ref.relative_logits(f64(q), params["rel_table"], np.broadcast_to(np.arange(6), (2, 6)), 6)
@@ -429,11 +433,11 @@ def test_corope_mileage_against_numpy():
     np.testing.assert_allclose(got[..., causal], want[..., causal], **TOL)
 
 
-def rope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> jax.Array:
+@jax.jit
+def rope_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
     """RoPE attention from jaxpe.apply_rope and jax.nn.dot_product_attention (causal, GQA)."""
-    q_rot = apply_rope(jnp.asarray(q), jnp.asarray(positions))
-    k_rot = apply_rope(jnp.asarray(k), jnp.asarray(positions))
-    return jax.nn.dot_product_attention(q_rot, k_rot, jnp.asarray(v), is_causal=True)
+    q_rot, k_rot = jaxpe.apply_rope(q, positions), jaxpe.apply_rope(k, positions)
+    return jax.nn.dot_product_attention(q_rot, k_rot, v, is_causal=True)
 
 
 @pytest.mark.parametrize("c", [1.0, 0.37, 2.5])
@@ -567,13 +571,13 @@ def test_rope_input_errors():
 def test_length_beyond_fixed_table_raises():
     x = jnp.ones((1, 5, 6))
     with pytest.raises(ValueError, match="L=5 exceeds the position table's max_len=4"):
-        LearnedPE(max_len=4).init(jax.random.PRNGKey(0), x)
+        jax.eval_shape(LearnedPE(max_len=4).init, jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match="L=5 exceeds the position table's max_len=4"):
-        SinusoidalPE(max_len=4).init(jax.random.PRNGKey(0), x)
+        jax.eval_shape(SinusoidalPE(max_len=4).init, jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match="L=5 exceeds the position table's max_len=4"):
-        jaxpe.AMSPE(6, max_len=4).init(jax.random.PRNGKey(0), x)
+        jax.eval_shape(jaxpe.AMSPE(6, max_len=4).init, jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"x must have shape \[B, L, d_model=7\]"):
-        jaxpe.AMSPE(7, max_len=8).init(jax.random.PRNGKey(0), x)
+        jax.eval_shape(jaxpe.AMSPE(7, max_len=8).init, jax.random.PRNGKey(0), x)
 
 
 def test_registry_errors():
@@ -599,3 +603,24 @@ def test_table_helpers_reject_bad_sizes():
 def test_every_registry_name_exists():
     assert set(jaxpe.PE_NAMES) == {"none", "learned", "sinusoidal", "amspe", "rope", "alibi", "relative", "cope",
                                    "cope_gated", "cope_rope", "corope"}
+
+
+# Known gaps (reported to the lead): the public position helpers skip the input checks of the attentions.
+@pytest.mark.xfail(strict=True, reason="jaxpe.cope_positions does not validate npos, dtype or heads yet")
+def test_cope_positions_validates_inputs():
+    q = jnp.ones((1, 4, 2, 4))
+    with pytest.raises(ValueError, match="npos=1 must be"):
+        jaxpe.cope_positions(q, q, npos=1)
+    with pytest.raises(TypeError, match="q must be a floating-point array"):
+        jaxpe.cope_positions(q.astype(jnp.int32), q, npos=3)
+    with pytest.raises(ValueError, match="Hq=3, Hkv=2"):
+        jaxpe.cope_positions(jnp.ones((1, 4, 3, 4)), jnp.ones((1, 4, 2, 4)), npos=3)
+
+
+@pytest.mark.xfail(strict=True, reason="jaxpe.corope_mileage does not validate dtype or heads yet")
+def test_corope_mileage_validates_inputs():
+    q = jnp.ones((1, 4, 2, 4))
+    with pytest.raises(TypeError, match="q must be a floating-point array"):
+        jaxpe.corope_mileage(q.astype(jnp.int32), q)
+    with pytest.raises(ValueError, match="Hq=3, Hkv=2"):
+        jaxpe.corope_mileage(jnp.ones((1, 4, 3, 4)), jnp.ones((1, 4, 2, 4)))
