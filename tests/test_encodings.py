@@ -242,8 +242,7 @@ def test_cope_attention_against_numpy(hq, hkv, per_head, with_gate_k, npos):
     gate_k = normal(rng, *k.shape) if with_gate_k else None
     out = cope_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos_emb),
                                gate_k=None if gate_k is None else jnp.asarray(gate_k), impl="reference")
-    chex_shape = (2, 6, hq, 8)
-    assert out.shape == chex_shape and out.dtype == jnp.float32
+    assert out.shape == (2, 6, hq, 8) and out.dtype == jnp.float32
     want = ref.cope_attention(f64(q), f64(k), f64(v), f64(pos_emb), gate_k=None if gate_k is None else f64(gate_k))
     np.testing.assert_allclose(out, want, **TOL)
 
