@@ -1,0 +1,430 @@
+"""Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): forward, dq and dk/dv kernels.
+
+B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim (Dp padded to a
+power of two), P = npos (Pp padded), NK = Lp / block_k key blocks. Kernel tiles are [block_q, block_k].
+
+The maths (SPEC §3): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
+z_ip = q_i·e_p (one XLA matmul outside the kernels), pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋,
+hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
+
+Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
+suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Triton cannot gather along a tile
+axis, so pos is Σ_c z_ic·max(0, 1 − |p − c|) over the table rows c the tile's positions reach (a short loop
+of column loads). Once every row's R reaches P − 1, the remaining tiles are plain attention plus the per-row
+constant z_i,P−1: a second loop with no gate work. When differentiating, the forward also saves R_i before each
+key block ([B, Hq, NK, Lp] float32: L·L/block_k values, never L×L).
+
+Backward: with ds = ∂L/∂(q·k + pos), ∂L/∂p_ij = ds_ij·(z_i,hi − z_i,lo) (0 once clamped) and the gate gradient
+dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys. The dq kernel walks key blocks forward from 0, reading the
+saved R (so p is rebuilt exactly) and carrying that prefix sum, which it also saves per key block for the
+dk/dv kernel. The dk/dv kernel (one program per key block and kv head, looping over the group's query heads and
+the query blocks below the diagonal) then has every term locally: no atomics. ∂L/∂z comes out of the dq
+kernel; the table gradient and its share of dq are XLA matmuls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels.cope_blockwise import check_cope_inputs
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Renamed from TritonCompilerParams to CompilerParams in jax 0.5; accept either.
+_CompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two >= 16). block_k is shared by all three kernels: the backward reads the gate sums
+    that the forward saved per key block. Blocks larger than the (padded) sequence are shrunk to fit."""
+
+    block_q: int = 64  # query rows per forward program
+    block_k: int = 64  # keys per tile, every kernel
+    block_q_dq: int = 64  # query rows per dq program
+    block_q_dkv: int = 64  # query rows per tile of the dk/dv kernel
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "block_q_dq", "block_q_dkv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value!r} must be a power of two >= 16")
+
+    def fitted(self, length: int) -> BlockSizes:
+        """The same sizes, each capped at the next power of two >= length (and >= 16)."""
+        cap = max(16, pl.next_power_of_2(length))
+        return BlockSizes(*(min(getattr(self, f.name), cap) for f in dataclasses.fields(self)))
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """2-D matmul with float32 accumulation, contracting axis contract[0] of a with contract[1] of b."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
+    """g [block_q, block_k] float32, zero where masked."""
+    return jnp.where(mask, jax.nn.sigmoid(sm_scale * _dot(q, kg, (1, 1))), 0.0)
+
+
+def _suffix_positions(g: jax.Array, r: jax.Array, npos: int) -> jax.Array:
+    """p_ij = min(R_i + Σ_{t ≥ j in tile} g_it, P − 1), the in-tile suffix sum as rowtotal − cumsum + g."""
+    total = jnp.sum(g, axis=1)
+    return jnp.minimum(r[:, None] + total[:, None] - jnp.cumsum(g, axis=1) + g, npos - 1)
+
+
+def _position_range(p: jax.Array, valid: jax.Array, npos: int) -> tuple[jax.Array, jax.Array]:
+    """First and last table rows (int32 scalars) that the valid positions of a tile interpolate between."""
+    lo = jnp.floor(jnp.min(jnp.where(valid, p, npos - 1.0)))
+    hi = jnp.minimum(jnp.floor(jnp.max(jnp.where(valid, p, 0.0))) + 1.0, npos - 1.0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _interpolate(column, p: jax.Array, lo: jax.Array, hi: jax.Array, *, slope: bool):
+    """pos [block_q, block_k] = Σ_c z_c·max(0, 1 − |p − c|) for c in [lo, hi]; with slope, also ∂pos/∂p
+    (z_hi − z_lo: −z_c where 0 ≤ p − c < 1, +z_c where −1 ≤ p − c < 0). `column(c)` loads z[:, c] as [block_q, 1]."""
+
+    def body(c, acc):
+        z_c = column(c)
+        x = p - c.astype(jnp.float32)
+        pos = acc[0] + jnp.maximum(0.0, 1.0 - jnp.abs(x)) * z_c
+        if not slope:
+            return (pos,)
+        d = jnp.where((x >= 0.0) & (x < 1.0), -z_c, jnp.where((x >= -1.0) & (x < 0.0), z_c, 0.0))
+        return pos, acc[1] + d
+
+    init = (jnp.zeros(p.shape, jnp.float32),) * (2 if slope else 1)
+    return lax.fori_loop(lo, hi + 1, body, init)
+
+
+def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
+    """probs and ds = ∂L/∂(q·k + pos) for one tile, from the saved lse and delta = rowsum(o·do)."""
+    probs = jnp.exp(jnp.where(mask, sm_scale * s, _MASK_VALUE) - lse[:, None])
+    ds = sm_scale * probs * (_dot(do, v, (1, 1)) - delta[:, None])
+    return probs, ds
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, sm_scale: float, npos: int,
+                    length: int, block_k: int):
+    """One query block: key blocks in reverse from the diagonal, full tiles until every row is clamped, then
+    clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], lse [bq], optional r [NK, bq] (saved R)."""
+    block_q = q_ref.shape[0]
+    rows = pl.program_id(0) * block_q + jnp.arange(block_q)
+    live = rows < length
+    q = q_ref[...]
+    z_last = z_ref[:, pl.ds(npos - 1, 1)]  # [bq, 1]
+
+    def column(c):
+        return z_ref[:, pl.ds(c, 1)]
+
+    def tile(index, carry, full: bool):
+        m, l, acc, r = carry
+        keys = pl.ds(index * block_k, block_k)
+        mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
+        s = _dot(q, k_ref[keys, :], (1, 1))  # [bq, bk]
+        if r_ref:
+            r_ref[0][pl.ds(index, 1), :] = r[None, :]
+        if full:
+            g = _gates(q, kg_ref[keys, :], mask, sm_scale)
+            p = _suffix_positions(g, r, npos)
+            lo, hi = _position_range(p, mask, npos)
+            s = s + _interpolate(column, p, lo, hi, slope=False)[0]
+            r = r + jnp.sum(g, axis=1)
+        else:
+            s = s + z_last
+        logits = jnp.where(mask, sm_scale * s, _MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        correction = jnp.exp(m - m_new)
+        probs = jnp.exp(logits - m_new[:, None])
+        v = v_ref[keys, :]
+        acc = acc * correction[:, None] + _dot(probs.astype(v.dtype), v, (1, 0))
+        return m_new, l * correction + jnp.sum(probs, axis=1), acc, r
+
+    def unclamped(state):
+        index, carry = state
+        return jnp.logical_and(index >= 0, jnp.min(jnp.where(live, carry[3], jnp.inf)) < npos - 1)
+
+    init = (jnp.full((block_q,), _MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
+    index, carry = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
+    m, l, acc, _ = lax.fori_loop(0, index + 1, lambda i, c: tile(index - i, c, False), carry)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, dq_ref, dz_ref, pdp_ref, *,
+               sm_scale: float, npos: int, length: int, block_k: int):
+    """One query block: key blocks forward from 0 to the diagonal, clamped tiles first. Carries the prefix sum of
+    ∂L/∂p and saves it per key block. Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta [bq],
+    r/pdp [NK, bq]."""
+    block_q = q_ref.shape[0]
+    rows = pl.program_id(0) * block_q + jnp.arange(block_q)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    table_rows = jnp.arange(dz_ref.shape[1])[None, :]
+
+    def column(c):
+        return z_ref[:, pl.ds(c, 1)]
+
+    def saved_r(index):
+        seen = (rows >= index * block_k) & (rows < length)  # rows the forward wrote R for
+        return seen, jnp.where(seen, r_ref[index, :], 0.0)
+
+    def tile(index, carry, full: bool):
+        dq, dz, dp_before = carry
+        keys = pl.ds(index * block_k, block_k)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
+        pdp_ref[pl.ds(index, 1), :] = dp_before[None, :]
+        s = _dot(q, k, (1, 1))
+        if not full:
+            probs, ds = _softmax_grads(s + z_ref[:, pl.ds(npos - 1, 1)], mask, lse, delta, do, v, sm_scale)
+            dz = dz + jnp.sum(ds, axis=1, keepdims=True) * (table_rows == npos - 1)
+            return dq + _dot(ds.astype(k.dtype), k, (1, 0)), dz, dp_before
+        kg = kg_ref[keys, :]
+        g = _gates(q, kg, mask, sm_scale)
+        p = _suffix_positions(g, saved_r(index)[1], npos)
+        lo, hi = _position_range(p, mask, npos)
+        pos, slope = _interpolate(column, p, lo, hi, slope=True)
+        probs, ds = _softmax_grads(s + pos, mask, lse, delta, do, v, sm_scale)
+        dp = jnp.where(p < npos - 1, ds * slope, 0.0)
+        dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
+        dq = dq + _dot(ds.astype(k.dtype), k, (1, 0)) + _dot(dgate.astype(kg.dtype), kg, (1, 0))
+
+        def dz_column(c, dz):
+            weight = jnp.maximum(0.0, 1.0 - jnp.abs(p - c.astype(jnp.float32)))
+            return dz + jnp.sum(ds * weight, axis=1, keepdims=True) * (table_rows == c)
+
+        return dq, lax.fori_loop(lo, hi + 1, dz_column, dz), dp_before + jnp.sum(dp, axis=1)
+
+    num_blocks = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k)
+
+    def clamped(state):
+        index = state[0]
+        seen, r = saved_r(jnp.minimum(index, num_blocks - 1))
+        return jnp.logical_and(index < num_blocks, jnp.min(jnp.where(seen, r, jnp.inf)) >= npos - 1)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(dz_ref.shape, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    index, carry = lax.while_loop(clamped, lambda st: (st[0] + 1, tile(st[0], st[1], False)), (0, init))
+    dq, dz, _ = lax.fori_loop(index, num_blocks, lambda i, c: tile(i, c, True), carry)
+    dq_ref[...] = dq
+    dz_ref[...] = dz
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, pdp_ref, dk_ref, dv_ref,
+                dkg_ref, *, sm_scale: float, npos: int, length: int, block_q: int):
+    """One key block of one kv head: loops over the G query heads of the group and the query blocks from the
+    diagonal down. Refs: k/v/kg/dk/dv/dkg [bk, Dp], q/do [Lp, G, Dp], z [G, Lp, Pp], lse/delta [G, Lp],
+    r/pdp [G, NK, Lp]."""
+    block_k = k_ref.shape[0]
+    index = pl.program_id(0)
+    k, v, kg = k_ref[...], v_ref[...], kg_ref[...]
+    cols = index * block_k + jnp.arange(block_k)
+
+    def tile(qb, carry, head):
+        dk, dv, dkg = carry
+        span = pl.ds(qb * block_q, block_q)
+        rows = qb * block_q + jnp.arange(block_q)
+        q, do = q_ref[span, head, :], do_ref[span, head, :]
+        lse, delta = lse_ref[head, span], delta_ref[head, span]
+        seen = (rows >= index * block_k) & (rows < length)
+        r = jnp.where(seen, r_ref[head, index, span], 0.0)
+        mask = cols[None, :] <= rows[:, None]
+        s = _dot(q, k, (1, 1))
+
+        def attention(s):
+            probs, ds = _softmax_grads(s, mask, lse, delta, do, v, sm_scale)
+            return ds, dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(probs.astype(do.dtype), do, (0, 0))
+
+        def at_clamp():
+            _, dk_new, dv_new = attention(s + z_ref[head, span, pl.ds(npos - 1, 1)])
+            return dk_new, dv_new, dkg
+
+        def full():
+            g = _gates(q, kg, mask, sm_scale)
+            p = _suffix_positions(g, r, npos)
+            lo, hi = _position_range(p, mask, npos)
+            pos, slope = _interpolate(lambda c: z_ref[head, span, pl.ds(c, 1)], p, lo, hi, slope=True)
+            ds, dk_new, dv_new = attention(s + pos)
+            dp = jnp.where(p < npos - 1, ds * slope, 0.0)
+            dp_before = jnp.where(seen, pdp_ref[head, index, span], 0.0)
+            dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
+            return dk_new, dv_new, dkg + _dot(dgate.astype(q.dtype), q, (0, 0))
+
+        return lax.cond(jnp.min(jnp.where(seen, r, jnp.inf)) >= npos - 1, at_clamp, full)
+
+    first = lax.div(index * block_k, block_q)
+    num_q_blocks = q_ref.shape[0] // block_q
+
+    def head_loop(head, carry):
+        return lax.fori_loop(first, num_q_blocks, lambda qb, c: tile(qb, c, head), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv, dkg = lax.fori_loop(0, q_ref.shape[1], head_loop, (zeros, zeros, zeros))
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+    dkg_ref[...] = dkg
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """Static settings shared by the kernels of one call."""
+
+    sm_scale: float
+    blocks: BlockSizes
+    length: int
+    npos: int
+    interpret: bool
+    num_warps: int
+    num_stages: int
+
+    def params(self):
+        return _CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
+    """Zero-pad L to a multiple of every block and D to a power of two; z [B, Hq, Lp, Pp] float32 = q·e."""
+    b, length, hq, d = q.shape
+    multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_dq, blocks.block_q_dkv)
+    padded, dp = -(-length // multiple) * multiple, max(16, pl.next_power_of_2(d))
+    pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
+    q, k, v, kg = (jnp.pad(x, pad) for x in (q, k, v, kg))
+    e = jnp.pad(pos_emb.astype(q.dtype), [(0, 0)] * (pos_emb.ndim - 1) + [(0, dp - d)])
+    spec = "blhd,pd->bhlp" if e.ndim == 2 else "blhd,hpd->bhlp"
+    z = jnp.einsum(spec, q, e, preferred_element_type=jnp.float32)
+    npos = pos_emb.shape[-2]
+    z = jnp.pad(z, [(0, 0), (0, 0), (0, 0), (0, pl.next_power_of_2(npos) - npos)])
+    return q, k, v, kg, e, z
+
+
+def _forward_call(setup: _Setup, q, k, v, kg, z, *, save_r: bool):
+    b, padded, hq, dp = q.shape
+    groups = hq // k.shape[2]
+    bq, bk = setup.blocks.block_q, setup.blocks.block_k
+    num_k = padded // bk
+    row_block = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+    kv_full = pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, padded), jnp.float32)]
+    out_specs = [row_block, pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))]
+    if save_r:
+        out_shape.append(jax.ShapeDtypeStruct((b, hq, num_k, padded), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, num_k, bq), lambda i, j, h: (j, h, 0, i)))
+    kernel = functools.partial(_forward_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
+                               block_k=bk)
+    return pl.pallas_call(
+        kernel, grid=(padded // bq, b, hq),
+        in_specs=[row_block, kv_full, kv_full, kv_full,
+                  pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0))],
+        out_specs=out_specs, out_shape=out_shape, compiler_params=setup.params(), interpret=setup.interpret,
+        name="cope_forward")(q, k, v, kg, z)
+
+
+def _dq_call(setup: _Setup, q, k, v, kg, z, do, lse, delta, r):
+    b, padded, hq, dp = q.shape
+    groups = hq // k.shape[2]
+    bq, bk = setup.blocks.block_q_dq, setup.blocks.block_k
+    num_k = padded // bk
+    row_block = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+    kv_full = pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+    z_block = pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0))
+    stat_block = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+    per_key_block = pl.BlockSpec((None, None, num_k, bq), lambda i, j, h: (j, h, 0, i))
+    kernel = functools.partial(_dq_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
+                               block_k=bk)
+    return pl.pallas_call(
+        kernel, grid=(padded // bq, b, hq),
+        in_specs=[row_block, kv_full, kv_full, kv_full, z_block, row_block, stat_block, stat_block, per_key_block],
+        out_specs=[row_block, z_block, per_key_block],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(r.shape, jnp.float32)],
+        compiler_params=setup.params(), interpret=setup.interpret, name="cope_backward_dq",
+    )(q, k, v, kg, z, do, lse, delta, r)
+
+
+def _dkv_call(setup: _Setup, q, k, v, kg, z, do, lse, delta, r, pdp):
+    b, padded, hq, dp = q.shape
+    hkv = k.shape[2]
+    groups = hq // hkv
+    bk = setup.blocks.block_k
+    num_k = padded // bk
+    key_block = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
+    q_group = pl.BlockSpec((None, padded, groups, dp), lambda i, j, h: (j, 0, h, 0))
+    stat_group = pl.BlockSpec((None, groups, padded), lambda i, j, h: (j, h, 0))
+    per_key_block = pl.BlockSpec((None, groups, num_k, padded), lambda i, j, h: (j, h, 0, 0))
+    kernel = functools.partial(_dkv_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
+                               block_q=setup.blocks.block_q_dkv)
+    out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+    return pl.pallas_call(
+        kernel, grid=(num_k, b, hkv),
+        in_specs=[q_group, key_block, key_block, key_block,
+                  pl.BlockSpec((None, groups, padded, z.shape[-1]), lambda i, j, h: (j, h, 0, 0)),
+                  q_group, stat_group, stat_group, per_key_block, per_key_block],
+        out_specs=[key_block] * 3, out_shape=[out] * 3,
+        compiler_params=setup.params(), interpret=setup.interpret, name="cope_backward_dkv",
+    )(q, k, v, kg, z, do, lse, delta, r, pdp)
+
+
+def _forward(q, k, v, kg, pos_emb, setup: _Setup):
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
+    out, lse, r = _forward_call(setup, qp, kp, vp, kgp, z, save_r=True)
+    return out[:, :setup.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, out, lse, r)
+
+
+def _backward(setup: _Setup, residuals, dout):
+    q, k, v, kg, pos_emb, out, lse, r = residuals
+    qp, kp, vp, kgp, e, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
+    do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
+    delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
+    do = do.astype(q.dtype)
+    dq, dz, pdp = _dq_call(setup, qp, kp, vp, kgp, z, do, lse, delta, r)
+    dk, dv, dkg = _dkv_call(setup, qp, kp, vp, kgp, z, do, lse, delta, r, pdp)
+    dz = dz[..., :setup.npos]
+    if e.ndim == 2:
+        dq = dq + jnp.einsum("bhlp,pd->blhd", dz, e.astype(jnp.float32))
+        de = jnp.einsum("bhlp,blhd->pd", dz, qp.astype(jnp.float32))
+    else:
+        dq = dq + jnp.einsum("bhlp,hpd->blhd", dz, e.astype(jnp.float32))
+        de = jnp.einsum("bhlp,blhd->hpd", dz, qp.astype(jnp.float32))
+    length, d = setup.length, q.shape[3]
+    return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
+            dv[:, :length, :, :d].astype(v.dtype), dkg[:, :length, :, :d].astype(kg.dtype),
+            de[..., :d].astype(pos_emb.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _cope_pallas(q, k, v, kg, pos_emb, setup: _Setup):
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
+    out = _forward_call(setup, qp, kp, vp, kgp, z, save_r=False)[0]
+    return out[:, :setup.length, :, :q.shape[3]]
+
+
+_cope_pallas.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "num_warps", "num_stages"))
+def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
+                          gate_k: jax.Array | None = None, *, sm_scale: float, block_sizes: BlockSizes | None = None,
+                          interpret: bool | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None) -> jax.Array:
+    """Causal CoPE attention, fused kernels with a fused backward (custom VJP).
+
+    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [npos, D] or [Hq, npos, D],
+    gate_k [B, L, Hkv, D] or None (gates from k) -> [B, L, Hq, D] in q's dtype.
+    interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU).
+    """
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale)
+    if not 1 <= q.shape[3] <= 256:
+        raise ValueError(f"head dim D={q.shape[3]} must be in [1, 256]")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    blocks = (block_sizes or BlockSizes()).fitted(q.shape[1])
+    head_dim = max(16, pl.next_power_of_2(q.shape[3]))
+    setup = _Setup(sm_scale=float(sm_scale), blocks=blocks, length=q.shape[1], npos=pos_emb.shape[-2],
+                   interpret=bool(interpret), num_warps=num_warps or (4 if head_dim <= 64 else 8),
+                   num_stages=num_stages or 2)
+    return _cope_pallas(q, k, v, k if gate_k is None else gate_k, pos_emb, setup)
