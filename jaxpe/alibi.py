@@ -6,6 +6,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
@@ -13,13 +14,18 @@ from jaxpe.softmax_attention import attend
 
 def alibi_slopes(num_heads: int) -> jax.Array:
     """[H] float32, the standard geometric sequence 2^(−8h/H), h = 1..H."""
-    if not isinstance(num_heads, int) or num_heads < 1:
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"{num_heads=} must be a positive int")
     return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
 
 
 def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int) -> jax.Array:
-    """q_pos [B, Lq] -> bias [B, H, Lq, Lk] = −slope_h·(i − j) (keys at 0..Lk-1)."""
+    """q_pos [B, Lq] or [Lq] -> bias [B|1, H, Lq, Lk] = −slope_h·(i − j) (keys at 0..Lk-1)."""
+    q_pos = jnp.asarray(q_pos)
+    if q_pos.ndim == 1:
+        q_pos = q_pos[None]
+    if q_pos.ndim != 2:
+        raise ValueError(f"q_pos must have shape [B, Lq] or [Lq], got q_pos.shape={tuple(q_pos.shape)}")
     dist = (q_pos[:, :, None] - jnp.arange(k_len)[None, None, :]).astype(jnp.float32)  # [B, Lq, Lk]
     return -alibi_slopes(num_heads)[None, :, None, None] * dist[:, None]
 

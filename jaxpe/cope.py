@@ -31,6 +31,10 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | N
 
     q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None for causal (queries last).
     """
+    check_qkv(q, k, k)
+    check_npos(npos)
+    if gate_k is not None:
+        check_qkv(q, gate_k, gate_k)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])

@@ -29,6 +29,7 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
 
     q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last).
     """
+    check_qkv(q, k, k)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])

@@ -32,6 +32,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0) ->
     freqs = rope_frequencies(x.shape[-1], theta)
     if positions.ndim == 1:
         positions = positions[None]
+    if positions.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"positions batch {positions.shape[0]} must be 1 or match x's batch B={x.shape[0]}")
     angles = positions.astype(jnp.float32)[:, :, None] * freqs[None, None, :]  # [B|1, L, D/2]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # [B, L, 1, D/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

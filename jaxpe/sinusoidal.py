@@ -9,6 +9,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.validation import check_positive
@@ -19,11 +20,12 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
 
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
-    if not isinstance(length, int) or length < 1:
+    if not isinstance(length, (int, np.integer)) or length < 1:
         raise ValueError(f"{length=} must be a positive int")
-    if not isinstance(dim, int) or dim < 1:
+    if not isinstance(dim, (int, np.integer)) or dim < 1:
         raise ValueError(f"{dim=} must be a positive int")
     check_positive("theta", theta)
+    length, dim = int(length), int(dim)
     half = (dim + 1) // 2
     freqs = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / dim)  # [half]
     angles = scale * jnp.arange(length, dtype=jnp.float32)[:, None] * freqs[None, :]  # [L, half]

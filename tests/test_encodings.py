@@ -604,8 +604,6 @@ def test_every_registry_name_exists():
                                    "cope_gated", "cope_rope", "corope"}
 
 
-# Known gaps (reported to the lead): the public position helpers skip the input checks of the attentions.
-@pytest.mark.xfail(strict=True, reason="jaxpe.cope_positions does not validate npos, dtype or heads yet")
 def test_cope_positions_validates_inputs():
     q = jnp.ones((1, 4, 2, 4))
     with pytest.raises(ValueError, match="npos=1 must be"):
@@ -616,7 +614,6 @@ def test_cope_positions_validates_inputs():
         jaxpe.cope_positions(jnp.ones((1, 4, 3, 4)), jnp.ones((1, 4, 2, 4)), npos=3)
 
 
-@pytest.mark.xfail(strict=True, reason="jaxpe.corope_mileage does not validate dtype or heads yet")
 def test_corope_mileage_validates_inputs():
     q = jnp.ones((1, 4, 2, 4))
     with pytest.raises(TypeError, match="q must be a floating-point array"):
