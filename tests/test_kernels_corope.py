@@ -1,0 +1,205 @@
+"""Co-RoPE kernels (blockwise and Pallas) against jaxpe's dense reference: outputs and gradients.
+
+One sweep, a covering selection of L ∈ {1, 7, 64, 130, 300}, D ∈ {32, 64, 128}, G ∈ {1, 2, 4}, two block
+configurations, float32/bfloat16 and saturated gates (|logit| ≥ 30). The Pallas sweep runs in interpret mode on
+CPU and compiled (Triton) on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpe
+from kernels.corope_attention import BlockSizes, corope_attention_pallas
+from kernels.corope_blockwise import corope_attention_blockwise
+
+THETA = 10000.0
+SMALL_BLOCKS = BlockSizes(block_q=16, block_k=16, block_d=16, block_q_bwd=16, block_k_bwd=16)
+RECT_BLOCKS = BlockSizes(block_q=32, block_k=16, block_d=32, block_q_bwd=16, block_k_bwd=32)
+WIDE_BLOCKS = BlockSizes(block_q=16, block_k=32, block_d=64, block_q_bwd=32, block_k_bwd=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    length: int
+    head_dim: int
+    kv_heads: int
+    groups: int
+    dtype: str
+    saturated: bool = False
+
+    def __str__(self):
+        sat = "-saturated" if self.saturated else ""
+        return f"L{self.length}-D{self.head_dim}-Hkv{self.kv_heads}-G{self.groups}-{self.dtype}{sat}"
+
+
+# (case, Pallas block sizes, blockwise block_k): each value of every axis appears, pairs of axes mostly covered.
+SWEEP = [
+    (Case(1, 32, 1, 2, "float32"), SMALL_BLOCKS, 16),
+    (Case(7, 64, 2, 1, "bfloat16"), BlockSizes(), 4),
+    (Case(64, 32, 1, 4, "float32", saturated=True), SMALL_BLOCKS, 16),
+    (Case(64, 128, 1, 4, "bfloat16"), WIDE_BLOCKS, 32),
+    (Case(130, 128, 1, 1, "float32"), RECT_BLOCKS, 64),
+    (Case(130, 32, 2, 2, "bfloat16", saturated=True), RECT_BLOCKS, 16),
+    (Case(300, 64, 1, 2, "float32"), BlockSizes(), 128),
+    (Case(300, 32, 1, 4, "bfloat16", saturated=True), WIDE_BLOCKS, 64),
+]
+IDS = [str(case) for case, _, _ in SWEEP]
+
+# Max |error| allowed, as a fraction of max(1, max |reference|), for the output and for the gradients.
+TOLERANCE = {"float32": (2e-5, 2e-4), "bfloat16": (2e-2, 3e-2)}
+
+
+def make_inputs(case: Case, key: jax.Array) -> tuple[jax.Array, ...]:
+    """q [1, L, Hkv·G, D], k/v [1, L, Hkv, D] and an output cotangent.
+
+    Saturated: the leader queries and the keys share one large component (pair D/2 − 1, the slowest frequency)
+    of size a with sm_scale·a² = 40, random sign on the keys, so every gate logit is ±40 ± O(1).
+    """
+    kq, kk, kv, kc, ks = jax.random.split(key, 5)
+    hq = case.kv_heads * case.groups
+    q = jax.random.normal(kq, (1, case.length, hq, case.head_dim))
+    k = jax.random.normal(kk, (1, case.length, case.kv_heads, case.head_dim))
+    v = jax.random.normal(kv, (1, case.length, case.kv_heads, case.head_dim))
+    if case.saturated:
+        big = np.sqrt(40.0 * np.sqrt(case.head_dim))
+        sign = jnp.where(jax.random.bernoulli(ks, 0.5, (1, case.length, case.kv_heads)), 1.0, -1.0)
+        slot = case.head_dim // 2 - 1
+        q = q.at[:, :, :: case.groups, slot].set(big)
+        k = k.at[:, :, :, slot].set(big * sign)
+    dtype = jnp.dtype(case.dtype)
+    cotangent = jax.random.normal(kc, (1, case.length, hq, case.head_dim))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), cotangent
+
+
+def output_and_grads(attention, q, k, v, cotangent):
+    """Jitted (o, (dq, dk, dv)) of sum(o · cotangent)."""
+
+    def run(q, k, v):
+        o, pullback = jax.vjp(attention, q, k, v)
+        return o, pullback(cotangent.astype(o.dtype))
+
+    return jax.jit(run)(q, k, v)
+
+
+def reference(q, k, v):
+    return jaxpe.corope_attention(q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, impl="reference")
+
+
+def assert_matches_reference(case: Case, attention, key: jax.Array, tolerance=TOLERANCE):
+    q, k, v, cotangent = make_inputs(case, key)
+    if case.saturated:
+        leaders = q[:, :, :: case.groups].astype(jnp.float32)
+        logits = jnp.einsum("blhd,bmhd->bhlm", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
+        assert float(jnp.min(jnp.abs(logits))) >= 30.0
+    out, grads = output_and_grads(attention, q, k, v, cotangent)
+    ref_out, ref_grads = output_and_grads(reference, q, k, v, cotangent)
+    chex.assert_shape(out, q.shape)
+    assert out.dtype == q.dtype
+    tol_out, tol_grad = tolerance[case.dtype]
+    for name, got, want, tol in [("o", out, ref_out, tol_out),
+                                 *[(f"d{n}", g, w, tol_grad) for n, g, w in zip("qkv", grads, ref_grads)]]:
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.all(np.isfinite(got)), name
+        scale = max(1.0, float(np.max(np.abs(want))))
+        chex.assert_trees_all_close(got, want, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {case}")
+
+
+class _PallasSweep:
+    """Pallas kernel sweep; INTERPRET chooses the Pallas interpreter (CPU) or the Triton lowering (GPU)."""
+
+    INTERPRET: bool
+    TOLERANCE = TOLERANCE
+
+    @pytest.mark.parametrize("case, block_sizes, block_k", SWEEP, ids=IDS)
+    def test_matches_reference(self, case, block_sizes, block_k, key):
+        del block_k
+        attention = lambda q, k, v: corope_attention_pallas(
+            q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, block_sizes=block_sizes, interpret=self.INTERPRET)
+        assert_matches_reference(case, attention, key, self.TOLERANCE)
+
+
+@pytest.mark.gpu
+class TestCoRoPEPallas(_PallasSweep):
+    """Compiled through Triton. float32 dots outside the gates may run in TF32 on the GPU: looser float32."""
+
+    INTERPRET = False
+    TOLERANCE = {**TOLERANCE, "float32": (5e-3, 1e-2)}
+
+
+class TestCoRoPEPallasInterpret(_PallasSweep):
+    """The same sweep in interpret mode (a sibling, not a subclass: pytest marks are inherited along the MRO)."""
+
+    INTERPRET = True
+
+
+class TestCoRoPEBlockwise:
+    @pytest.mark.parametrize("case, block_sizes, block_k", SWEEP, ids=IDS)
+    def test_matches_reference(self, case, block_sizes, block_k, key):
+        del block_sizes
+        attention = lambda q, k, v: corope_attention_blockwise(
+            q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, block_k=block_k)
+        assert_matches_reference(case, attention, key)
+
+
+def square_intermediates(fn, *args, size: int) -> list[tuple[int, ...]]:
+    """Shapes of every intermediate in fn's jaxpr (all nested jaxprs included) with two axes of `size` or more."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                shape = getattr(var.aval, "shape", ())
+                if sum(dim >= size for dim in shape) >= 2:
+                    found.append(tuple(shape))
+            for param in eqn.params.values():
+                for p in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(p, jex_core.ClosedJaxpr):
+                        walk(p.jaxpr)
+                    elif isinstance(p, jex_core.Jaxpr):
+                        walk(p)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_backward_never_builds_length_squared(impl, key):
+    """jax.grad's jaxpr holds no [.., L, .., L, ..] value (L = 512); the dense reference does (the probe works)."""
+    length = 512
+    q, k, v, _ = make_inputs(Case(length, 32, 1, 2, "float32"), key)
+    kernel = {
+        "blockwise": lambda q, k, v: corope_attention_blockwise(q, k, v, theta=THETA, sm_scale=0.2, block_k=64),
+        "pallas": lambda q, k, v: corope_attention_pallas(q, k, v, theta=THETA, sm_scale=0.2, interpret=True),
+    }[impl]
+    grad = lambda attention: jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)), argnums=(0, 1, 2))
+    assert square_intermediates(grad(kernel), q, k, v, size=length) == []
+    assert square_intermediates(grad(reference), q, k, v, size=length)
+
+
+def test_block_sizes_validated():
+    with pytest.raises(ValueError, match="block_q=24"):
+        BlockSizes(block_q=24)
+    with pytest.raises(ValueError, match="block_d=8"):
+        BlockSizes(block_d=8)
+
+
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
+def test_bad_inputs_raise(kernel):
+    attention = {"blockwise": corope_attention_blockwise, "pallas": corope_attention_pallas}[kernel]
+    q = jnp.zeros((1, 8, 4, 32))
+    kv = jnp.zeros((1, 8, 2, 32))
+    with pytest.raises(ValueError, match="head dim d=31"):
+        attention(q[..., :31], kv[..., :31], kv[..., :31], theta=THETA, sm_scale=0.2)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention(q[:, :, :3], kv, kv, theta=THETA, sm_scale=0.2)
+    with pytest.raises(TypeError, match="float16"):
+        attention(q.astype(jnp.float16), kv.astype(jnp.float16), kv.astype(jnp.float16), theta=THETA, sm_scale=0.2)
+    with pytest.raises(ValueError, match="theta=-1.0"):
+        attention(q, kv, kv, theta=-1.0, sm_scale=0.2)
