@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from train.checkpoint import Checkpoints
+from train.cli import compare_main, eval_main
 from train.config import OptimConfig, build_config
 from train.evaluate import batch_sums, metrics_from_sums
 from train.loop import (
@@ -125,19 +126,19 @@ def test_train_step_accumulation_equals_full_batch(key):
         assert int(metrics["nonfinite"]) == 0
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_eight_devices_match_one_device(tmp_path, fsdp):
-    """Data parallel over 8 simulated devices (replicated or FSDP) follows the 1-device loss curve."""
-    steps = ["run.steps=6", "model.dropout=0.1", "model.d_model=64", "model.mlp_dim=128"]
+def test_eight_devices_match_one_device(tmp_path):
+    """Data parallel over 8 simulated devices (replicated, then FSDP) follows the 1-device loss curve."""
+    steps = ["run.steps=4", "model.dropout=0.1", "model.d_model=32", "model.mlp_dim=128"]
     one = train_and_evaluate(tiny(*steps), tmp_path / "one")
-    eight = train_and_evaluate(tiny(*steps, "run.num_devices=8", f"run.fsdp={fsdp}"), tmp_path / "eight")
-    np.testing.assert_allclose(train_losses(tmp_path / "eight"), train_losses(tmp_path / "one"), rtol=2e-4)
-    for split in one["splits"]:
-        assert eight["splits"][split]["loss"] == pytest.approx(one["splits"][split]["loss"], rel=2e-4)
+    for fsdp in (False, True):
+        eight = train_and_evaluate(tiny(*steps, "run.num_devices=8", f"run.fsdp={fsdp}"), tmp_path / f"{fsdp}")
+        np.testing.assert_allclose(train_losses(tmp_path / f"{fsdp}"), train_losses(tmp_path / "one"), rtol=2e-4)
+        for split in one["splits"]:
+            assert eight["splits"][split]["loss"] == pytest.approx(one["splits"][split]["loss"], rel=2e-4)
 
 
 def test_fsdp_shards_large_arrays():
-    config = tiny("run.num_devices=8", "run.fsdp=true", "model.d_model=64", "model.mlp_dim=128")
+    config = tiny("run.num_devices=8", "run.fsdp=true", "model.d_model=32", "model.mlp_dim=128")
     task = build_task(config)
     trainer = Trainer(model=build_model(config.model, task.vocab_size, 16), config=config, seq_len=16)
     specs = [s.spec for s in jax.tree.leaves(trainer.state_sharding.params)]
@@ -201,3 +202,30 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     for split, values in first["splits"].items():
         assert again["splits"][split] == pytest.approx(values)
     shutil.rmtree(tmp_path / "run")
+
+
+def test_cli_compare_then_eval(tmp_path, capsys):
+    """jaxpe-compare: encodings x seeds -> JSON/Markdown/PNG and a printed table; jaxpe-eval re-scores a run."""
+    args = ["--task", "flipflop", "--pe", "rope,learned", "--seeds", "0", "--workdir", str(tmp_path),
+            *TINY, "run.steps=3", "run.checkpoint_every=3"]
+    assert compare_main(args) == 0
+    printed = capsys.readouterr().out
+    comparison = json.loads((tmp_path / "compare.json").read_text())
+    assert [row["pe"] for row in comparison["rows"]] == ["rope", "learned"]
+    for row, run in zip(comparison["rows"], comparison["runs"]):
+        saved = json.loads((tmp_path / row["pe"] / "seed0" / "result.json").read_text())
+        assert run["splits"] == saved["splits"]
+        error = saved["splits"]["ood_dense"]["token_error"]
+        assert row["splits"]["ood_dense"]["token_error"] == pytest.approx(error)  # one seed: the mean is the run
+        assert f"| {row['pe']} | 0 | " in printed and f"{100 * error:.2f}" in printed
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert "ood_sparse token_error" in (tmp_path / "compare.md").read_text()
+
+    assert eval_main(["--workdir", str(tmp_path / "rope" / "seed0")]) == 0
+    evaluated = json.loads((tmp_path / "rope" / "seed0" / "eval.json").read_text())
+    assert evaluated["step"] == 3
+    for split, values in comparison["runs"][0]["splits"].items():
+        assert evaluated["splits"][split] == pytest.approx(values, rel=1e-6)
+    with pytest.raises(SystemExit):
+        compare_main(["--workdir", str(tmp_path), "model.layers=2"])
+    assert "model.layers" in capsys.readouterr().err

@@ -89,14 +89,14 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated model seeds")
     args = parser.parse_args(argv)
     try:
-        config = build_config(preset=args.preset, task=args.task, overrides=args.overrides)
         pes = [p for p in args.pe.split(",") if p]
+        configs = [build_config(preset=args.preset, task=args.task, pe=pe, overrides=args.overrides) for pe in pes]
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError as error:
         return _fail(parser, error)
     _start(args)
     try:
-        comparison = loop.compare_encodings(config, pes, seeds, args.workdir)
+        comparison = loop.compare_encodings(configs, seeds, args.workdir)
     except loop.NonFiniteLossError as error:
         print(f"jaxpe-compare: {error}", file=sys.stderr)
         return 1

@@ -102,7 +102,8 @@ def preset_names() -> tuple[str, ...]:
 
 
 def load_preset(name: str) -> dict[str, Any]:
-    """The preset's nested dict: sections model/optim/run, and tasks: {task name: options}."""
+    """The preset's nested dict: sections task/model/optim/run, tasks: {task name: options} and
+    encodings: {pe name: pe_options}, the last two applied only to the chosen task and encoding."""
     path = PRESET_DIR / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"preset {name=} not found; choose one of {preset_names()}")
@@ -119,9 +120,11 @@ def build_config(
     """Defaults, then the preset, then task and pe, then `key=value` overrides (last wins)."""
     config = TrainConfig()
     preset_tasks: Mapping[str, Any] = {}
+    preset_encodings: Mapping[str, Any] = {}
     if preset is not None:
         data = load_preset(preset)
         preset_tasks = data.pop("tasks", {})
+        preset_encodings = data.pop("encodings", {})
         config = apply_dict(config, {k: v for k, v in data.items() if not k.startswith("_")})
     if task is not None:
         config = apply_dict(config, {"task": {"name": task}})
@@ -129,6 +132,8 @@ def build_config(
         config = apply_dict(config, {"task": {"options": preset_tasks[config.task.name]}})
     if pe is not None:
         config = apply_dict(config, {"model": {"pe": pe}})
+    if config.model.pe in preset_encodings:
+        config = apply_dict(config, {"model": {"pe_options": preset_encodings[config.model.pe]}})
     return apply_overrides(config, overrides)
 
 

@@ -336,30 +336,32 @@ def _progress_bar(run: Any, start: int, *, enabled: bool) -> Any:
 
 
 def compare_encodings(
-    config: TrainConfig, pes: Sequence[str], seeds: Sequence[int], workdir: str | pathlib.Path
+    configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: str | pathlib.Path
 ) -> dict[str, Any]:
-    """Trains every (encoding, seed) in workdir/<pe>/seed<seed> (each resumes by itself) and
-    writes one comparison: compare.json, compare.md and compare.png (mean ± std over seeds)."""
-    if not pes or not seeds:
-        raise ValueError(f"{pes=} and {seeds=} must both be non-empty")
+    """Trains every (config, seed) in workdir/<pe>/seed<seed> (each resumes by itself) and writes
+    one comparison: compare.json, compare.md and compare.png (mean ± std over seeds).
+
+    configs: one per encoding (same task), e.g. build_config(preset=..., pe=pe) for each pe.
+    """
+    if not configs or not seeds:
+        raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
+    if any(c.task != configs[0].task for c in configs):
+        raise ValueError(f"configs must share one task config, got {[c.task for c in configs]}")
     workdir = pathlib.Path(workdir).absolute()
     results = []
-    for pe in pes:
+    for config in configs:
         for seed in seeds:
-            run_config = dataclasses.replace(
-                config,
-                model=dataclasses.replace(config.model, pe=pe),
-                run=dataclasses.replace(config.run, seed=seed),
-            )
-            log.info("training %s seed %d", pe, seed)
-            results.append(train_and_evaluate(run_config, workdir / pe / f"seed{seed}"))
+            log.info("training %s seed %d", config.model.pe, seed)
+            run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
+            results.append(train_and_evaluate(run_config, workdir / config.model.pe / f"seed{seed}"))
     metric, splits = results[0]["metric"], list(results[0]["splits"])
     rows = evaluate.summarize_seeds(results)
     table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
-    comparison = {"task": config.task.name, "metric": metric, "splits": splits, "rows": rows, "runs": results}
+    task_name = configs[0].task.name
+    comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "runs": results}
     if jax.process_index() == 0:
         evaluate.write_json(workdir / "compare.json", comparison)
-        (workdir / "compare.md").write_text(f"# {config.task.name}: {metric}, lower is better\n\n{table}")
+        (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
         plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
     return {**comparison, "table": table}
 
