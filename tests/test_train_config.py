@@ -91,3 +91,21 @@ def test_paper_model_shapes_without_compute():
     assert sum(int(np.prod(x.shape)) for x in moments) == 2 * n_params  # Adam mu and nu
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
     assert dataclasses.asdict(config.model)["num_layers"] == layers
+
+
+def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path, monkeypatch):
+    import json
+
+    import train.config
+
+    (tmp_path / "mine.json").write_text(json.dumps({
+        "model": {"d_model": 48}, "run": {"steps": 7},
+        "tasks": {"counting": {"nvars": 5}, "flipflop": {"seq_len": 32}},
+        "encodings": {"cope": {"npos": 17}},
+    }))
+    monkeypatch.setattr(train.config, "PRESET_DIR", tmp_path)
+    cope = build_config(preset="mine", task="counting", pe="cope")
+    rope = build_config(preset="mine", task="flipflop", pe="rope", overrides=["model.pe_options.theta=500.0"])
+    assert cope.model.d_model == rope.model.d_model == 48 and cope.run.steps == 7
+    assert dict(cope.task.options) == {"nvars": 5} and dict(rope.task.options) == {"seq_len": 32}
+    assert dict(cope.model.pe_options) == {"npos": 17} and dict(rope.model.pe_options) == {"theta": 500.0}
