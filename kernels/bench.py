@@ -1,0 +1,285 @@
+"""Benchmark of the contextual attentions: time and peak memory, forward and forward+backward.
+
+CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_attention` with impl = reference,
+blockwise, pallas; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
+B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
+
+    python -m kernels.bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
+    python -m kernels.bench --quick    # CPU-sized sweep
+    python -m kernels.bench --lengths 1024,4096 --impls blockwise,anchor --ops cope
+
+Peak memory: on GPU, `peak_bytes_in_use` of the device, each case in a fresh subprocess so the peak is its own;
+on CPU, the compiled executable's memory analysis (temp + argument + output bytes), and cases above
+--cpu-memory-cap-gib are compiled but not run. Out-of-memory and compile failures are recorded per case.
+Writes <name>.json (device, jax version, date, config, rows) and <name>.md to --out (name: bench_<backend>).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+OPS = ("cope", "corope")
+IMPLS = ("reference", "blockwise", "pallas", "anchor")
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measurement: `op` is "cope", "corope" or "rope" (the anchor, impl "anchor")."""
+
+    op: str
+    impl: str
+    length: int
+    head_dim: int
+    groups: int
+    mode: str
+    batch: int
+    heads: int
+    npos: int
+    dtype: str
+
+
+def _attention(case: Case):
+    """(attention(q, k, v, *extra), extra inputs) for the case."""
+    import jaxpe
+
+    if case.op == "cope":
+        pos_emb = 0.1 * jax.random.normal(jax.random.PRNGKey(3), (case.npos, case.head_dim))
+        return (lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=case.impl)), (pos_emb.astype(case.dtype),)
+    if case.op == "corope":
+        return (lambda q, k, v: jaxpe.corope_attention(q, k, v, impl=case.impl)), ()
+
+    def rope_attention(q, k, v):
+        positions = jnp.arange(q.shape[1])
+        q, k = jaxpe.apply_rope(q, positions), jaxpe.apply_rope(k, positions)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+
+    return rope_attention, ()
+
+
+def _problem(case: Case):
+    """(function to time, its arguments): the attention output, or the gradients of sum(o · cotangent)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    hkv = case.heads // case.groups
+    q = jax.random.normal(keys[0], (case.batch, case.length, case.heads, case.head_dim), case.dtype)
+    k, v = (jax.random.normal(kk, (case.batch, case.length, hkv, case.head_dim), case.dtype) for kk in keys[1:3])
+    attention, extra = _attention(case)
+    args = (q, k, v, *extra)
+    if case.mode == "fwd":
+        return attention, args
+    cotangent = jax.random.normal(keys[3], q.shape, case.dtype)
+
+    def loss(*a):
+        return jnp.sum(attention(*a).astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=tuple(range(len(args)))), args
+
+
+def _is_oom(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
+
+
+def measure(case: Case, *, repeats: int, cpu_memory_cap: float, max_interpret_length: int,
+            predicted_s: float = 0.0, slow_s: float = float("inf")) -> dict:
+    """Time and peak memory of one case; errors recorded. The first run is timed; if it took under 2 s, the
+    median of `repeats` more runs is reported instead. A case predicted to take over `slow_s` is compiled
+    (so its memory is known) but not run."""
+    row = dataclasses.asdict(case)
+    on_gpu = jax.default_backend() == "gpu"
+    if case.impl == "pallas" and not on_gpu and case.length > max_interpret_length:
+        return row | {"error": f"skipped: Pallas interpret mode above L={max_interpret_length} on CPU"}
+    try:
+        fn, args = _problem(case)
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as error:  # noqa: BLE001 - every failure is a result to record
+        return row | {"error": ("out of memory: " if _is_oom(error) else "compile failed: ") + _short(error)}
+    if not on_gpu:
+        analysis = compiled.memory_analysis()
+        peak = analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+        row["peak_bytes"] = int(peak)
+        if peak > cpu_memory_cap:
+            return row | {"error": f"not run: needs {peak / 2**30:.1f} GiB > cap {cpu_memory_cap / 2**30:.1f} GiB"}
+    if predicted_s > slow_s:
+        return row | {"error": f"not run: predicted {predicted_s:.0f} s > --slow-s {slow_s:.0f}"}
+    try:
+        times = []
+        for _ in range(1 + repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+            if times[0] > 2.0:
+                break
+        times = times[1:] or times
+    except Exception as error:  # noqa: BLE001
+        return row | {"error": ("out of memory: " if _is_oom(error) else "run failed: ") + _short(error)}
+    row["time_ms"] = 1e3 * statistics.median(times)
+    if on_gpu:
+        stats = jax.devices()[0].memory_stats() or {}
+        row["peak_bytes"] = int(stats.get("peak_bytes_in_use", 0)) or None
+    return row
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split())[:300]
+
+
+def _cases(args: argparse.Namespace) -> list[Case]:
+    cases = []
+    for length in args.lengths:
+        for head_dim in args.head_dims:
+            for groups in args.groups:
+                for mode in MODES:
+                    common = dict(length=length, head_dim=head_dim, groups=groups, mode=mode, batch=args.batch,
+                                  heads=args.heads, npos=args.npos, dtype=args.dtype)
+                    if "anchor" in args.impls:
+                        cases.append(Case(op="rope", impl="anchor", **common))
+                    for op in args.ops:
+                        cases += [Case(op=op, impl=impl, **common) for impl in args.impls if impl != "anchor"]
+    return cases
+
+
+def _run_in_subprocess(case: Case, args: argparse.Namespace) -> dict:
+    """GPU: a fresh process per case, so that the device's peak memory is this case's alone."""
+    command = [sys.executable, "-m", "kernels.bench", "--case", json.dumps(dataclasses.asdict(case)),
+               "--repeats", str(args.repeats)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    except subprocess.TimeoutExpired:
+        return dataclasses.asdict(case) | {"error": f"timed out after {args.case_timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return dataclasses.asdict(case) | {"error": "crashed: " + _short(Exception(done.stderr[-600:]))}
+    return json.loads(lines[-1])
+
+
+def _ratio(row: dict, base: dict | None) -> str:
+    if base is None or "time_ms" not in row or "time_ms" not in base:
+        return ""
+    return f"{row['time_ms'] / base['time_ms']:.2f}"
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    """Markdown table; ratios are to the RoPE anchor and to the reference of the same op, both from this run."""
+    def key(r, **kw):
+        return tuple((r | kw)[f] for f in ("op", "impl", "length", "head_dim", "groups", "mode"))
+
+    index = {key(r): r for r in rows}
+    lines = [header, "", "| op | impl | L | D | G | mode | time (ms) | × RoPE anchor | × reference | peak (MiB) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        anchor = index.get(key(r, op="rope", impl="anchor"))
+        reference = index.get(key(r, impl="reference"))
+        time_ms = f"{r['time_ms']:.1f}" if "time_ms" in r else "—"
+        peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "—"
+        lines.append(f"| {r['op']} | {r['impl']} | {r['length']} | {r['head_dim']} | {r['groups']} | {r['mode']} | "
+                     f"{time_ms} | {_ratio(r, anchor)} | {_ratio(r, reference) if r['impl'] != 'reference' else ''}"
+                     f" | {peak} | {r.get('error', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {allowed}")
+        return names
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CPU-sized sweep (L 256..16384, D 64, G 1)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder")
+    parser.add_argument("--name", help="output file stem (default bench_<backend>)")
+    parser.add_argument("--lengths", type=_ints, help="comma-separated sequence lengths")
+    parser.add_argument("--head-dims", type=_ints, help="comma-separated head dims (default 64,128)")
+    parser.add_argument("--groups", type=_ints, help="comma-separated GQA group sizes G (default 1,4)")
+    parser.add_argument("--impls", type=_names(IMPLS), default=list(IMPLS), help=f"subset of {IMPLS}")
+    parser.add_argument("--ops", type=_names(OPS), default=list(OPS), help=f"subset of {OPS}")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8, help="query heads Hq")
+    parser.add_argument("--npos", type=int, default=64, help="CoPE table rows")
+    parser.add_argument("--dtype", default=None, help="input dtype (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median reported)")
+    parser.add_argument("--cpu-memory-cap-gib", type=float, default=6.0, help="CPU: do not run cases above this")
+    parser.add_argument("--max-interpret-length", type=int, default=256,
+                        help="CPU: longest L for Pallas in interpret mode")
+    parser.add_argument("--slow-s", type=float, default=None,
+                        help="CPU: skip a case whose time, extrapolated as L² from the last length, exceeds this "
+                             "(default 30 s with --quick, else no limit)")
+    parser.add_argument("--case-timeout", type=int, default=600, help="GPU: seconds per case subprocess")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its row as JSON
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    cap = args.cpu_memory_cap_gib * 2**30
+    if args.case:
+        print(json.dumps(measure(Case(**json.loads(args.case)), repeats=args.repeats, cpu_memory_cap=cap,
+                                 max_interpret_length=args.max_interpret_length)))
+        return
+    if args.quick:
+        args.lengths = args.lengths or [256, 1024, 2048, 4096, 16384]
+        args.slow_s = 30.0 if args.slow_s is None else args.slow_s
+        args.head_dims = args.head_dims or [64]
+        args.groups = args.groups or [1]
+    args.lengths = args.lengths or [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    args.head_dims = args.head_dims or [64, 128]
+    args.groups = args.groups or [1, 4]
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    args.slow_s = float("inf") if args.slow_s is None else args.slow_s
+    for name in ("lengths", "head_dims", "groups"):
+        if any(x < 1 for x in getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.heads % max(args.groups):
+        raise ValueError(f"--heads={args.heads} must be a multiple of every G in --groups={args.groups}")
+
+    rows, last_time = [], {}  # series (all but length) -> (length, seconds) of its last timed case
+    for case in _cases(args):
+        series = dataclasses.replace(case, length=0)
+        previous = last_time.get(series)
+        predicted = 0.0 if previous is None else previous[1] * (case.length / previous[0]) ** 2
+        row = (_run_in_subprocess(case, args) if on_gpu else
+               measure(case, repeats=args.repeats, cpu_memory_cap=cap, max_interpret_length=args.max_interpret_length,
+                       predicted_s=predicted, slow_s=args.slow_s))
+        if "time_ms" in row:
+            last_time[series] = (case.length, row["time_ms"] / 1e3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    device = jax.devices()[0]
+    report = {
+        "device_kind": device.device_kind, "backend": jax.default_backend(), "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "memory_source": ("device memory_stats peak_bytes_in_use, one subprocess per case" if on_gpu else
+                          "compiled memory_analysis: temp + argument + output bytes"),
+        "config": {k: v for k, v in vars(args).items() if k not in ("case", "out", "name")},
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"bench_{jax.default_backend()}"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    header = (f"## Attention benchmark: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+              f"{report['date']}\n\nB={args.batch}, Hq={args.heads}, npos={args.npos}, dtype={args.dtype}; "
+              f"peak memory from {report['memory_source']}.")
+    (args.out / f"{stem}.md").write_text(markdown(rows, header))
+
+
+if __name__ == "__main__":
+    main()
