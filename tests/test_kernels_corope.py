@@ -7,6 +7,7 @@ CPU and compiled (Triton) on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -20,6 +21,7 @@ from kernels.corope_attention import BlockSizes, corope_attention_pallas
 from kernels.corope_blockwise import corope_attention_blockwise
 
 THETA = 10000.0
+KEY = jax.random.PRNGKey(0)
 SMALL_BLOCKS = BlockSizes(block_q=16, block_k=16, block_d=16, block_q_bwd=16, block_k_bwd=16)
 RECT_BLOCKS = BlockSizes(block_q=32, block_k=16, block_d=32, block_q_bwd=16, block_k_bwd=32)
 WIDE_BLOCKS = BlockSizes(block_q=16, block_k=32, block_d=64, block_q_bwd=32, block_k_bwd=16)
@@ -51,6 +53,9 @@ SWEEP = [
     (Case(300, 32, 1, 4, "bfloat16", saturated=True), WIDE_BLOCKS, 64),
 ]
 IDS = [str(case) for case, _, _ in SWEEP]
+# The Pallas kernels compile slowly in interpret mode: a 6-case subset that still covers every value of every axis.
+PALLAS_SWEEP = [SWEEP[i] for i in (0, 1, 3, 4, 5, 7)]
+PALLAS_IDS = [IDS[i] for i in (0, 1, 3, 4, 5, 7)]
 
 # Max |error| allowed, as a fraction of max(1, max |reference|), for the output and for the gradients.
 TOLERANCE = {"float32": (2e-5, 2e-4), "bfloat16": (2e-2, 3e-2)}
@@ -78,34 +83,43 @@ def make_inputs(case: Case, key: jax.Array) -> tuple[jax.Array, ...]:
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), cotangent
 
 
-def output_and_grads(attention, q, k, v, cotangent):
-    """Jitted (o, (dq, dk, dv)) of sum(o · cotangent)."""
+# Compile time dominates these tests; the speed of the compiled test programs does not matter.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def output_and_grads(attention, q, k, v, cotangent) -> list[np.ndarray]:
+    """[o, dq, dk, dv] as float32 NumPy, gradients of sum(o · cotangent)."""
 
     def run(q, k, v):
         o, pullback = jax.vjp(attention, q, k, v)
-        return o, pullback(cotangent.astype(o.dtype))
+        assert o.dtype == q.dtype
+        return o, *pullback(cotangent.astype(o.dtype))
 
-    return jax.jit(run)(q, k, v)
+    compiled = jax.jit(run).lower(q, k, v).compile(FAST_COMPILE)
+    return [np.asarray(x, np.float32) for x in compiled(q, k, v)]
 
 
 def reference(q, k, v):
     return jaxpe.corope_attention(q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, impl="reference")
 
 
-def assert_matches_reference(case: Case, attention, key: jax.Array, tolerance=TOLERANCE):
-    q, k, v, cotangent = make_inputs(case, key)
+@functools.lru_cache(maxsize=None)
+def reference_results(case: Case) -> list[np.ndarray]:
+    """The dense reference's [o, dq, dk, dv] on `make_inputs(case, KEY)`, computed once per case."""
+    return output_and_grads(reference, *make_inputs(case, KEY))
+
+
+def assert_matches_reference(case: Case, attention, tolerance=TOLERANCE):
+    q, k, v, cotangent = make_inputs(case, KEY)
     if case.saturated:
         leaders = q[:, :, :: case.groups].astype(jnp.float32)
         logits = jnp.einsum("blhd,bmhd->bhlm", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
         assert float(jnp.min(jnp.abs(logits))) >= 30.0
-    out, grads = output_and_grads(attention, q, k, v, cotangent)
-    ref_out, ref_grads = output_and_grads(reference, q, k, v, cotangent)
-    chex.assert_shape(out, q.shape)
-    assert out.dtype == q.dtype
+    results = output_and_grads(attention, q, k, v, cotangent)
+    chex.assert_shape(results, [q.shape, q.shape, k.shape, v.shape])
     tol_out, tol_grad = tolerance[case.dtype]
-    for name, got, want, tol in [("o", out, ref_out, tol_out),
-                                 *[(f"d{n}", g, w, tol_grad) for n, g, w in zip("qkv", grads, ref_grads)]]:
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    for name, got, want, tol in zip(["o", "dq", "dk", "dv"], results, reference_results(case),
+                                    [tol_out, tol_grad, tol_grad, tol_grad]):
         assert np.all(np.isfinite(got)), name
         scale = max(1.0, float(np.max(np.abs(want))))
         chex.assert_trees_all_close(got, want, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {case}")
@@ -117,12 +131,12 @@ class _PallasSweep:
     INTERPRET: bool
     TOLERANCE = TOLERANCE
 
-    @pytest.mark.parametrize("case, block_sizes, block_k", SWEEP, ids=IDS)
-    def test_matches_reference(self, case, block_sizes, block_k, key):
+    @pytest.mark.parametrize("case, block_sizes, block_k", PALLAS_SWEEP, ids=PALLAS_IDS)
+    def test_matches_reference(self, case, block_sizes, block_k):
         del block_k
         attention = lambda q, k, v: corope_attention_pallas(
             q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, block_sizes=block_sizes, interpret=self.INTERPRET)
-        assert_matches_reference(case, attention, key, self.TOLERANCE)
+        assert_matches_reference(case, attention, self.TOLERANCE)
 
 
 @pytest.mark.gpu
@@ -141,11 +155,11 @@ class TestCoRoPEPallasInterpret(_PallasSweep):
 
 class TestCoRoPEBlockwise:
     @pytest.mark.parametrize("case, block_sizes, block_k", SWEEP, ids=IDS)
-    def test_matches_reference(self, case, block_sizes, block_k, key):
+    def test_matches_reference(self, case, block_sizes, block_k):
         del block_sizes
         attention = lambda q, k, v: corope_attention_blockwise(
             q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, block_k=block_k)
-        assert_matches_reference(case, attention, key)
+        assert_matches_reference(case, attention)
 
 
 def square_intermediates(fn, *args, size: int) -> list[tuple[int, ...]]:
