@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class Checkpoints:
         return None, {}, problems
 
     def _quarantine(self, step: int) -> None:
+        if jax.process_index() != 0:  # one process moves it; the others only re-read the directory
+            self.manager.reload()
+            return
         target = self.directory.parent / "corrupt_checkpoints" / str(step)
         if target.exists():
             shutil.rmtree(target)

@@ -41,11 +41,6 @@ def _start(args: argparse.Namespace) -> None:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
-def _fail(parser: argparse.ArgumentParser, error: Exception) -> int:
-    parser.exit(2, f"{parser.prog}: error: {error}\n")
-    return 2
-
-
 def train_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-train: one run; prints the result table."""
     parser = _config_parser("Train one model on one task (resumes from --workdir's checkpoints).")
@@ -54,7 +49,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     try:
         config = build_config(preset=args.preset, task=args.task, pe=args.pe, overrides=args.overrides)
     except ValueError as error:
-        return _fail(parser, error)
+        parser.error(str(error))
     _start(args)
     try:
         result = loop.train_and_evaluate(config, args.workdir)
@@ -77,7 +72,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     try:
         result = loop.evaluate_checkpoint(args.workdir, step=args.step)
     except ValueError as error:
-        return _fail(parser, error)
+        parser.error(str(error))
     print(result["table"], end="")
     return 0
 
@@ -93,7 +88,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         configs = [build_config(preset=args.preset, task=args.task, pe=pe, overrides=args.overrides) for pe in pes]
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError as error:
-        return _fail(parser, error)
+        parser.error(str(error))
     _start(args)
     try:
         comparison = loop.compare_encodings(configs, seeds, args.workdir)

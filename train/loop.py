@@ -209,8 +209,16 @@ class MetricsLog:
     def __init__(self, path: pathlib.Path, *, resume_step: int, enabled: bool):
         self.path, self.enabled = path, enabled
         if enabled and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in path.read_text().splitlines() if self._step(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
+
+    @staticmethod
+    def _step(line: str) -> float:
+        """The record's step; a line cut short by a kill counts as past any resume point."""
+        try:
+            return json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return float("inf")
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self.enabled:
@@ -303,7 +311,7 @@ def train_and_evaluate(
                 clock, clock_step = time.perf_counter(), step  # tokens/s measures training only
             if progress is not None:
                 progress.update(1)
-        if start == run.steps:  # resumed a finished run: evaluate its final state
+        if start >= run.steps:  # resumed a finished run: evaluate its final state
             final = trainer.evaluate(state.params, splits)
     finally:
         if progress is not None:
