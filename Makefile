@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 .venv: $(VENV)/.installed
 
 demo: .venv
-	@echo "demo target: arriving with the training package"
+	$(BIN)/jaxpe-compare --task selective_copy --pe cope,rope,learned --seeds 0 --preset cpu-small --workdir runs/demo
 
 test: .venv
 	$(BIN)/python -m pytest -n 2 -q

@@ -72,7 +72,7 @@ def test_presets_apply_in_order():
     later = build_config(preset="paper", task="counting", overrides=["model.d_model=128", "task.max_steps=64"])
     assert later.model.d_model == 128 and dict(later.task.options)["max_steps"] == 64
     small = build_config(preset="cpu-small")
-    assert small.task.name in ("flipflop", "counting")
+    assert small.task.name == "selective_copy" and dict(small.task.options)["n_blanks_sparse"] == 32
 
 
 def test_paper_model_shapes_without_compute():
