@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.heads % max(args.groups):
         raise ValueError(f"--heads={args.heads} must be a multiple of every G in --groups={args.groups}")
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows, last_time = [], {}  # series (all but length) -> (length, seconds) of its last timed case
     for case in _cases(args):
         series = dataclasses.replace(case, length=0)
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         "device_kind": device.device_kind, "backend": jax.default_backend(), "jax_version": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
+        # 1-minute load average before/after: on a shared machine, times scale with it.
+        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
         "memory_source": ("device memory_stats peak_bytes_in_use, one subprocess per case" if on_gpu else
                           "compiled memory_analysis: temp + argument + output bytes"),
         "config": {k: v for k, v in vars(args).items() if k not in ("case", "out", "name")},
