@@ -121,7 +121,10 @@ def test_blockwise_matches_reference(case: Case):
 
 
 class _PallasSweep:
-    """The kernel sweep; INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU)."""
+    """The kernel sweep; INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU).
+
+    Two siblings rather than a subclass of the GPU class: pytest collects marks along the MRO, so a subclass of
+    a `gpu`-marked class would be skipped on CPU too."""
 
     INTERPRET: bool
     TOLERANCE: dict[str, float]
