@@ -133,7 +133,8 @@ def write_json(path: pathlib.Path, data: Any) -> None:
 
 
 def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "pe") -> list[dict[str, Any]]:
-    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus `<name>_std`."""
+    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus
+    `<name>_std` (with more than one seed)."""
     groups: dict[Any, list[Mapping[str, Any]]] = {}
     for result in results:
         groups.setdefault(result[label_key], []).append(result)
@@ -146,6 +147,7 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "p
             for name in names:
                 values = np.array([run["splits"][split][name] for run in runs], np.float64)
                 splits[split][name] = float(values.mean())
-                splits[split][f"{name}_std"] = float(values.std())
+                if len(runs) > 1:
+                    splits[split][f"{name}_std"] = float(values.std())
         rows.append({label_key: label, "seeds": ",".join(str(r["seed"]) for r in runs), "splits": splits})
     return rows
