@@ -5,8 +5,9 @@ import jax
 
 from jaxpe.validation import check_impl
 
-# On CPU the dense reference wins below this length; blockwise (O(L·block) memory) from here on.
-BLOCKWISE_MIN_LENGTH = 1024
+# On CPU the dense reference wins below this length for forward passes (measured by kernels/bench.py: the
+# crossover lies between 256 and 512); blockwise (O(L·block) memory) from here on.
+BLOCKWISE_MIN_LENGTH = 512
 
 
 def resolve_impl(impl: str, length: int) -> str:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reproduces results/cpu_small/: every encoding x 2 seeds at the cpu-small preset, one jaxpe-compare per task setting.
+# Usage: bash results/run_cpu_small.sh [setting ...]   (default: all settings; each resumes if interrupted)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PES=${PES:-none,learned,sinusoidal,amspe,rope,alibi,relative,cope,cope_gated,corope}
+SEEDS=${SEEDS:-0,1}
+declare -A SETTINGS=(
+  [selective_copy]="--task selective_copy"
+  [flipflop]="--task flipflop"
+  [counting_1var]="--task counting task.nvars=1"
+  [counting_3var]="--task counting task.nvars=3"
+  [counting_5var]="--task counting task.nvars=5"
+  [lm]="--task lm"
+)
+ORDER=(selective_copy flipflop counting_1var counting_3var counting_5var lm)
+for name in "${@:-${ORDER[@]}}"; do
+  # shellcheck disable=SC2086
+  .venv/bin/jaxpe-compare --preset cpu-small --pe "$PES" --seeds "$SEEDS" --workdir "runs/cpu_small/$name" \
+    ${SETTINGS[$name]} run.progress=false
+  mkdir -p "results/cpu_small/$name"
+  cp "runs/cpu_small/$name"/compare.{json,md,png} "results/cpu_small/$name/"
+done
