@@ -125,6 +125,22 @@ def results_markdown(
     return "\n".join(lines) + "\n"
 
 
+def environment() -> dict[str, Any]:
+    """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
+    import datetime
+    import platform
+
+    import flax
+
+    device = jax.devices()[0]
+    return {
+        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "device_count": jax.device_count(),
+        "process_count": jax.process_count(), "jax_version": jax.__version__, "flax_version": flax.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def write_json(path: pathlib.Path, data: Any) -> None:
     """Writes `data` as indented JSON, atomically (write then rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")

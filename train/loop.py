@@ -323,7 +323,7 @@ def train_and_evaluate(
     result = {
         "task": config.task.name, "pe": config.model.pe, "seed": run.seed, "metric": task.metric,
         "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": problems,
-        "splits": final, "config": to_dict(config),
+        "splits": final, "config": to_dict(config), "environment": evaluate.environment(),
     }
     if is_main:
         evaluate.write_json(workdir / "result.json", result)
@@ -366,7 +366,8 @@ def compare_encodings(
     rows = evaluate.summarize_seeds(results)
     table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
     task_name = configs[0].task.name
-    comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "runs": results}
+    comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "seeds": list(seeds),
+                  "environment": evaluate.environment(), "runs": results}
     if jax.process_index() == 0:
         evaluate.write_json(workdir / "compare.json", comparison)
         (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
