@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces results/cpu_small/: every encoding x 2 seeds at the cpu-small preset, one jaxpe-compare per task setting.
-# Usage: bash results/run_cpu_small.sh [setting ...]   (default: all settings; each resumes if interrupted)
+# Usage: bash results/run_cpu_small.sh [setting ...]   (default: all settings; each resumes if interrupted;
+#        COMPARE=path/to/jaxpe-compare to use another entry point, PES=... SEEDS=... to narrow the sweep)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-none,learned,sinusoidal,amspe,rope,alibi,relative,cope,cope_gated,corope}
@@ -16,7 +17,7 @@ declare -A SETTINGS=(
 ORDER=(selective_copy flipflop counting_1var counting_3var counting_5var lm)
 for name in "${@:-${ORDER[@]}}"; do
   # shellcheck disable=SC2086
-  .venv/bin/jaxpe-compare --preset cpu-small --pe "$PES" --seeds "$SEEDS" --workdir "runs/cpu_small/$name" \
+  ${COMPARE:-.venv/bin/jaxpe-compare} --preset cpu-small --pe "$PES" --seeds "$SEEDS" --workdir "runs/cpu_small/$name" \
     ${SETTINGS[$name]} run.progress=false
   mkdir -p "results/cpu_small/$name"
   cp "runs/cpu_small/$name"/compare.{json,md,png} "results/cpu_small/$name/"
