@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU: longest L for Pallas in interpret mode")
     parser.add_argument("--slow-s", type=float, default=None,
                         help="CPU: skip a case whose time, extrapolated as L² from the last length, exceeds this "
-                             "(default 30 s with --quick, else no limit)")
+                             "(default 60 s with --quick, else no limit)")
     parser.add_argument("--case-timeout", type=int, default=600, help="GPU: seconds per case subprocess")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its row as JSON
     args = parser.parse_args(argv)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.lengths = args.lengths or [128, 256, 1024, 2048, 4096, 16384]
-        args.slow_s = 30.0 if args.slow_s is None else args.slow_s
+        args.slow_s = 60.0 if args.slow_s is None else args.slow_s
         args.head_dims = args.head_dims or [64]
         args.groups = args.groups or [1]
     args.lengths = args.lengths or [512, 1024, 2048, 4096, 8192, 16384, 32768]
