@@ -33,12 +33,12 @@ def init(config: jaxpe.ModelConfig, toks: jax.Array):
 
 
 def decode_logits(model, params, toks, prefill: int) -> jax.Array:
-    cache = jaxpe.init_cache(model, toks.shape[0], toks.shape[1])
-    logits, state = model.apply({"params": params, "cache": cache}, toks[:, :prefill], decode=True, mutable=["cache"])
+    """Prefill the cache with toks[:, :prefill], then feed the rest one token at a time; all the logits."""
+    step = jax.jit(lambda cache, t: model.apply({"params": params, "cache": cache}, t, decode=True, mutable=["cache"]))
+    logits, state = step(jaxpe.init_cache(model, toks.shape[0], toks.shape[1]), toks[:, :prefill])
     outs = [logits]
     for t in range(prefill, toks.shape[1]):
-        logits, state = model.apply({"params": params, "cache": state["cache"]}, toks[:, t:t + 1], decode=True,
-                                    mutable=["cache"])
+        logits, state = step(state["cache"], toks[:, t:t + 1])
         outs.append(logits)
     return jnp.concatenate(outs, axis=1)
 
@@ -47,10 +47,11 @@ def decode_logits(model, params, toks, prefill: int) -> jax.Array:
 def test_causal_and_decode_matches_full_forward(pe, key):
     toks = tokens(key)
     model, params = init(tiny(pe), toks)
-    full = model.apply({"params": params}, toks)
+    forward = jax.jit(lambda t: model.apply({"params": params}, t))
+    full = forward(toks)
     chex.assert_shape(full, (2, 10, VOCAB))
     changed = toks.at[:, 6:].set((toks[:, 6:] + 5) % VOCAB)
-    after = model.apply({"params": params}, changed)
+    after = forward(changed)
     np.testing.assert_allclose(full[:, :6], after[:, :6], atol=1e-5, rtol=1e-5)
     assert not np.allclose(full[:, 6:], after[:, 6:], atol=1e-3)
     np.testing.assert_allclose(decode_logits(model, params, toks, prefill=4), full, atol=2e-5, rtol=2e-5)
@@ -60,9 +61,10 @@ def test_causal_and_decode_matches_full_forward(pe, key):
 def test_cope_options_causal_and_decode(options, key):
     toks = tokens(key)
     model, params = init(tiny("cope", pe_options=options, num_layers=3), toks)
-    full = model.apply({"params": params}, toks)
+    forward = jax.jit(lambda t: model.apply({"params": params}, t))
+    full = forward(toks)
     changed = toks.at[:, 5:].set((toks[:, 5:] + 3) % VOCAB)
-    np.testing.assert_allclose(full[:, :5], model.apply({"params": params}, changed)[:, :5], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(full[:, :5], forward(changed)[:, :5], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(decode_logits(model, params, toks, prefill=3), full, atol=2e-5, rtol=2e-5)
 
 
@@ -181,9 +183,9 @@ def test_generate_greedy_matches_argmax_of_full_forward(key):
     out = jaxpe.generate(model, params, toks, max_new_tokens=5)
     chex.assert_shape(out, (2, 9))
     np.testing.assert_array_equal(out[:, :4], toks)
-    for t in range(4, 9):  # each generated token is the argmax of a full forward pass over what came before
-        logits = model.apply({"params": params}, out[:, :t])
-        np.testing.assert_array_equal(out[:, t], jnp.argmax(logits[:, -1], axis=-1))
+    # Each generated token is the argmax of a full (causal) forward pass over what came before it.
+    logits = model.apply({"params": params}, out)
+    np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:-1], axis=-1))
     with pytest.raises(ValueError, match="exceeds max_len"):
         jaxpe.generate(model, params, toks, max_new_tokens=30)
 
