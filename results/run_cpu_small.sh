@@ -6,13 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-none,learned,sinusoidal,amspe,rope,alibi,relative,cope,cope_gated,corope}
 SEEDS=${SEEDS:-0,1}
+# Counting programs of up to 16 statements in 64-token blocks (OOD: 17-32 statements at 128), so that the 60 runs of
+# the three variable counts fit in well under an hour on 2 cores.
+COUNTING="task.max_steps=16 task.seq_len=64"
 declare -A SETTINGS=(
   [selective_copy]="--task selective_copy"
   [flipflop]="--task flipflop"
-  [counting_1var]="--task counting task.nvars=1"
-  [counting_3var]="--task counting task.nvars=3"
-  [counting_5var]="--task counting task.nvars=5"
-  [lm]="--task lm"
+  [counting_1var]="--task counting task.nvars=1 $COUNTING"
+  [counting_3var]="--task counting task.nvars=3 $COUNTING"
+  [counting_5var]="--task counting task.nvars=5 $COUNTING"
+  [lm]="--task lm task.seq_len=64"
 )
 ORDER=(selective_copy flipflop counting_1var counting_3var counting_5var lm)
 for name in "${@:-${ORDER[@]}}"; do
