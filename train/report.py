@@ -55,7 +55,8 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
         lines.append("| " + " | ".join(cells) + " |")
     metrics = sorted({c["metric"] for c in comparisons})
     seeds = sorted({str(c.get("seeds", "")) for c in comparisons})
-    return "\n".join(lines) + f"\n\nmetric: {', '.join(metrics)} (errors in %, lower is better); seeds: {', '.join(seeds)}\n"
+    unit = "errors in %" if set(metrics) <= set(PERCENT_METRICS) else "errors in %, bits per byte as is"
+    return "\n".join(lines) + f"\n\nmetric: {', '.join(metrics)} ({unit}; lower is better); seeds: {', '.join(seeds)}\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
