@@ -193,16 +193,16 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
-    def step(carry: tuple[Any, jax.Array, jax.Array], key: jax.Array) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
-        cache, token, _ = carry
+    def step(carry: tuple[Any, jax.Array], key: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
+        cache, token = carry
         logits, updated = model.apply({"params": params, "cache": cache}, token[:, None], decode=True,
                                       mutable=["cache"])
         nxt = pick(logits[:, -1], key)
-        return (updated["cache"], nxt, token), nxt
+        return (updated["cache"], nxt), nxt
 
     cache = init_cache(model, b, total)
     logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, mutable=["cache"])
     keys = jax.random.split(rng, max_new_tokens)
     first = pick(logits[:, -1], keys[0])
-    _, rest = jax.lax.scan(step, (updated["cache"], first, first), keys[1:])
+    _, rest = jax.lax.scan(step, (updated["cache"], first), keys[1:])
     return jnp.concatenate([prompt, first[:, None], rest.T], axis=1)
