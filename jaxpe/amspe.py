@@ -1,9 +1,10 @@
 """AM-SPE: adaptive blend of a coarse and a detailed sinusoidal table (seeds/amspe.md).
 
-out = x + α·coarse[:L] + (1 − α)·detail_level·detail[:L],  α = sigmoid(alpha), alpha a learned scalar initialised to 0,
+out = x + amplitude·(α·coarse[:L] + (1 − α)·detail_level·detail[:L]),
+α = sigmoid(alpha), alpha a learned scalar initialised to 0,
 coarse = sinusoidal table with every angle times `coarse_scale`, detail = the plain sinusoidal table.
 This is what the seed's Python and MATLAB code compute; the seed README's formula swaps α and 1 − α and has no
-detail_level — we follow the code.
+detail_level — we follow the code. `amplitude` (1.0 in the seed) scales the blend, as for `sinusoidal`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.sinusoidal import gather_positions, sinusoidal_table
+from jaxpe.validation import check_positive
 
 
 class AMSPE(nn.Module):
@@ -22,15 +24,17 @@ class AMSPE(nn.Module):
     d_model: int
     max_len: int = 5000
     coarse_scale: float = 10.0
+    amplitude: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array, detail_level: float = 0.5, *, positions: jax.Array | None = None) -> jax.Array:
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
+        check_positive("amplitude", self.amplitude)
         alpha = jax.nn.sigmoid(self.param("alpha", nn.initializers.zeros, (1,)))[0]
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
-        pe = alpha * coarse + (1.0 - alpha) * detail_level * detail  # [max_len, d_model]
+        pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]
         return x + gather_positions(pe, positions, x.shape[1]).astype(x.dtype)
 
 
@@ -41,10 +45,14 @@ class AMSPEConfig(PEConfig):
 
     coarse_scale: float = 10.0  # angle multiplier of the coarse table
     detail_level: float = 0.5  # weight of the detailed table (the seed's default)
+    amplitude: float = 0.02  # multiplies the blend, matched to the token embeddings (see SinusoidalConfig)
+
+    def __post_init__(self) -> None:
+        check_positive("amplitude", self.amplitude)
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
         return _AMSPEAtLevel(d_model=d_model, max_len=max_len, coarse_scale=self.coarse_scale,
-                             detail_level=self.detail_level)
+                             detail_level=self.detail_level, amplitude=self.amplitude)
 
 
 class _AMSPEAtLevel(nn.Module):
@@ -54,8 +62,9 @@ class _AMSPEAtLevel(nn.Module):
     max_len: int
     coarse_scale: float
     detail_level: float
+    amplitude: float
 
     @nn.compact
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
-        amspe = AMSPE(self.d_model, self.max_len, self.coarse_scale, name="amspe")
+        amspe = AMSPE(self.d_model, self.max_len, self.coarse_scale, self.amplitude, name="amspe")
         return amspe(x, self.detail_level, positions=positions)

@@ -100,6 +100,8 @@ def test_sinusoidal_and_learned_layers_add_their_table():
     sinusoidal = SinusoidalPE(max_len=8)
     out = jax.jit(sinusoidal.apply)({}, jnp.asarray(x))
     np.testing.assert_allclose(out, f64(x) + ref.sinusoidal_table(5, 6)[None], **TOL)
+    scaled = jax.jit(SinusoidalPE(max_len=8, amplitude=0.02).apply)({}, jnp.asarray(x))
+    np.testing.assert_allclose(scaled, f64(x) + 0.02 * ref.sinusoidal_table(5, 6)[None], **TOL)
 
     learned = LearnedPE(max_len=8)
     params = randomized(jax.eval_shape(learned.init, jax.random.PRNGKey(0), jnp.asarray(x))["params"], rng)
@@ -120,6 +122,15 @@ def test_amspe_against_seed_code(alpha, detail_level, d_model):
     params = {"alpha": jnp.array([alpha], jnp.float32)}
     out = jax.jit(layer.apply, static_argnums=(2,))({"params": params}, jnp.asarray(x), detail_level)
     np.testing.assert_allclose(out, ref.amspe(f64(x), alpha, detail_level=detail_level), **TOL)
+
+
+def test_amspe_amplitude_scales_the_blend_not_the_input():
+    rng = np.random.default_rng(3)
+    x = normal(rng, 2, 6, 8)
+    params = {"alpha": jnp.array([0.4], jnp.float32)}
+    out = jax.jit(jaxpe.AMSPE(8, max_len=10, amplitude=0.05).apply)({"params": params}, jnp.asarray(x))
+    pe = ref.amspe(np.zeros_like(f64(x)), 0.4)
+    np.testing.assert_allclose(out, f64(x) + 0.05 * pe, **TOL)
 
 
 def test_amspe_coarse_scale_and_blend_by_hand():
@@ -588,6 +599,9 @@ def test_registry_errors():
         jaxpe.pe_config("cope", gates="bogus")
     with pytest.raises(ValueError, match="every=0 must be"):
         jaxpe.pe_config("cope", every=0)
+    for name in ("sinusoidal", "amspe"):
+        with pytest.raises(ValueError, match="amplitude=0.0 must be > 0"):
+            jaxpe.pe_config(name, amplitude=0.0)
 
 
 def test_table_helpers_reject_bad_sizes():
