@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,13 +73,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_together(tmp_path):
-    """Two localhost processes of one CPU device each (gloo collectives) = one process with two devices."""
-    steps = ["run.steps=4", "run.checkpoint_every=0", "model.dropout=0.1"]
+def launch_two_processes(workdir: pathlib.Path, steps: list[str]) -> list[str]:
+    """Runs the CLI in two localhost processes of one CPU device each (gloo collectives); returns their stdout."""
     coordinator = f"127.0.0.1:{free_port()}"
     processes = [
         subprocess.Popen(
-            cli_command(tmp_path / "multi", *steps, "run.num_devices=0"),
+            cli_command(workdir, *steps, "run.num_devices=0"),
             env=env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAXPE_COORDINATOR=coordinator,
                     JAXPE_NUM_PROCESSES="2", JAXPE_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -88,14 +88,31 @@ def test_two_processes_train_together(tmp_path):
     outputs = [p.communicate(timeout=300) for p in processes]
     for p, (out, err) in zip(processes, outputs):
         assert p.returncode == 0, err
-    tables = [out.strip().splitlines()[-1] for out, _ in outputs]  # the result row of each process
+    return [out for out, _ in outputs]
+
+
+def test_two_processes_train_checkpoint_and_resume_together(tmp_path):
+    """Two processes = one process with two devices; their checkpoints restore in both processes: dropping the
+    last checkpoint and rerunning resumes from the one before and ends with the same result."""
+    steps = ["run.steps=4", "run.checkpoint_every=2", "run.async_checkpoints=false", "model.dropout=0.1"]
+    multi = tmp_path / "multi"
+    outputs = launch_two_processes(multi, steps)
+    tables = [out.strip().splitlines()[-1] for out in outputs]  # the result row of each process
     assert tables[0] == tables[1] and tables[0].startswith("| flipflop | rope | 0 |")
 
     reference = train_and_evaluate(build_config(task="flipflop", pe="rope", overrides=[*TINY, *steps,
                                                                                       "run.num_devices=2"]),
                                    tmp_path / "reference")
-    got, want = records(tmp_path / "multi", "train"), records(tmp_path / "reference", "train")
+    got, want = records(multi, "train"), records(tmp_path / "reference", "train")
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
-    multi = json.loads((tmp_path / "multi" / "result.json").read_text())
+    first = json.loads((multi / "result.json").read_text())
     for split, values in reference["splits"].items():
-        assert multi["splits"][split] == pytest.approx(values, rel=1e-5)
+        assert first["splits"][split] == pytest.approx(values, rel=1e-5)
+
+    assert sorted(int(p.name) for p in (multi / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    shutil.rmtree(multi / "checkpoints" / "4")
+    (multi / "result.json").unlink()
+    launch_two_processes(multi, steps)
+    resumed = json.loads((multi / "result.json").read_text())
+    assert resumed["resumed_from"] == 2
+    assert resumed["splits"] == first["splits"]
