@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import pathlib
+import re
 import shutil
 
 import chex
@@ -229,6 +230,28 @@ def test_cli_compare_then_eval(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--workdir", str(tmp_path), "model.layers=2"])
     assert "model.layers" in capsys.readouterr().err
+
+    # A wider sweep over the same workdir reads the finished runs back (their files untouched) and trains the new one.
+    stamps = {pe: (tmp_path / pe / "seed0" / "metrics.jsonl").stat().st_mtime_ns for pe in ("rope", "learned")}
+    assert compare_main([*args[:3], "rope,learned,alibi", *args[4:]]) == 0
+    wider = json.loads((tmp_path / "compare.json").read_text())
+    assert [row["pe"] for row in wider["rows"]] == ["rope", "learned", "alibi"]
+    assert wider["runs"][:2] == comparison["runs"]
+    assert {pe: (tmp_path / pe / "seed0" / "metrics.jsonl").stat().st_mtime_ns for pe in stamps} == stamps
+    assert json.loads((tmp_path / "alibi" / "seed0" / "result.json").read_text())["encoding"]["name"] == "alibi"
+
+
+def test_resuming_with_another_config_is_refused(tmp_path):
+    """A workdir belongs to one experiment: changing the model, data, optimizer or seed on resume is an error
+    naming the field; the run's length and bookkeeping may change (here: train 4 more steps)."""
+    train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=4"), tmp_path)
+    for override, message in (("model.d_model=32", "model.d_model: 16 -> 32"), ("run.seed=3", "run.seed: 0 -> 3"),
+                              ("model.pe_options.npos=8", "model.pe_options.npos: '<unset>' -> 8")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train_and_evaluate(tiny("run.steps=4", override, pe="cope"), tmp_path)
+    result = train_and_evaluate(tiny("run.steps=8", "run.checkpoint_every=4", "run.log_every=2"), tmp_path)
+    assert result["resumed_from"] == 4
+    assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {"name": "rope", "theta": 10000.0}
 
 
 def test_bfloat16_compute_trains_like_float32(tmp_path):

@@ -239,6 +239,7 @@ def train_and_evaluate(
     """
     workdir = pathlib.Path(workdir).absolute()
     is_main = jax.process_index() == 0
+    check_same_run(workdir, config)
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
         evaluate.write_json(workdir / "config.json", to_dict(config))
@@ -323,7 +324,8 @@ def train_and_evaluate(
     result = {
         "task": config.task.name, "pe": config.model.pe, "seed": run.seed, "metric": task.metric,
         "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": problems,
-        "splits": final, "config": to_dict(config), "environment": evaluate.environment(),
+        "splits": final, "config": to_dict(config), "encoding": _resolved_encoding(model),
+        "environment": evaluate.environment(),
     }
     if is_main:
         evaluate.write_json(workdir / "result.json", result)
@@ -332,6 +334,44 @@ def train_and_evaluate(
         )
         plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
     return result
+
+
+# Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
+RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
+                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress")
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
+    """ValueError when `workdir` holds a run (config.json) that differs from `config` in anything but
+    RESUMABLE_RUN_FIELDS: resuming it would mix two experiments in one set of checkpoints and metrics."""
+    path = workdir / "config.json"
+    if not path.is_file():
+        return
+    saved, new = _flat(json.loads(path.read_text())), _flat(to_dict(config))
+    allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
+    changed = sorted(k for k in saved.keys() | new.keys() if k not in allowed and saved.get(k) != new.get(k))
+    if changed:
+        diff = ", ".join(f"{k}: {saved.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in changed)
+        raise ValueError(f"workdir={str(workdir)!r} holds a run with another config ({diff}); "
+                         "use a new workdir, or the saved config to resume it")
+
+
+def _resolved_encoding(model: Any) -> dict[str, Any] | None:
+    """The encoding's config with every default filled in (None for a model without a jaxpe ModelConfig)."""
+    pe_config = getattr(getattr(model, "config", None), "pe_config", None)
+    if pe_config is None:
+        return None
+    return {"name": pe_config.name, **json.loads(json.dumps(dataclasses.asdict(pe_config), default=list))}
 
 
 def _progress_bar(run: Any, start: int, *, enabled: bool) -> Any:
@@ -346,8 +386,9 @@ def _progress_bar(run: Any, start: int, *, enabled: bool) -> Any:
 def compare_encodings(
     configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: str | pathlib.Path
 ) -> dict[str, Any]:
-    """Trains every (config, seed) in workdir/<pe>/seed<seed> (each resumes by itself) and writes
-    one comparison: compare.json, compare.md and compare.png (mean ± std over seeds).
+    """Trains every (config, seed) in workdir/<pe>/seed<seed> and writes one comparison: compare.json,
+    compare.md and compare.png (mean ± std over seeds). Each run resumes by itself; one that finished with
+    the same config is read back from its result.json, so a rerun or a wider sweep redoes nothing.
 
     configs: one per encoding (same task), e.g. build_config(preset=..., pe=pe) for each pe.
     """
@@ -359,9 +400,16 @@ def compare_encodings(
     results = []
     for config in configs:
         for seed in seeds:
-            log.info("training %s seed %d", config.model.pe, seed)
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
-            results.append(train_and_evaluate(run_config, workdir / config.model.pe / f"seed{seed}"))
+            run_dir = workdir / config.model.pe / f"seed{seed}"
+            finished = _finished_result(run_dir, run_config)
+            if finished is not None:
+                log.info("%s seed %d finished before with this config: reusing %s", config.model.pe, seed,
+                         run_dir / "result.json")
+                results.append(finished)
+                continue
+            log.info("training %s seed %d", config.model.pe, seed)
+            results.append(train_and_evaluate(run_config, run_dir))
     metric, splits = results[0]["metric"], list(results[0]["splits"])
     rows = evaluate.summarize_seeds(results)
     table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
@@ -373,6 +421,15 @@ def compare_encodings(
         (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
         plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
     return {**comparison, "table": table}
+
+
+def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, Any] | None:
+    """result.json of a run in run_dir that finished with exactly `config`, else None."""
+    path = run_dir / "result.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("config") == to_dict(config) else None
 
 
 def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
