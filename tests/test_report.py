@@ -24,10 +24,17 @@ def test_table_places_each_value(tmp_path):
         {"pe": "rope", "splits": {"valid": {"bits_per_byte": 2.12345}}}])
     lines = report.comparison_table([a, b], splits=["valid"], labels=["copy", "lm"]).splitlines()
     assert lines[0] == "| pe | copy: valid | lm: valid |"
-    assert lines[2] == "| cope | 1.2 ± 0.2 | — |"
-    assert lines[3] == "| rope | 25.0 ± 5.0 | 2.123 |"
+    assert lines[2] == "| cope | **1.2** ± 0.2 | — |"
+    assert lines[3] == "| rope | 25.0 ± 5.0 | **2.123** |"
     full = report.comparison_table([a]).splitlines()
-    assert full[0] == "| pe | copy: valid | copy: ood |" and full[2].endswith("| 50.0 |")
+    assert full[0] == "| pe | copy: valid | copy: ood |" and full[2].endswith("| **50.0** |")
+    assert full[3].endswith("| 75.0 |")
+    tie = comparison(tmp_path, "tie", "seq_error", [  # equal as shown (one decimal): both bold
+        {"pe": "cope", "splits": {"test": {"seq_error": 0.0041}}},
+        {"pe": "none", "splits": {"test": {"seq_error": 0.0039}}},
+        {"pe": "rope", "splits": {"test": {"seq_error": 0.02}}}])
+    assert [line.split(" | ")[1] for line in report.comparison_table([tie]).splitlines()[2:5]] == [
+        "**0.4** |", "**0.4** |", "2.0 |"]
     with pytest.raises(ValueError, match="is not a compare.json"):
         report.comparison_table([tmp_path / "missing"])
     with pytest.raises(ValueError, match="len\\(labels\\)=1"):

@@ -1,4 +1,5 @@
-"""Gather `jaxpe-compare` results (compare.json files) into one Markdown table, encodings as rows.
+"""Gather `jaxpe-compare` results (compare.json files) into one Markdown table, encodings as rows, the best
+value of each column in bold.
 
   python -m train.report results/cpu_small/counting_1var results/cpu_small/counting_3var --splits test,len_x2
 """
@@ -23,11 +24,13 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _cell(split: dict[str, float], metric: str) -> str:
+def _cell(split: dict[str, float], metric: str, best: float | None) -> str:
+    """mean ± std as shown; bold when the shown mean equals the column's best (lowest) shown mean."""
     if metric not in split:
         return "—"
     scale, digits = (100.0, 1) if metric in PERCENT_METRICS else (1.0, 3)
-    text = f"{scale * split[metric]:.{digits}f}"
+    mean = f"{scale * split[metric]:.{digits}f}"
+    text = f"**{mean}**" if best is not None and mean == f"{scale * best:.{digits}f}" else mean
     if f"{metric}_std" in split:
         text += f" ± {scale * split[metric + '_std']:.{digits}f}"
     return text
@@ -36,8 +39,8 @@ def _cell(split: dict[str, float], metric: str) -> str:
 def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[str] = (),
                      labels: Sequence[str] = ()) -> str:
     """Markdown: one row per encoding, one column per (comparison, split); errors in %, bits per byte as is,
-    mean ± std over seeds. `splits` narrows the columns (default: every split); `labels` names the comparisons
-    (default: their directory names)."""
+    mean ± std over seeds, the best mean of each column in bold. `splits` narrows the columns (default: every
+    split); `labels` names the comparisons (default: their directory names)."""
     comparisons = [load_comparison(p) for p in paths]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
     if len(labels) != len(comparisons):
@@ -47,11 +50,13 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
     pes = list(dict.fromkeys(row["pe"] for c in comparisons for row in c["rows"]))
     header = ["pe"] + [f"{label}: {split}" for _, label, split in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    best = [min((r["splits"][split][c["metric"]] for r in c["rows"] if c["metric"] in r["splits"][split]),
+                default=None) for c, _, split in columns]
     for pe in pes:
         cells = [pe]
-        for c, _, split in columns:
+        for (c, _, split), column_best in zip(columns, best):
             row = next((r for r in c["rows"] if r["pe"] == pe), None)
-            cells.append("—" if row is None else _cell(row["splits"][split], c["metric"]))
+            cells.append("—" if row is None else _cell(row["splits"][split], c["metric"], column_best))
         lines.append("| " + " | ".join(cells) + " |")
     metrics = sorted({c["metric"] for c in comparisons})
     seeds = sorted({str(c.get("seeds", "")) for c in comparisons})
