@@ -302,44 +302,60 @@ def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
     return q, k, v, kg, e, z
 
 
-def _forward_call(setup: _Setup, q, k, v, kg, z, *, save_r: bool):
+@dataclasses.dataclass(frozen=True)
+class _RowSpecs:
+    """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
+    (Lp / bq, B, Hq). Every key/value row of the head's kv head is visible; z, statistics and the per-key-block
+    row sums are blocked by rows."""
+
+    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
+    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head h // G
+    z: pl.BlockSpec  # [bq, Pp] of z [B, Hq, Lp, Pp]
+    stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
+    per_key_block: pl.BlockSpec  # [NK, bq] of [B, Hq, NK, Lp]
+    grid: tuple[int, int, int]
+
+
+def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _RowSpecs:
     b, padded, hq, dp = q.shape
     groups = hq // k.shape[2]
-    bq, bk = setup.blocks.block_q, setup.blocks.block_k
-    num_k = padded // bk
-    row_block = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
-    kv_full = pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+    return _RowSpecs(
+        row=pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
+        kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
+        z=pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0)),
+        stat=pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
+        per_key_block=pl.BlockSpec((None, None, padded // bk, bq), lambda i, j, h: (j, h, 0, i)),
+        grid=(padded // bq, b, hq),
+    )
+
+
+def _forward_call(setup: _Setup, q, k, v, kg, z, *, save_r: bool):
+    b, padded, hq, _ = q.shape
+    bk = setup.blocks.block_k
+    specs = _row_specs(q, k, z, setup.blocks.block_q, bk)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, padded), jnp.float32)]
-    out_specs = [row_block, pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))]
+    out_specs = [specs.row, specs.stat]
     if save_r:
-        out_shape.append(jax.ShapeDtypeStruct((b, hq, num_k, padded), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, None, num_k, bq), lambda i, j, h: (j, h, 0, i)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hq, padded // bk, padded), jnp.float32))
+        out_specs.append(specs.per_key_block)
     kernel = functools.partial(_forward_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
                                block_k=bk)
     return pl.pallas_call(
-        kernel, grid=(padded // bq, b, hq),
-        in_specs=[row_block, kv_full, kv_full, kv_full,
-                  pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0))],
+        kernel, grid=specs.grid, in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z],
         out_specs=out_specs, out_shape=out_shape, compiler_params=setup.params(), interpret=setup.interpret,
         name="cope_forward")(q, k, v, kg, z)
 
 
 def _dq_call(setup: _Setup, q, k, v, kg, z, do, lse, delta, r):
-    b, padded, hq, dp = q.shape
-    groups = hq // k.shape[2]
-    bq, bk = setup.blocks.block_q_dq, setup.blocks.block_k
-    num_k = padded // bk
-    row_block = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
-    kv_full = pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
-    z_block = pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0))
-    stat_block = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
-    per_key_block = pl.BlockSpec((None, None, num_k, bq), lambda i, j, h: (j, h, 0, i))
+    bk = setup.blocks.block_k
+    specs = _row_specs(q, k, z, setup.blocks.block_q_dq, bk)
     kernel = functools.partial(_dq_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
                                block_k=bk)
     return pl.pallas_call(
-        kernel, grid=(padded // bq, b, hq),
-        in_specs=[row_block, kv_full, kv_full, kv_full, z_block, row_block, stat_block, stat_block, per_key_block],
-        out_specs=[row_block, z_block, per_key_block],
+        kernel, grid=specs.grid,
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z, specs.row, specs.stat,
+                  specs.stat, specs.per_key_block],
+        out_specs=[specs.row, specs.z, specs.per_key_block],
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape, jnp.float32),
                    jax.ShapeDtypeStruct(r.shape, jnp.float32)],
         compiler_params=setup.params(), interpret=setup.interpret, name="cope_backward_dq",
