@@ -236,6 +236,7 @@ def test_cli_compare_then_eval(tmp_path, capsys):
     assert compare_main([*args[:3], "rope,learned,alibi", *args[4:]]) == 0
     wider = json.loads((tmp_path / "compare.json").read_text())
     assert [row["pe"] for row in wider["rows"]] == ["rope", "learned", "alibi"]
+    assert wider["splits"] == comparison["splits"] == ["valid", "ood_sparse", "ood_dense"]  # the task's order
     assert wider["runs"][:2] == comparison["runs"]
     assert {pe: (tmp_path / pe / "seed0" / "metrics.jsonl").stat().st_mtime_ns for pe in stamps} == stamps
     assert json.loads((tmp_path / "alibi" / "seed0" / "result.json").read_text())["encoding"]["name"] == "alibi"

@@ -410,7 +410,8 @@ def compare_encodings(
                 continue
             log.info("training %s seed %d", config.model.pe, seed)
             results.append(train_and_evaluate(run_config, run_dir))
-    metric, splits = results[0]["metric"], list(results[0]["splits"])
+    metric = results[0]["metric"]
+    splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
     rows = evaluate.summarize_seeds(results)
     table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
     task_name = configs[0].task.name
