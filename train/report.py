@@ -39,8 +39,8 @@ def _cell(split: dict[str, float], metric: str, best: float | None) -> str:
 def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[str] = (),
                      labels: Sequence[str] = ()) -> str:
     """Markdown: one row per encoding, one column per (comparison, split); errors in %, bits per byte as is,
-    mean ± std over seeds, the best mean of each column in bold. `splits` narrows the columns (default: every
-    split); `labels` names the comparisons (default: their directory names)."""
+    mean ± std over seeds, the best mean of each column (of two or more) in bold. `splits` narrows the columns
+    (default: every split); `labels` names the comparisons (default: their directory names)."""
     comparisons = [load_comparison(p) for p in paths]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
     if len(labels) != len(comparisons):
@@ -50,8 +50,9 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
     pes = list(dict.fromkeys(row["pe"] for c in comparisons for row in c["rows"]))
     header = ["pe"] + [f"{label}: {split}" for _, label, split in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    best = [min((r["splits"][split][c["metric"]] for r in c["rows"] if c["metric"] in r["splits"][split]),
-                default=None) for c, _, split in columns]
+    values = [[r["splits"][split][c["metric"]] for r in c["rows"] if c["metric"] in r["splits"][split]]
+              for c, _, split in columns]
+    best = [min(v) if len(v) > 1 else None for v in values]  # nothing to beat in a column of one
     for pe in pes:
         cells = [pe]
         for (c, _, split), column_best in zip(columns, best):
