@@ -20,8 +20,11 @@ declare -A SETTINGS=(
   # CoPE alone with smaller position tables: does flip-flop at length 64 need fewer than 64 rows?
   [flipflop_cope_npos8]="--task flipflop --pe cope model.pe_options.npos=8"
   [flipflop_cope_npos16]="--task flipflop --pe cope model.pe_options.npos=16"
+  # ... or more steps? CoPE and NoPE trained 3x longer.
+  [flipflop_1500steps]="--task flipflop --pe cope,none run.steps=1500"
 )
-ORDER=(selective_copy flipflop counting_1var counting_3var counting_5var lm flipflop_cope_npos8 flipflop_cope_npos16)
+ORDER=(selective_copy flipflop counting_1var counting_3var counting_5var lm flipflop_cope_npos8 flipflop_cope_npos16
+       flipflop_1500steps)
 for name in "${@:-${ORDER[@]}}"; do
   # shellcheck disable=SC2086
   ${COMPARE:-.venv/bin/jaxpe-compare} --preset cpu-small --pe "$PES" --seeds "$SEEDS" --workdir "runs/cpu_small/$name" \
