@@ -243,15 +243,19 @@ def test_cli_compare_then_eval(tmp_path, capsys):
 
 
 def test_resuming_with_another_config_is_refused(tmp_path):
-    """A workdir belongs to one experiment: changing the model, data, optimizer or seed on resume is an error
-    naming the field; the run's length and bookkeeping may change (here: train 4 more steps)."""
+    """A checkpointed workdir belongs to one experiment: changing the model, data, optimizer or seed on resume is
+    an error naming the field; the run's length and bookkeeping may change (here: train 4 more steps)."""
     train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=4"), tmp_path)
     for override, message in (("model.d_model=32", "model.d_model: 16 -> 32"), ("run.seed=3", "run.seed: 0 -> 3"),
                               ("model.pe_options.npos=8", "model.pe_options.npos: '<unset>' -> 8")):
         with pytest.raises(ValueError, match=re.escape(message)):
-            train_and_evaluate(tiny("run.steps=4", override, pe="cope"), tmp_path)
+            train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=4", override, pe="cope"), tmp_path)
     result = train_and_evaluate(tiny("run.steps=8", "run.checkpoint_every=4", "run.log_every=2"), tmp_path)
     assert result["resumed_from"] == 4
+    # Without a checkpoint there is nothing to resume: another config starts afresh in the same workdir.
+    train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0"), tmp_path / "fresh")
+    fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
+    assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 32
     assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {"name": "rope", "theta": 10000.0}
 
 

@@ -352,10 +352,13 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
-    """ValueError when `workdir` holds a run (config.json) that differs from `config` in anything but
-    RESUMABLE_RUN_FIELDS: resuming it would mix two experiments in one set of checkpoints and metrics."""
-    path = workdir / "config.json"
-    if not path.is_file():
+    """ValueError when `config` would resume a checkpoint in `workdir` whose run (config.json) differs from it in
+    anything but RESUMABLE_RUN_FIELDS: that would mix two experiments in one set of checkpoints and metrics.
+    Without a checkpoint to resume, the run starts afresh and replaces what is there."""
+    path, saved_steps = workdir / "config.json", workdir / "checkpoints"
+    resumes = config.run.checkpoint_every and saved_steps.is_dir() and any(
+        p.name.isdigit() for p in saved_steps.iterdir())
+    if not (resumes and path.is_file()):
         return
     saved, new = _flat(json.loads(path.read_text())), _flat(to_dict(config))
     allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
