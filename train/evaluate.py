@@ -103,24 +103,35 @@ def evaluate_split(
     return metrics_from_sums(totals)
 
 
+PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
+
+
+def metric_scale(metric: str) -> float:
+    """Factor from a stored metric to its shown value: 100 for error rates, 1 otherwise."""
+    return 100.0 if metric in PERCENT_METRICS else 1.0
+
+
+def format_metric(split: Mapping[str, float], metric: str, digits: int) -> tuple[str, str] | None:
+    """(mean, " ± std" or "") of `metric` in one split's summary, scaled and rounded for display; None if absent."""
+    if metric not in split:
+        return None
+    scale = metric_scale(metric)
+    std = f" ± {scale * split[metric + '_std']:.{digits}f}" if f"{metric}_std" in split else ""
+    return f"{scale * split[metric]:.{digits}f}", std
+
+
 def results_markdown(
     rows: Sequence[Mapping[str, Any]], *, metric: str, splits: Sequence[str], label_keys: Sequence[str]
 ) -> str:
-    """A Markdown table: one row per run, columns label_keys then `metric` (in %) per split."""
-    scale, unit = (100.0, " (%)") if metric != "bits_per_byte" else (1.0, "")
+    """A Markdown table: one row per run, columns label_keys then `metric` (error rates in %) per split."""
+    unit = " (%)" if metric in PERCENT_METRICS else ""
     header = [*label_keys, *(f"{s} {metric}{unit}" for s in splits)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [str(row[k]) for k in label_keys]
         for split in splits:
-            value = row["splits"].get(split, {})
-            if metric in value:
-                cell = f"{scale * value[metric]:.2f}"
-                if f"{metric}_std" in value:
-                    cell += f" ± {scale * value[metric + '_std']:.2f}"
-            else:
-                cell = "-"
-            cells.append(cell)
+            shown = format_metric(row["splits"].get(split, {}), metric, 2)
+            cells.append("-" if shown is None else "".join(shown))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -11,8 +11,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-PERCENT_METRICS = ("token_error", "seq_error")
-
+from train.evaluate import PERCENT_METRICS, format_metric, metric_scale
 
 def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     """The compare.json of a jaxpe-compare workdir (or the file itself)."""
@@ -26,14 +25,13 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
 
 def _cell(split: dict[str, float], metric: str, best: float | None) -> str:
     """mean ± std as shown; bold when the shown mean equals the column's best (lowest) shown mean."""
-    if metric not in split:
+    digits = 1 if metric in PERCENT_METRICS else 3
+    shown = format_metric(split, metric, digits)
+    if shown is None:
         return "—"
-    scale, digits = (100.0, 1) if metric in PERCENT_METRICS else (1.0, 3)
-    mean = f"{scale * split[metric]:.{digits}f}"
-    text = f"**{mean}**" if best is not None and mean == f"{scale * best:.{digits}f}" else mean
-    if f"{metric}_std" in split:
-        text += f" ± {scale * split[metric + '_std']:.{digits}f}"
-    return text
+    mean, std = shown
+    bold = best is not None and mean == f"{metric_scale(metric) * best:.{digits}f}"
+    return (f"**{mean}**" if bold else mean) + std
 
 
 def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[str] = (),
