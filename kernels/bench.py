@@ -86,6 +86,11 @@ def _problem(case: Case):
     return jax.grad(loss, argnums=tuple(range(len(args)))), (*args, cotangent)
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def _is_oom(error: Exception) -> bool:
     text = str(error)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.heads % max(args.groups):
         raise ValueError(f"--heads={args.heads} must be a multiple of every G in --groups={args.groups}")
 
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_before = _load_average()
     rows, last_time = [], {}  # series (all but length) -> (length, seconds) of its last timed case
     for case in _cases(args):
         series = dataclasses.replace(case, length=0)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
         # 1-minute load average before/after: on a shared machine, times scale with it.
-        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "load_average": [load_before, _load_average()],
         "memory_source": ("device memory_stats peak_bytes_in_use, one subprocess per case" if on_gpu else
                           "compiled memory_analysis: temp + argument + output bytes"),
         "config": {k: v for k, v in vars(args).items() if k not in ("case", "out", "name")},
