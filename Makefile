@@ -20,7 +20,7 @@ test: .venv
 	$(BIN)/python -m pytest -n 2 -q
 
 bench: .venv
-	$(BIN)/python -m kernels.bench --quick
+	$(BIN)/python -m jaxpe.kernels.bench --quick
 
 clean:
 	rm -rf $(VENV)

@@ -107,9 +107,9 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     if impl == "reference":
         return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k)
     if impl == "blockwise":
-        from kernels.cope_blockwise import cope_attention_blockwise
+        from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    from kernels.cope_attention import cope_attention_pallas
+    from jaxpe.kernels.cope_attention import cope_attention_pallas
     return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
 
 

@@ -99,9 +99,9 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     if impl == "reference":
         return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale)
     if impl == "blockwise":
-        from kernels.corope_blockwise import corope_attention_blockwise
+        from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
         return corope_attention_blockwise(q, k, v, theta=theta, sm_scale=sm_scale)
-    from kernels.corope_attention import corope_attention_pallas
+    from jaxpe.kernels.corope_attention import corope_attention_pallas
     return corope_attention_pallas(q, k, v, theta=theta, sm_scale=sm_scale)
 
 

@@ -4,9 +4,9 @@ CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_atten
 blockwise, pallas; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
-    python -m kernels.bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
-    python -m kernels.bench --quick    # CPU-sized sweep
-    python -m kernels.bench --lengths 1024,4096 --impls blockwise,anchor --ops cope
+    python -m jaxpe.kernels.bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
+    python -m jaxpe.kernels.bench --quick    # CPU-sized sweep
+    python -m jaxpe.kernels.bench --lengths 1024,4096 --impls blockwise,anchor --ops cope
 
 Peak memory: on GPU, `peak_bytes_in_use` of the device, each case in a fresh subprocess so the peak is its own;
 on CPU, the compiled executable's memory analysis (temp + argument + output bytes), and cases above
@@ -157,7 +157,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
 
 def _run_in_subprocess(case: Case, args: argparse.Namespace) -> dict:
     """GPU: a fresh process per case, so that the device's peak memory is this case's alone."""
-    command = [sys.executable, "-m", "kernels.bench", "--case", json.dumps(dataclasses.asdict(case)),
+    command = [sys.executable, "-m", "jaxpe.kernels.bench", "--case", json.dumps(dataclasses.asdict(case)),
                "--repeats", str(args.repeats)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
@@ -209,7 +209,7 @@ def _names(allowed: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxpe.kernels.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU-sized sweep (L 128..16384, D 64, G 1)")
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder")
     parser.add_argument("--name", help="output file stem (default bench_<backend>)")

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels.cope_blockwise import check_cope_inputs
+from jaxpe.kernels.cope_blockwise import check_cope_inputs
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Renamed from TritonCompilerParams to CompilerParams in jax 0.5; accept either.

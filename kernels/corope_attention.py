@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels.corope_blockwise import check_corope_inputs
+from jaxpe.kernels.corope_blockwise import check_corope_inputs
 
 _CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import jaxpe
-from kernels.cope_attention import BlockSizes, cope_attention_pallas
-from kernels.cope_blockwise import cope_attention_blockwise
+from jaxpe.kernels.cope_attention import BlockSizes, cope_attention_pallas
+from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 
 
 class Case(NamedTuple):

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jaxpe
-from kernels.corope_attention import BlockSizes, corope_attention_pallas
-from kernels.corope_blockwise import corope_attention_blockwise
+from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
+from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 
 THETA = 10000.0
 KEY = jax.random.PRNGKey(0)

@@ -1,10 +1,10 @@
-"""train.plots figures: the plotted data must be the data given (read back from the Figure's artists)."""
+"""jaxpe.train.plots figures: the plotted data must be the data given (read back from the Figure's artists)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from train import plots as figures
+from jaxpe.train import plots as figures
 
 
 def test_heatmap_panels_draw_each_panel_with_its_title_and_token_ticks(tmp_path):

@@ -1,9 +1,9 @@
-"""train.report: the table shows each encoding's mean ± std in the right column."""
+"""jaxpe.train.report: the table shows each encoding's mean ± std in the right column."""
 import json
 
 import pytest
 
-from train import report
+from jaxpe.train import report
 
 
 def comparison(tmp_path, name, metric, rows):

@@ -1,4 +1,4 @@
-"""Tests of train.tasks: each generator checked against an independent restatement of its rules."""
+"""Tests of jaxpe.train.tasks: each generator checked against an independent restatement of its rules."""
 
 import json
 import re
@@ -7,9 +7,9 @@ import sysconfig
 import numpy as np
 import pytest
 
-from train.tasks import TASK_NAMES, Split, Task, make_task, read_jsonl, task_config_class, write_jsonl
-from train.tasks.base import epoch_indices, pad_and_shift
-from train.tasks.counting import generate_samples
+from jaxpe.train.tasks import TASK_NAMES, Split, Task, make_task, read_jsonl, task_config_class, write_jsonl
+from jaxpe.train.tasks.base import epoch_indices, pad_and_shift
+from jaxpe.train.tasks.counting import generate_samples
 
 STATEMENT = re.compile(r"([a-z]) = 0 ;|pass;|([a-z]) \+\+;")
 

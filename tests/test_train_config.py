@@ -1,12 +1,12 @@
-"""train.config: presets, key=value overrides, bad input; the paper preset's model by eval_shape."""
+"""jaxpe.train.config: presets, key=value overrides, bad input; the paper preset's model by eval_shape."""
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
-from train.config import TrainConfig, apply_overrides, build_config, from_dict, load_preset, preset_names, to_dict
-from train.loop import Trainer, build_model
+from jaxpe.train.config import TrainConfig, apply_overrides, build_config, from_dict, load_preset, preset_names, to_dict
+from jaxpe.train.loop import Trainer, build_model
 
 
 def test_overrides_reach_nested_fields():
@@ -54,7 +54,7 @@ def test_malformed_override_and_invalid_values():
 
 
 def test_unknown_task_option_names_the_key():
-    from train.loop import build_task
+    from jaxpe.train.loop import build_task
 
     with pytest.raises(ValueError, match="nvarz"):
         build_task(build_config(task="counting", overrides=["task.nvarz=3"]))
@@ -96,14 +96,14 @@ def test_paper_model_shapes_without_compute():
 def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path, monkeypatch):
     import json
 
-    import train.config
+    import jaxpe.train.config
 
     (tmp_path / "mine.json").write_text(json.dumps({
         "model": {"d_model": 48}, "run": {"steps": 7},
         "tasks": {"counting": {"nvars": 5}, "flipflop": {"seq_len": 32}},
         "encodings": {"cope": {"npos": 17}},
     }))
-    monkeypatch.setattr(train.config, "PRESET_DIR", tmp_path)
+    monkeypatch.setattr(jaxpe.train.config, "PRESET_DIR", tmp_path)
     cope = build_config(preset="mine", task="counting", pe="cope")
     rope = build_config(preset="mine", task="flipflop", pe="rope", overrides=["model.pe_options.theta=500.0"])
     assert cope.model.d_model == rope.model.d_model == 48 and cope.run.steps == 7

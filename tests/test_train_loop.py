@@ -1,4 +1,4 @@
-"""train.loop / train.evaluate / train.checkpoint: the step's maths against NumPy, data parallelism,
+"""jaxpe.train.loop / jaxpe.train.evaluate / jaxpe.train.checkpoint: the step's maths against NumPy, data parallelism,
 end-to-end smoke run, NaN stop, corrupt-checkpoint fallback."""
 import json
 import logging
@@ -14,11 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from train.checkpoint import Checkpoints
-from train.cli import compare_main, eval_main
-from train.config import OptimConfig, build_config
-from train.evaluate import batch_sums, metrics_from_sums
-from train.loop import (
+from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.cli import compare_main, eval_main
+from jaxpe.train.config import OptimConfig, build_config
+from jaxpe.train.evaluate import batch_sums, metrics_from_sums
+from jaxpe.train.loop import (
     NonFiniteLossError,
     Trainer,
     TrainState,
@@ -193,7 +193,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     for path in (tmp_path / "run" / "checkpoints" / "6" / "state").rglob("*"):
         if path.is_file():
             path.write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.checkpoint"):
         again = train_and_evaluate(config, tmp_path / "run")
     assert again["resumed_from"] == 3
     assert [p["step"] for p in again["checkpoint_problems"]] == [6]

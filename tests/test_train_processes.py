@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from train.config import build_config
-from train.loop import train_and_evaluate
+from jaxpe.train.config import build_config
+from jaxpe.train.loop import train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLI = "import sys; from train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
+CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
 TINY = [
     "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
     "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "optim.learning_rate=3e-3",

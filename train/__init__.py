@@ -1,11 +1,11 @@
 """jaxpe's training package: tasks, an optax loop with orbax checkpoints, evaluation, a CLI.
 
-    from train import build_config, train_and_evaluate
+    from jaxpe.train import build_config, train_and_evaluate
     config = build_config(preset="cpu-small", task="flipflop", pe="cope", overrides=["run.steps=200"])
     result = train_and_evaluate(config, "runs/ff-cope")
 """
-from train.checkpoint import Checkpoints
-from train.config import (
+from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
@@ -16,10 +16,10 @@ from train.config import (
     load_preset,
     preset_names,
 )
-from train.distributed import initialize, make_mesh
-from train.evaluate import METRICS, metrics_from_sums
-from train.tasks import TASK_NAMES, make_task
-from train.loop import (
+from jaxpe.train.distributed import initialize, make_mesh
+from jaxpe.train.evaluate import METRICS, metrics_from_sums
+from jaxpe.train.tasks import TASK_NAMES, make_task
+from jaxpe.train.loop import (
     NonFiniteLossError,
     Trainer,
     TrainState,

@@ -4,7 +4,7 @@
   jaxpe-eval --workdir runs/ff
   jaxpe-compare --task flipflop --pe cope,rope,learned --seeds 0,1 --preset cpu-small --workdir runs/cmp
 
-Each parses its flags and calls one function of train.loop. A workdir that already holds
+Each parses its flags and calls one function of jaxpe.train.loop. A workdir that already holds
 checkpoints resumes. Multi-host: pass --coordinator/--num-processes/--process-id (or set
 JAXPE_COORDINATOR, JAXPE_NUM_PROCESSES, JAXPE_PROCESS_ID) in every process.
 """
@@ -15,8 +15,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from train import distributed, evaluate, loop
-from train.config import build_config, preset_names
+from jaxpe.train import distributed, evaluate, loop
+from jaxpe.train.config import build_config, preset_names
 
 
 def _config_parser(description: str) -> argparse.ArgumentParser:

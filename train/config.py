@@ -21,7 +21,7 @@ PRESET_DIR = pathlib.Path(__file__).parent / "presets"
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    name: str = "flipflop"  # a train.tasks registry name (counting, flipflop, selective_copy, lm)
+    name: str = "flipflop"  # a jaxpe.train.tasks registry name (counting, flipflop, selective_copy, lm)
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # make_task(name, **options)
 
 

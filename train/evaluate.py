@@ -89,7 +89,7 @@ def evaluate_split(
     put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
     to_host: Callable[[Any], Any],
 ) -> dict[str, float]:
-    """Metrics of one split (a train.tasks Split: inputs, targets, weights [N, L])."""
+    """Metrics of one split (a jaxpe.train.tasks Split: inputs, targets, weights [N, L])."""
     arrays = {
         "inputs": np.asarray(split.inputs, np.int32),
         "targets": np.asarray(split.targets, np.int32),

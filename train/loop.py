@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import distributed, evaluate, plots
-from train.checkpoint import Checkpoints
-from train.config import ModelConfig, OptimConfig, TrainConfig, from_dict, to_dict
+from jaxpe.train import distributed, evaluate, plots
+from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.config import ModelConfig, OptimConfig, TrainConfig, from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> Any:
 
 
 def build_task(config: TrainConfig) -> Any:
-    """The train.tasks Task named in config.task."""
-    from train.tasks import make_task
+    """The jaxpe.train.tasks Task named in config.task."""
+    from jaxpe.train.tasks import make_task
 
     return make_task(config.task.name, **config.task.options)
 
@@ -193,7 +193,7 @@ class Trainer:
         return distributed.put_batch(batch, self.mesh)
 
     def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-        """Metrics per split (see train.evaluate)."""
+        """Metrics per split (see jaxpe.train.evaluate)."""
         return {
             name: evaluate.evaluate_split(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
@@ -231,7 +231,7 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Trains (resuming from workdir's checkpoints if any), evaluates every split, writes results.
 
-    task: a train.tasks Task (default: built from config.task); model: a flax module with
+    task: a jaxpe.train.tasks Task (default: built from config.task); model: a flax module with
     jaxpe.TransformerLM's call signature (default: built from config.model).
     Writes in workdir: config.json, metrics.jsonl, checkpoints/, result.json, result.md,
     result.png. Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last

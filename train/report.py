@@ -1,7 +1,7 @@
 """Gather `jaxpe-compare` results (compare.json files) into one Markdown table, encodings as rows, the best
 value of each column in bold.
 
-  python -m train.report results/cpu_small/counting_1var results/cpu_small/counting_3var --splits test,len_x2
+  python -m jaxpe.train.report results/cpu_small/counting_1var results/cpu_small/counting_3var --splits test,len_x2
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from train.evaluate import PERCENT_METRICS, format_metric, metric_scale
+from jaxpe.train.evaluate import PERCENT_METRICS, format_metric, metric_scale
 
 def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     """The compare.json of a jaxpe-compare workdir (or the file itself)."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from train.tasks.base import Batch, Split, Task, config_from_options
-from train.tasks.counting import CountingConfig, CountingTask, read_jsonl, write_jsonl
-from train.tasks.flipflop import FlipFlopConfig, FlipFlopTask
-from train.tasks.lm import LMConfig, LMTask
-from train.tasks.selective_copy import SelectiveCopyConfig, SelectiveCopyTask
+from jaxpe.train.tasks.base import Batch, Split, Task, config_from_options
+from jaxpe.train.tasks.counting import CountingConfig, CountingTask, read_jsonl, write_jsonl
+from jaxpe.train.tasks.flipflop import FlipFlopConfig, FlipFlopTask
+from jaxpe.train.tasks.lm import LMConfig, LMTask
+from jaxpe.train.tasks.selective_copy import SelectiveCopyConfig, SelectiveCopyTask
 
 TASKS: dict[str, tuple[type, type]] = {  # name -> (config dataclass, task class)
     "counting": (CountingConfig, CountingTask),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.tasks.base import (Batch, Split, WordVocab, check_int, derive_seed, epoch_indices,
+from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_int, derive_seed, epoch_indices,
                               make_batch, pad_and_shift)
 
 Sample = dict[str, str]  # {"context": ..., "question": ..., "answer": ...}

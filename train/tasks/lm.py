@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.tasks.base import (Batch, Split, check_int, check_probability, check_step, derive_seed,
+from jaxpe.train.tasks.base import (Batch, Split, check_int, check_probability, check_step, derive_seed,
                               make_batch)
 
 SPLITS = ("train", "valid", "test")

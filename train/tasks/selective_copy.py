@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from train.tasks.base import Batch, Split, WordVocab, check_int, check_step, derive_seed, make_batch
+from jaxpe.train.tasks.base import Batch, Split, WordVocab, check_int, check_step, derive_seed, make_batch
 
 BLANK, SEP = "_", "|"
 
