@@ -1,9 +1,11 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# CI (.ci/run) adds `make test-wheel` (the built wheel in a fresh venv, outside the repo) and `make test-newest`
+# (Python 3.12 with the newest jax).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-wheel test-newest bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +21,14 @@ demo: .venv
 test: .venv
 	$(BIN)/python -m pytest -n 2 -q
 
+test-wheel:
+	.ci/wheel_smoke $(PY)
+
+test-newest:
+	.ci/newest_jax
+
 bench: .venv
 	$(BIN)/python -m jaxpe.kernels.bench --quick
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-newest

@@ -103,7 +103,7 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
         raise ValueError(f"gate_k must match k, got gate_k.shape={tuple(gate_k.shape)} dtype={gate_k.dtype}, "
                          f"k.shape={tuple(k.shape)} dtype={k.dtype}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    impl = resolve_impl(impl, q.shape[1])
+    impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
         return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k)
     if impl == "blockwise":

@@ -95,7 +95,7 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    impl = resolve_impl(impl, q.shape[1])
+    impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
         return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale)
     if impl == "blockwise":

@@ -1,8 +1,12 @@
 """Choosing an implementation for the contextual attentions: reference, blockwise, pallas, or auto."""
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 
+from jaxpe.kernels._common import pallas_unsupported
 from jaxpe.validation import check_impl
 
 # On CPU the dense reference wins below this length for forward passes (measured by kernels/bench.py: the
@@ -10,11 +14,27 @@ from jaxpe.validation import check_impl
 BLOCKWISE_MIN_LENGTH = 512
 
 
-def resolve_impl(impl: str, length: int) -> str:
-    """Map "auto" to "pallas" on GPU, else "blockwise" from BLOCKWISE_MIN_LENGTH and "reference" below it."""
+def resolve_impl(impl: str, length: int, head_dim: int) -> str:
+    """The implementation `impl` stands for at this length and head dim.
+
+    "auto" is "pallas" where the fused kernels compile (an NVIDIA GPU of compute capability 8.0 or more, D <= 256);
+    on CPU the dense "reference" below BLOCKWISE_MIN_LENGTH and "blockwise" from it; on any other accelerator (TPU,
+    ROCm, older GPUs, larger heads) "blockwise", with one warning that says why.
+    """
     check_impl(impl)
     if impl != "auto":
         return impl
-    if jax.default_backend() == "gpu":
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "reference"
+    reason = pallas_unsupported(head_dim, backend=backend,
+                                compute_capability=getattr(jax.devices()[0], "compute_capability", None))
+    if reason is None:
         return "pallas"
-    return "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "reference"
+    _warn_once(f"jaxpe: impl='auto' runs the 'blockwise' path instead of the fused 'pallas' kernels: {reason}")
+    return "blockwise"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)

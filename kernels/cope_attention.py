@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxpe.kernels._common import check_head_dim
 from jaxpe.kernels.cope_blockwise import check_cope_inputs
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -434,8 +435,7 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU).
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale)
-    if not 1 <= q.shape[3] <= 256:
-        raise ValueError(f"head dim D={q.shape[3]} must be in [1, 256]")
+    check_head_dim(q.shape[3])
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     blocks = (block_sizes or BlockSizes()).fitted(q.shape[1])

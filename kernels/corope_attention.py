@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxpe.kernels._common import check_head_dim
 from jaxpe.kernels.corope_blockwise import check_corope_inputs
 
 _CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
@@ -78,7 +79,9 @@ def _sigmoid(x: jax.Array) -> jax.Array:
 def _mm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, exact: bool = False
         ) -> jax.Array:
     """a @ b with float32 accumulation; `exact` asks for IEEE float32 products (no TF32) for float32 inputs."""
-    return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=lax.Precision.HIGHEST if exact else None)
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if exact else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _omega(lo: int, block_d: int, head_dim: int, theta: float) -> jax.Array:
@@ -455,6 +458,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     num_warps/num_stages tune the Triton lowering (defaults: 4 or 8 warps by tile size, 2 stages).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
+    check_head_dim(q.shape[3])
     if block_sizes is None:
         block_sizes = BlockSizes()
     if not isinstance(block_sizes, BlockSizes):

@@ -53,8 +53,12 @@ def triton_modules(monkeypatch) -> list[str] | None:
 
 
 def lowered_for_gpu(fn: Callable, *args: jax.ShapeDtypeStruct) -> str:
-    """StableHLO text of `fn` lowered for CUDA (no GPU needed)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """StableHLO text of `fn` lowered for CUDA (no GPU needed). The target is an abstract H100: jax >= 0.12 reads
+    the GPU generation from the abstract mesh's device when no GPU is present (earlier versions do not ask)."""
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def triton_rule_violations(module: str) -> list[str]:
