@@ -28,7 +28,7 @@ test-newest:
 	.ci/newest_jax
 
 bench: .venv
-	$(BIN)/python -m jaxpe.kernels.bench --quick
+	$(BIN)/python benchmarks/attention.py --quick
 
 clean:
 	rm -rf $(VENV) .venv-newest

@@ -9,7 +9,7 @@ import jax
 from jaxpe.kernels._common import pallas_unsupported
 from jaxpe.validation import check_impl
 
-# On CPU the dense reference wins below this length for forward passes (measured by kernels/bench.py: the
+# On CPU the dense reference wins below this length for forward passes (measured by benchmarks/attention.py: the
 # crossover lies between 256 and 512); blockwise (O(L·block) memory) from here on.
 BLOCKWISE_MIN_LENGTH = 512
 

@@ -4,14 +4,15 @@ CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_atten
 blockwise, pallas; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
-    python -m jaxpe.kernels.bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
-    python -m jaxpe.kernels.bench --quick    # CPU-sized sweep
-    python -m jaxpe.kernels.bench --lengths 1024,4096 --impls blockwise,anchor --ops cope
+    python benchmarks/attention.py            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
+    python benchmarks/attention.py --quick    # CPU-sized sweep
+    python benchmarks/attention.py --lengths 1024,4096 --impls blockwise,anchor --ops cope
 
 Peak memory: on GPU, `peak_bytes_in_use` of the device, each case in a fresh subprocess so the peak is its own;
 on CPU, the compiled executable's memory analysis (temp + argument + output bytes), and cases above
 --cpu-memory-cap-gib are compiled but not run. Out-of-memory and compile failures are recorded per case.
 Writes <name>.json (device, jax version, date, config, rows) and <name>.md to --out (name: bench_<backend>).
+A consumer of the library, kept beside it rather than inside (as jax keeps its benchmarks/).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+import jaxpe
 
 OPS = ("cope", "corope")
 IMPLS = ("reference", "blockwise", "pallas", "anchor")
@@ -52,8 +55,6 @@ class Case:
 
 def _attention(case: Case):
     """(attention(q, k, v, *extra), extra inputs) for the case."""
-    import jaxpe
-
     if case.op == "cope":
         pos_emb = 0.1 * jax.random.normal(jax.random.PRNGKey(3), (case.npos, case.head_dim))
         return (lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=case.impl)), (pos_emb.astype(case.dtype),)
@@ -157,7 +158,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
 
 def _run_in_subprocess(case: Case, args: argparse.Namespace) -> dict:
     """GPU: a fresh process per case, so that the device's peak memory is this case's alone."""
-    command = [sys.executable, "-m", "jaxpe.kernels.bench", "--case", json.dumps(dataclasses.asdict(case)),
+    command = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(dataclasses.asdict(case)),
                "--repeats", str(args.repeats)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
@@ -209,7 +210,7 @@ def _names(allowed: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxpe.kernels.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/attention.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU-sized sweep (L 128..16384, D 64, G 1)")
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder")
     parser.add_argument("--name", help="output file stem (default bench_<backend>)")
