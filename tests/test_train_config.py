@@ -1,12 +1,32 @@
-"""jaxpe.train.config: presets, key=value overrides, bad input; the paper preset's model by eval_shape."""
+"""jaxpe.train.config: presets, saved configs, key=value overrides, bad input, the printed config with its comments;
+the paper preset's model by eval_shape."""
 import dataclasses
+import json
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from jaxpe.train.config import TrainConfig, apply_overrides, build_config, from_dict, load_preset, preset_names, to_dict
+from jaxpe.train.config import (
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_overrides,
+    build_config,
+    field_comments,
+    format_config,
+    from_dict,
+    load_config,
+    load_preset,
+    preset_names,
+    to_dict,
+)
 from jaxpe.train.loop import Trainer, build_model
+
+PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "train" / "presets"
 
 
 def test_overrides_reach_nested_fields():
@@ -93,19 +113,119 @@ def test_paper_model_shapes_without_compute():
     assert dataclasses.asdict(config.model)["num_layers"] == layers
 
 
-def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path, monkeypatch):
-    import json
-
-    import jaxpe.train.config
-
-    (tmp_path / "mine.json").write_text(json.dumps({
+def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({
         "model": {"d_model": 48}, "run": {"steps": 7},
         "tasks": {"counting": {"nvars": 5}, "flipflop": {"seq_len": 32}},
         "encodings": {"cope": {"npos": 17}},
     }))
-    monkeypatch.setattr(jaxpe.train.config, "PRESET_DIR", tmp_path)
-    cope = build_config(preset="mine", task="counting", pe="cope")
-    rope = build_config(preset="mine", task="flipflop", pe="rope", overrides=["model.pe_options.theta=500.0"])
+    cope = build_config(preset=str(path), task="counting", pe="cope")
+    rope = build_config(preset=str(path), task="flipflop", pe="rope", overrides=["model.pe_options.theta=500.0"])
     assert cope.model.d_model == rope.model.d_model == 48 and cope.run.steps == 7
     assert dict(cope.task.options) == {"nvars": 5} and dict(rope.task.options) == {"seq_len": 32}
     assert dict(cope.model.pe_options) == {"npos": 17} and dict(rope.model.pe_options) == {"theta": 500.0}
+
+
+def test_packaged_presets_are_the_repository_files():
+    """preset_names() reads the package's data (importlib.resources), which must be every file of train/presets/."""
+    assert set(preset_names()) == {p.stem for p in PRESET_FILES.glob("*.json")} >= {"paper", "cpu-small"}
+    assert load_preset("cpu-small") == json.loads((PRESET_FILES / "cpu-small.json").read_text())
+
+
+def test_preset_paths_and_their_errors(tmp_path, monkeypatch):
+    (tmp_path / "noext").write_text(json.dumps({"model": {"d_model": 24}}))
+    monkeypatch.chdir(tmp_path)
+    assert build_config(preset="noext").model.d_model == 24  # an existing file without .json is a path too
+    with pytest.raises(ValueError, match="'missing.json' cannot be read"):
+        build_config(preset="missing.json")
+    with pytest.raises(ValueError, match=r"preset name='cpu-smal' not found; choose one of \(.*'cpu-small'"):
+        build_config(preset="cpu-smal")
+    (tmp_path / "bad.json").write_text("{model: 1}")
+    with pytest.raises(ValueError, match="'bad.json' is not valid JSON"):
+        build_config(preset="bad.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        build_config(preset="list.json")
+    (tmp_path / "typo.json").write_text(json.dumps({"model": {"d_modle": 24}}))
+    with pytest.raises(ValueError, match="'model.d_modle'"):
+        build_config(preset="typo.json")
+
+
+def test_saved_config_reruns_with_changes(tmp_path):
+    """A saved config.json is the start; --task/--pe that change start from that task's/encoding's own options."""
+    saved = build_config(preset="cpu-small", task="counting", pe="cope", overrides=["model.num_layers=3"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(to_dict(saved)))
+    assert load_config(path) == saved
+    assert build_config(config=load_config(path), overrides=["run.seed=4"]) == dataclasses.replace(
+        saved, run=dataclasses.replace(saved.run, seed=4))
+    same = build_config(config=load_config(path), task="counting", pe="cope")
+    assert same == saved  # naming the saved task and encoding keeps their options
+    other = build_config(config=load_config(path), task="flipflop", pe="rope")
+    assert other.task == TaskConfig(name="flipflop") and other.model.pe == "rope" and not other.model.pe_options
+    assert other.model.num_layers == 3 and other.optim == saved.optim
+    with_preset = build_config(config=load_config(path), preset="paper", task="flipflop")
+    assert with_preset.model.d_model == 256 and dict(with_preset.task.options)["seq_len"] == 512
+    (tmp_path / "broken.json").write_text(json.dumps({"model": {"num_layers": "three"}}))
+    with pytest.raises(ValueError, match="'model.num_layers'"):
+        load_config(tmp_path / "broken.json")
+    with pytest.raises(ValueError, match="nowhere.json"):
+        load_config(tmp_path / "nowhere.json")
+
+
+@pytest.mark.parametrize("cls", [TaskConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig])
+def test_every_config_field_has_a_comment(cls):
+    comments = field_comments(cls)
+    assert set(comments) == {f.name for f in dataclasses.fields(cls)}
+    assert all(len(text) > 5 and not text.startswith("#") for text in comments.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    a: int = 1  # the base field
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commented(_Base):
+    """A docstring # that is not a comment."""
+
+    # said above
+    # on two lines
+    b: int = 2
+    c: tuple[int, ...] = (  # where it starts
+        1, 2)
+    d: int = 4
+    e: str = "# not a comment"  # the comment
+
+
+def test_field_comments_are_read_from_the_source():
+    assert field_comments(_Commented) == {"a": "the base field", "b": "said above on two lines",
+                                         "c": "where it starts", "e": "the comment"}
+
+
+def test_printed_config_lists_every_key_with_its_comment_and_reads_back():
+    config = build_config(preset="cpu-small", pe="cope", overrides=["run.eval_splits=valid,ood_dense"])
+    text = format_config(config)
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    settings = [line.split("  # ")[0].strip() for line in lines]
+    keys = [s.split("=")[0] for s in settings]
+    for section in ("model", "optim", "run"):
+        for field in dataclasses.fields(getattr(config, section)):
+            if field.name != "pe_options":
+                assert f"{section}.{field.name}" in keys
+    assert "model.d_model=64                     # width of the residual stream" in text
+    assert "run.eval_splits=valid,ood_dense" in settings and "model.num_kv_heads=none" in settings
+    # the task's and the encoding's options in full, defaults filled in, with their comments
+    assert any(line.startswith("task.n_blanks_sparse=32 ") and "(selective_copy option) blanks" in line
+               for line in lines)
+    assert any(line.startswith("model.pe_options.npos=64 ") for line in lines)
+    assert any(line.startswith("model.pe_options.gates=keys ") and "(cope option)" in line for line in lines)
+    assert all("  # " in line for line in lines)
+    # every line is a key=value override: applied to the defaults they give the same config again
+    again = build_config(overrides=settings)
+    assert format_config(again) == text
+    assert (again.model, again.optim, again.run) == (
+        dataclasses.replace(config.model, pe_options=again.model.pe_options), config.optim, config.run)
+    with pytest.raises(ValueError, match="npoz"):
+        format_config(build_config(pe="cope", overrides=["model.pe_options.npoz=3"]))

@@ -13,6 +13,8 @@ from jaxpe.train.config import (
     TrainConfig,
     apply_overrides,
     build_config,
+    format_config,
+    load_config,
     load_preset,
     preset_names,
 )
@@ -34,6 +36,6 @@ from jaxpe.train.loop import (
 __all__ = [
     "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "RunConfig", "TaskConfig",
     "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "compare_encodings",
-    "evaluate_checkpoint", "initialize", "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step",
-    "metrics_from_sums", "preset_names", "train_and_evaluate", "weighted_loss",
+    "evaluate_checkpoint", "format_config", "initialize", "load_config", "load_preset", "make_mesh", "make_optimizer",
+    "make_task", "make_train_step", "metrics_from_sums", "preset_names", "train_and_evaluate", "weighted_loss",
 ]

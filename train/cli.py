@@ -1,29 +1,47 @@
 """Command-line entry points: jaxpe-train, jaxpe-eval, jaxpe-compare.
 
   jaxpe-train --task flipflop --pe cope --preset cpu-small --workdir runs/ff model.num_layers=2
+  jaxpe-train --config runs/ff/config.json --workdir runs/ff-seed1 run.seed=1   # rerun a saved run, changed
+  jaxpe-train --preset cpu-small --pe cope --show-config                        # the resolved config; no run
   jaxpe-eval --workdir runs/ff
   jaxpe-compare --task flipflop --pe cope,rope,learned --seeds 0,1 --preset cpu-small --workdir runs/cmp
 
 Each parses its flags and calls one function of jaxpe.train.loop. A workdir that already holds
-checkpoints resumes. Multi-host: pass --coordinator/--num-processes/--process-id (or set
-JAXPE_COORDINATOR, JAXPE_NUM_PROCESSES, JAXPE_PROCESS_ID) in every process.
+checkpoints resumes. Multi-host: see jaxpe.train.distributed.initialize (TPU pods, Slurm, Open MPI
+and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
+$JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
 from collections.abc import Sequence
 
+import jax
+
+from jaxpe import PE_NAMES
 from jaxpe.train import distributed, evaluate, loop
-from jaxpe.train.config import build_config, preset_names
+from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
+from jaxpe.train.tasks import TASK_NAMES
+
+PRECEDENCE = ("config precedence, later wins: the defaults (or the saved run of --config), --preset, --task and --pe "
+              "(a task or encoding other than the one already set starts from its own default options, then the "
+              "preset's options for it), key=value overrides")
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "result.json", "result.md", "result.png", "checkpoints/", "tb/")
 
 
-def _config_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--task", help="task name (counting, flipflop, selective_copy, lm)")
-    parser.add_argument("--preset", help=f"preset file in train/presets/: {', '.join(preset_names())}")
-    parser.add_argument("--workdir", required=True, help="directory for checkpoints, metrics and results")
+def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=PRECEDENCE)
+    parser.add_argument("--task", choices=TASK_NAMES, metavar="TASK", help=f"task: {', '.join(TASK_NAMES)}")
+    parser.add_argument("--preset", metavar="NAME|FILE", help=f"preset: {', '.join(preset_names())}; "
+                        "or a path to a JSON preset file (one that ends in .json or exists)")
+    parser.add_argument("--config", metavar="FILE", help="start from a run's saved config.json (reruns it; "
+                        "--preset, --task, --pe and key=value apply on top)")
+    parser.add_argument("--workdir", help="directory for checkpoints, metrics and results (not with --show-config)")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved config (every key, with its comment) and exit without training")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. model.num_layers=2 task.nvars=3 model.pe_options.npos=32")
     _multihost_flags(parser)
@@ -31,9 +49,51 @@ def _config_parser(description: str) -> argparse.ArgumentParser:
 
 
 def _multihost_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--coordinator", help="host:port of process 0 (multi-host; env JAXPE_COORDINATOR)")
-    parser.add_argument("--num-processes", type=int, help="processes in the run (env JAXPE_NUM_PROCESSES)")
-    parser.add_argument("--process-id", type=int, help="this process's index (env JAXPE_PROCESS_ID)")
+    group = parser.add_argument_group("multi-host", "not needed on TPU pods, under Slurm (srun) or Open MPI (mpirun), "
+                                      "or with $JAX_COORDINATOR_ADDRESS set: those are detected")
+    group.add_argument("--coordinator", help="host:port of process 0 (env JAXPE_COORDINATOR)")
+    group.add_argument("--num-processes", type=int, help="processes in the run (env JAXPE_NUM_PROCESSES)")
+    group.add_argument("--process-id", type=int, help="this process's index (env JAXPE_PROCESS_ID)")
+
+
+def _pe_list(text: str) -> list[str]:
+    """--pe of jaxpe-compare: comma-separated encoding names, each checked."""
+    pes = [p for p in text.split(",") if p]
+    unknown = [p for p in pes if p not in PE_NAMES]
+    if not pes or unknown:
+        raise argparse.ArgumentTypeError(f"unknown encoding(s) {unknown or text!r}; choose from {', '.join(PE_NAMES)}")
+    return pes
+
+
+def _int_list(text: str) -> list[int]:
+    """--seeds of jaxpe-compare: comma-separated integers."""
+    try:
+        values = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 0,1,2")
+    return values
+
+
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Sequence[str | None]) -> list[TrainConfig]:
+    """One config per encoding; a bad preset, config file or key=value is a usage error (exit 2). With
+    --show-config, prints them and exits 0; otherwise --workdir is required."""
+    try:
+        saved = load_config(args.config) if args.config else None
+        configs = [build_config(config=saved, preset=args.preset, task=args.task, pe=pe, overrides=args.overrides)
+                   for pe in pes]
+        shown = [format_config(c) for c in configs] if args.show_config else []
+    except ValueError as error:
+        parser.error(str(error))
+    if args.show_config:
+        for config, text in zip(configs, shown):
+            heading = f"model.pe={config.model.pe}: " if len(configs) > 1 else ""
+            print(f"# {heading}resolved config, one key=value override a line (precedence: see --help)\n{text}", end="")
+        parser.exit(0)
+    if args.workdir is None:
+        parser.error("the following arguments are required: --workdir")
+    return configs
 
 
 def _start(args: argparse.Namespace) -> None:
@@ -41,15 +101,25 @@ def _start(args: argparse.Namespace) -> None:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
+def _print_outputs(workdir: str | pathlib.Path, names: Sequence[str]) -> None:
+    """Process 0's last line (stderr, after the table on stdout): where the outputs are; TensorBoard's command."""
+    if jax.process_index() != 0:
+        return
+    workdir = pathlib.Path(workdir).absolute()
+    present = [name for name in names if (workdir / name).exists()]
+    line = f"outputs in {workdir}: {', '.join(present)}"
+    if (workdir / "tb").is_dir() or any(workdir.glob("*/*/tb")):
+        line += f" (tensorboard --logdir {workdir})"
+    sys.stdout.flush()
+    print(line, file=sys.stderr)
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """jaxpe-train: one run; prints the result table."""
-    parser = _config_parser("Train one model on one task (resumes from --workdir's checkpoints).")
-    parser.add_argument("--pe", help="positional encoding (a jaxpe.PE_NAMES entry)")
+    """jaxpe-train: one run; prints the result table and where the outputs are."""
+    parser = _config_parser("jaxpe-train", "Train one model on one task (resumes from --workdir's checkpoints).")
+    parser.add_argument("--pe", choices=PE_NAMES, metavar="PE", help=f"positional encoding: {', '.join(PE_NAMES)}")
     args = parser.parse_args(argv)
-    try:
-        config = build_config(preset=args.preset, task=args.task, pe=args.pe, overrides=args.overrides)
-    except ValueError as error:
-        parser.error(str(error))
+    [config] = _resolve(parser, args, [args.pe])
     _start(args)
     try:
         result = loop.train_and_evaluate(config, args.workdir)
@@ -58,12 +128,14 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(evaluate.results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
                                     label_keys=("task", "pe", "seed")), end="")
+    _print_outputs(args.workdir, RUN_OUTPUTS)
     return 0
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-eval: evaluates a run's latest (or --step) checkpoint on every split."""
-    parser = argparse.ArgumentParser(description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
+    parser = argparse.ArgumentParser(prog="jaxpe-eval",
+                                     description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
     parser.add_argument("--workdir", required=True, help="a jaxpe-train workdir")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     _multihost_flags(parser)
@@ -74,27 +146,26 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     print(result["table"], end="")
+    _print_outputs(args.workdir, ("eval.json", "eval.md"))
     return 0
 
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-compare: several encodings x seeds -> one table (JSON, Markdown, PNG)."""
-    parser = _config_parser("Train several encodings and seeds on one task and compare them.")
-    parser.add_argument("--pe", default="cope,rope,learned", help="comma-separated encodings")
-    parser.add_argument("--seeds", default="0", help="comma-separated model seeds")
+    parser = _config_parser("jaxpe-compare", "Train several encodings and seeds on one task and compare them.")
+    parser.add_argument("--pe", type=_pe_list, default="cope,rope,learned",
+                        help=f"comma-separated encodings from: {', '.join(PE_NAMES)} (default: cope,rope,learned)")
+    parser.add_argument("--seeds", type=_int_list, default="0", help="comma-separated model seeds (default: 0)")
     args = parser.parse_args(argv)
-    try:
-        pes = [p for p in args.pe.split(",") if p]
-        configs = [build_config(preset=args.preset, task=args.task, pe=pe, overrides=args.overrides) for pe in pes]
-        seeds = [int(s) for s in args.seeds.split(",") if s]
-    except ValueError as error:
-        parser.error(str(error))
+    configs = _resolve(parser, args, args.pe)
     _start(args)
     try:
-        comparison = loop.compare_encodings(configs, seeds, args.workdir)
+        comparison = loop.compare_encodings(configs, args.seeds, args.workdir)
     except loop.NonFiniteLossError as error:
         print(f"jaxpe-compare: {error}", file=sys.stderr)
         return 1
-    print(f"\n{comparison['task']}: {comparison['metric']} (%, lower is better), mean ± std over seeds {args.seeds}\n")
+    seeds = ",".join(map(str, args.seeds))
+    print(f"\n{comparison['task']}: {comparison['metric']} (%, lower is better), mean ± std over seeds {seeds}\n")
     print(comparison["table"], end="")
+    _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
     return 0

@@ -1,22 +1,29 @@
 """The training entry point's one nested config, presets and `key=value` overrides.
 
 `TrainConfig{task, model, optim, run}` is a tree of frozen dataclasses. It is built from the
-defaults, then a preset file (`train/presets/<name>.json`), then `--task`/`--pe`, then
-`key=value` overrides such as `model.num_layers=2`, `task.nvars=3` or
-`model.pe_options.npos=32`. Every override is parsed against the field's type; an unknown key
-or a value of the wrong type raises ValueError naming the key.
+defaults (or a run's saved `config.json`), then a preset (a name from the package's `presets/`,
+or a path to a JSON file), then `--task`/`--pe`, then `key=value` overrides such as
+`model.num_layers=2`, `task.nvars=3` or `model.pe_options.npos=32`. Every override is parsed
+against the field's type; an unknown key or a value of the wrong type raises ValueError naming
+the key. `format_config` prints a resolved config with the comment of every field.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.resources
+import inspect
+import io
 import json
+import os
 import pathlib
+import textwrap
+import tokenize
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from importlib.resources.abc import Traversable
 from typing import Any
-
-PRESET_DIR = pathlib.Path(__file__).parent / "presets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,7 @@ class RunConfig:
     num_devices: int = 0  # devices in the data-parallel mesh; 0 = all
     fsdp: bool = False  # shard params and optimizer state over the "data" axis instead of replicating
     progress: bool = True  # tqdm progress bar
+    tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])
 
     def __post_init__(self):
         if self.steps < 1 or self.log_every < 1 or self.keep < 1 or self.eval_batch_size < 1:
@@ -96,29 +104,67 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)  # how long, how often, where
 
 
+def _packaged_presets() -> Traversable:
+    """The presets/ folder shipped inside the jaxpe.train package (works from a wheel or a zip)."""
+    return importlib.resources.files("jaxpe.train") / "presets"
+
+
 def preset_names() -> tuple[str, ...]:
-    """Names of the preset files in train/presets/."""
-    return tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
+    """Names of the presets shipped with jaxpe (train/presets/*.json)."""
+    files = _packaged_presets().iterdir()
+    return tuple(sorted(p.name.removesuffix(".json") for p in files if p.name.endswith(".json")))
 
 
 def load_preset(name: str) -> dict[str, Any]:
     """The preset's nested dict: sections task/model/optim/run, tasks: {task name: options} and
-    encodings: {pe name: pe_options}, the last two applied only to the chosen task and encoding."""
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"preset {name=} not found; choose one of {preset_names()}")
-    return json.loads(path.read_text())
+    encodings: {pe name: pe_options}, the last two applied only to the chosen task and encoding.
+
+    `name` is a packaged preset (preset_names()) or else a path to a JSON file (one that ends in .json or exists).
+    """
+    if name in preset_names():
+        text = (_packaged_presets() / f"{name}.json").read_text(encoding="utf-8")
+    elif name.endswith(".json") or os.path.isfile(name):
+        try:
+            text = pathlib.Path(name).read_text(encoding="utf-8")
+        except OSError as error:
+            raise ValueError(f"preset file {name!r} cannot be read: {error.strerror}") from error
+    else:
+        raise ValueError(f"preset {name=} not found; choose one of {preset_names()} or give a path to a .json file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"preset {name!r} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"preset {name!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike) -> TrainConfig:
+    """The TrainConfig saved in a run's workdir (`config.json`, written by train_and_evaluate)."""
+    try:
+        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"config file {str(path)!r} cannot be read as JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return from_dict(data)
 
 
 def build_config(
     *,
+    config: TrainConfig | None = None,
     preset: str | None = None,
     task: str | None = None,
     pe: str | None = None,
     overrides: Sequence[str] = (),
 ) -> TrainConfig:
-    """Defaults, then the preset, then task and pe, then `key=value` overrides (last wins)."""
-    config = TrainConfig()
+    """`config` (default: the defaults; e.g. a saved one from load_config), then the preset, then task and pe,
+    then `key=value` overrides (last wins).
+
+    A task or pe that differs from the one already set starts from that task's (encoding's) default options,
+    then the preset's per-task (per-encoding) options.
+    """
+    config = TrainConfig() if config is None else config
     preset_tasks: Mapping[str, Any] = {}
     preset_encodings: Mapping[str, Any] = {}
     if preset is not None:
@@ -126,12 +172,13 @@ def build_config(
         preset_tasks = data.pop("tasks", {})
         preset_encodings = data.pop("encodings", {})
         config = apply_dict(config, {k: v for k, v in data.items() if not k.startswith("_")})
-    if task is not None:
-        config = apply_dict(config, {"task": {"name": task}})
+    if task is not None and task != config.task.name:
+        config = apply_dict(dataclasses.replace(config, task=TaskConfig()), {"task": {"name": task}})
     if config.task.name in preset_tasks:
         config = apply_dict(config, {"task": {"options": preset_tasks[config.task.name]}})
-    if pe is not None:
-        config = apply_dict(config, {"model": {"pe": pe}})
+    if pe is not None and pe != config.model.pe:
+        config = apply_dict(dataclasses.replace(config, model=dataclasses.replace(config.model, pe_options={})),
+                            {"model": {"pe": pe}})
     if config.model.pe in preset_encodings:
         config = apply_dict(config, {"model": {"pe_options": preset_encodings[config.model.pe]}})
     return apply_overrides(config, overrides)
@@ -166,6 +213,99 @@ def to_dict(config: Any) -> dict[str, Any]:
 def from_dict(data: Mapping[str, Any]) -> TrainConfig:
     """Inverse of to_dict (checks every key and type)."""
     return apply_dict(TrainConfig(), data)
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: the comment after it} for a dataclass, read from its source (and its dataclass bases').
+
+    A field's comment is the `# ...` on the line where its definition ends (or starts), else the comment lines
+    right above it. Without source code (e.g. only .pyc files installed) there are no comments: {}.
+    """
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            comments.update(_own_field_comments(klass))
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    by_line = {tok.start[0]: tok.string.lstrip("#").strip()
+               for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    class_node = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
+    comments = {}
+    for node in class_node.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        text = by_line.get(node.end_lineno) or by_line.get(node.lineno)
+        if not text:
+            above, line = [], node.lineno - 1
+            while line in by_line and lines[line - 1].lstrip().startswith("#"):
+                above.insert(0, by_line[line])
+                line -= 1
+            text = " ".join(above)
+        if text:
+            comments[node.target.id] = text
+    return comments
+
+
+def format_config(config: TrainConfig) -> str:
+    """The resolved config, one `key=value  # comment` line per field, every line a valid override.
+
+    The task's options and the encoding's options are listed in full (their config classes' defaults filled in),
+    so a typo in them is a ValueError here too.
+    """
+    from jaxpe.registry import pe_config  # the model library's encodings
+    from jaxpe.train.tasks import task_config_class
+    from jaxpe.train.tasks.base import config_from_options
+
+    sections = field_comments(TrainConfig)
+    lines: list[str | tuple[str, str]] = []  # a section heading, or (key=value, comment)
+    for section in dataclasses.fields(config):
+        node = getattr(config, section.name)
+        lines.append(f"# {section.name}: {sections.get(section.name, '')}".rstrip(": "))
+        comments = field_comments(type(node))
+        for field in dataclasses.fields(node):
+            key, value = f"{section.name}.{field.name}", getattr(node, field.name)
+            if isinstance(node, TaskConfig) and field.name == "options":
+                options = config_from_options(task_config_class(node.name), node.name, value)
+                lines += _option_lines(section.name, options, f"{node.name} option")
+            elif isinstance(node, ModelConfig) and field.name == "pe_options":
+                lines += _option_lines(key, pe_config(node.pe, **value), f"{node.pe} option")
+            else:
+                lines.append((f"{key}={_override_text(value)}", comments.get(field.name, "")))
+    width = max(len(line[0]) for line in lines if isinstance(line, tuple))
+    return "".join(
+        f"{line}\n" if isinstance(line, str) else f"{line[0]:<{width}}  # {line[1]}\n" if line[1] else f"{line[0]}\n"
+        for line in lines
+    )
+
+
+def _option_lines(prefix: str, options: Any, what: str) -> list[tuple[str, str]]:
+    """(key=value, comment) of every field of an options dataclass instance (a task's or an encoding's config)."""
+    comments = field_comments(type(options))
+    return [(f"{prefix}.{f.name}={_option_text(getattr(options, f.name))}",
+             f"({what}) {comments.get(f.name, '')}".rstrip()) for f in dataclasses.fields(options)]
+
+
+def _override_text(value: Any) -> str:
+    """A TrainConfig field's value as `_parse` reads it back."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _option_text(value: Any) -> str:
+    """An option's value as `_parse_literal` reads it back (JSON, strings bare)."""
+    return value if isinstance(value, str) else json.dumps(value, default=list)
 
 
 def _is_mapping_field(config: Any, path: list[str]) -> bool:

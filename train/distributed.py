@@ -6,13 +6,17 @@ the device count divides. Every process feeds only its own slice of the global b
 """
 from __future__ import annotations
 
+import logging
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
 
 DATA_AXIS = "data"
 _FSDP_MIN_SIZE = 2**12  # smaller arrays stay replicated: sharding them costs more than it saves
@@ -23,24 +27,109 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
 ) -> None:
-    """Joins a multi-process run; arguments default to $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES,
-    $JAXPE_PROCESS_ID. With one process (the default) nothing happens.
+    """Joins a multi-process run, or does nothing for a single process; then logs "process i of n".
 
-    CPU collectives between processes use gloo (jax's default CPU implementation; set
-    explicitly so that an older default cannot silently leave processes unconnected).
+    The first of these that applies decides:
+    1. the arguments, else $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID (jaxpe's own flags):
+       `jax.distributed.initialize(coordinator, num_processes, process_id)`; num_processes 1 is a single process;
+    2. $JAX_COORDINATOR_ADDRESS (read by jax itself) with $JAX_NUM_PROCESSES and $JAX_PROCESS_ID where set (jax
+       does not read those two; unset, jax takes them from a detected cluster); $JAX_NUM_PROCESSES=1 is a single
+       process;
+    3. a launcher of several processes that jax detects by itself (`launcher()`: TPU pod, Slurm, Open MPI):
+       `jax.distributed.initialize()` with no arguments;
+    4. otherwise a single process: nothing to join.
+
+    CPU collectives between processes use gloo (jax's default CPU implementation; set explicitly so that an
+    older default cannot silently leave processes unconnected).
     """
-    coordinator = coordinator or os.environ.get("JAXPE_COORDINATOR")
-    num_processes = num_processes or int(os.environ.get("JAXPE_NUM_PROCESSES", "1"))
-    if process_id is None:
-        process_id = int(os.environ.get("JAXPE_PROCESS_ID", "0"))
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ValueError(f"{num_processes=} must be >= 1 and {process_id=} in [0, num_processes)")
-    if num_processes == 1:
-        return
-    if not coordinator:
-        raise ValueError(f"{coordinator=} (host:port of process 0) is needed with {num_processes=}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    explicit = any(v is not None for v in (coordinator, num_processes, process_id)) or any(
+        name in os.environ for name in ("JAXPE_COORDINATOR", "JAXPE_NUM_PROCESSES", "JAXPE_PROCESS_ID"))
+    if explicit:
+        coordinator = coordinator or os.environ.get("JAXPE_COORDINATOR")
+        num_processes = num_processes or _env_int("JAXPE_NUM_PROCESSES", 1)
+        process_id = _env_int("JAXPE_PROCESS_ID", 0) if process_id is None else process_id
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"{num_processes=} must be >= 1 and {process_id=} in [0, num_processes)")
+        if num_processes > 1 and not coordinator:
+            raise ValueError(f"{coordinator=} (host:port of process 0) is needed with {num_processes=}")
+        how = "--coordinator/--num-processes/--process-id or $JAXPE_*"
+        kwargs = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        single = num_processes == 1
+    elif "JAX_COORDINATOR_ADDRESS" in os.environ:
+        kwargs = {arg: _env_int(name, 0) for arg, name in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                          ("process_id", "JAX_PROCESS_ID")) if name in os.environ}
+        how, single = "$JAX_COORDINATOR_ADDRESS", kwargs.get("num_processes") == 1
+    else:
+        how, kwargs = launcher(), {}
+        single = how is None
+    if not single:
+        log.info("joining a multi-process run (%s): jax.distributed.initialize(%s)", how,
+                 ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(**kwargs)
+    log.info("process %d of %d", jax.process_index(), jax.process_count())
+
+
+def launcher() -> str | None:
+    """The launcher of several processes that `jax.distributed.initialize()` configures itself from, or None.
+
+    The criteria mirror jax's cluster detection (jax._src.clusters in jax 0.10-0.12), with more than one
+    process required so that a one-task job stays a single-process run:
+    - "slurm": SlurmCluster's variables (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
+      SLURM_LOCALID: a job step started by srun) with SLURM_NTASKS > 1;
+    - "openmpi": OmpiCluster, processes started by mpirun/mpiexec: OMPI_COMM_WORLD_SIZE > 1 (Open MPI < 5 also
+      sets OMPI_MCA_orte_hnp_uri, which jax 0.10 and 0.11 need; Open MPI 5 needs jax >= 0.12 and mpi4py);
+    - "tpu": a TPU pod slice or multislice job: more than one host in GkeTpuCluster's host list
+      (TPU_PROCESS_ADDRESSES_PATH, TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES), MEGASCALE_COORDINATOR_ADDRESS or
+      MEGASCALE_NUM_SLICES > 1, or jax's GceTpuCluster: a Cloud TPU VM whose metadata lists several workers (asked
+      through jax's own detector, which queries metadata only on a TPU VM).
+    """
+    env = os.environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in env for name in slurm) and _env_int("SLURM_NTASKS", 1) > 1:
+        return "slurm"
+    if _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1:
+        return "openmpi"
+    if (_tpu_hosts() > 1 or "MEGASCALE_COORDINATOR_ADDRESS" in env or _env_int("MEGASCALE_NUM_SLICES", 1) > 1
+            or _gce_tpu_workers() > 1):
+        return "tpu"
+    return None
+
+
+def _tpu_hosts() -> int:
+    """Hosts of the TPU slice as jax's GkeTpuCluster reads them: the file $TPU_PROCESS_ADDRESSES_PATH, else
+    $TPU_PROCESS_ADDRESSES, else $TPU_WORKER_HOSTNAMES (comma-separated)."""
+    path = os.environ.get("TPU_PROCESS_ADDRESSES_PATH")
+    if path:
+        try:
+            text = pathlib.Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"$TPU_PROCESS_ADDRESSES_PATH={path!r} cannot be read: {error.strerror}") from error
+    else:
+        text = os.environ.get("TPU_PROCESS_ADDRESSES") or os.environ.get("TPU_WORKER_HOSTNAMES") or ""
+    return len([host for host in text.split(",") if host.strip()])
+
+
+def _gce_tpu_workers() -> int:
+    """Workers of this Cloud TPU VM's slice by jax's own GceTpuCluster (a private API: 0 where it is missing)."""
+    try:
+        from jax._src.clusters import GceTpuCluster
+    except ImportError:
+        return 0
+    if not GceTpuCluster.is_env_present():  # False at once off a TPU VM
+        return 0
+    return GceTpuCluster.get_process_count()
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer environment variable; ValueError naming it when it is not one."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name}={text!r} must be an integer") from None
 
 
 def make_mesh(num_devices: int = 0) -> Mesh:

@@ -204,13 +204,21 @@ class Trainer:
 
 
 class MetricsLog:
-    """metrics.jsonl in the workdir (process 0 writes); on resume, lines past the step are dropped."""
+    """The run's metrics in the workdir, written by process 0: metrics.jsonl, and TensorBoard event files in tb/ when
+    `tensorboard` is set and tensorboardX is installed (scalars `<split>/<metric>`, e.g. train/loss, valid/token_error).
 
-    def __init__(self, path: pathlib.Path, *, resume_step: int, enabled: bool):
-        self.path, self.enabled = path, enabled
-        if enabled and path.exists():
-            kept = [line for line in path.read_text().splitlines() if self._step(line) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+    On resume, records past the resume step are dropped: lines of metrics.jsonl, and TensorBoard events through
+    the writer's purge_step (TensorBoard hides older events from that step on).
+    """
+
+    def __init__(self, workdir: pathlib.Path, *, resume_step: int, enabled: bool, tensorboard: bool):
+        self.path, self.enabled = workdir / "metrics.jsonl", enabled
+        if enabled and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if self._step(line) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.writer = None
+        if enabled and tensorboard:
+            self.writer = _tensorboard_writer(workdir / "tb", purge_step=resume_step + 1)
 
     @staticmethod
     def _step(line: str) -> float:
@@ -221,9 +229,31 @@ class MetricsLog:
             return float("inf")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        """One record {"step": int, "split": str, metric: number, ...}."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in record.items():
+                if name not in ("step", "split") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"{record['split']}/{name}", value, global_step=record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _tensorboard_writer(logdir: pathlib.Path, *, purge_step: int) -> Any:
+    """A tensorboardX SummaryWriter, or None (with a note) when tensorboardX is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        log.info("tensorboardX is not installed: no TensorBoard event files (pip install 'jaxpe[tensorboard]'); "
+                 "metrics.jsonl has every metric")
+        return None
+    return SummaryWriter(str(logdir), purge_step=purge_step)
 
 
 def train_and_evaluate(
@@ -233,9 +263,10 @@ def train_and_evaluate(
 
     task: a jaxpe.train.tasks Task (default: built from config.task); model: a flax module with
     jaxpe.TransformerLM's call signature (default: built from config.model).
-    Writes in workdir: config.json, metrics.jsonl, checkpoints/, result.json, result.md,
-    result.png. Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last
-    checkpoint written is the last good one).
+    Writes in workdir: config.json, metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
+    result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
+    Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
+    last good one).
     """
     workdir = pathlib.Path(workdir).absolute()
     is_main = jax.process_index() == 0
@@ -263,7 +294,7 @@ def train_and_evaluate(
     start = resumed_from or 0
     if resumed_from is not None:
         log.info("resuming from the checkpoint at step %d in %s", start, workdir)
-    metrics_log = MetricsLog(workdir / "metrics.jsonl", resume_step=start, enabled=is_main)
+    metrics_log = MetricsLog(workdir, resume_step=start, enabled=is_main, tensorboard=run.tensorboard)
 
     pending = None  # device-side sums of metrics since the last check
     last_good = resumed_from
@@ -315,6 +346,7 @@ def train_and_evaluate(
         if start >= run.steps:  # resumed a finished run: evaluate its final state
             final = trainer.evaluate(state.params, splits)
     finally:
+        metrics_log.close()
         if progress is not None:
             progress.close()
         if checkpoints is not None:
@@ -338,7 +370,7 @@ def train_and_evaluate(
 
 # Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
-                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress")
+                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard")
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
+outputs (TensorBoard event files read back, with and without tensorboardX)."""
+import json
+import pathlib
+import struct
+import sys
+
+import jax
+import pytest
+from tensorboardX.proto import event_pb2
+
+import jaxpe
+from jaxpe.train import cli, distributed, loop
+from jaxpe.train.config import preset_names
+from jaxpe.train.tasks import TASK_NAMES
+
+TINY = [
+    "--task", "flipflop", "--pe", "rope",
+    "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
+    "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "run.steps=3", "run.log_every=1",
+    "run.eval_every=2", "run.checkpoint_every=0", "run.eval_batch_size=16", "run.progress=false", "run.num_devices=1",
+]
+
+
+def read_events(logdir: pathlib.Path) -> list[event_pb2.Event]:
+    """Every event of the TFRecord files in logdir: [uint64 length, uint32 crc, data, uint32 crc] records."""
+    events = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            events.append(event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length]))
+            offset += 12 + length + 4
+    return events
+
+
+def scalars(logdir: pathlib.Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of the scalar summaries in logdir."""
+    out: dict[str, dict[int, float]] = {}
+    for event in read_events(logdir):
+        for value in event.summary.value:
+            out.setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+@pytest.mark.parametrize("main, prog", [(cli.train_main, "jaxpe-train"), (cli.compare_main, "jaxpe-compare")])
+def test_help_lists_the_encodings_tasks_and_presets(main, prog, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert text.startswith(f"usage: {prog} ")
+    assert ", ".join(jaxpe.PE_NAMES) in text and ", ".join(TASK_NAMES) in text
+    assert ", ".join(preset_names()) in text and "cpu-small" in text
+    assert "--show-config" in text and "--config FILE" in text and "later wins" in text
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (cli.train_main, ["--task", "countin"], "jaxpe-train: error: argument --task: invalid choice: 'countin'"),
+    (cli.train_main, ["--pe", "cop"], "jaxpe-train: error: argument --pe: invalid choice: 'cop'"),
+    (cli.compare_main, ["--pe", "cope,ropey"], "jaxpe-compare: error: argument --pe: unknown encoding(s) ['ropey']"),
+    (cli.compare_main, ["--seeds", "0,x"], "jaxpe-compare: error: argument --seeds: '0,x' must be"),
+    (cli.train_main, ["--preset", "cpu-smal"], "jaxpe-train: error: preset name='cpu-smal' not found"),
+    (cli.train_main, ["model.num_layer=2"], "jaxpe-train: error: unknown config key 'model.num_layer'"),
+    (cli.train_main, ["--config", "nowhere/config.json"], "jaxpe-train: error: config file 'nowhere/config.json'"),
+    (cli.train_main, ["--show-config", "task.nvarz=3"], "unknown option 'nvarz' for task 'flipflop'"),
+    (cli.train_main, [], "jaxpe-train: error: the following arguments are required: --workdir"),
+    (cli.eval_main, [], "jaxpe-eval: error: the following arguments are required: --workdir"),
+])
+def test_usage_errors_exit_2_naming_the_argument(main, argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_show_config_prints_every_key_and_runs_nothing(monkeypatch, tmp_path, capsys):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("--show-config must not start anything")
+
+    monkeypatch.setattr(loop, "train_and_evaluate", forbidden)
+    monkeypatch.setattr(loop, "compare_encodings", forbidden)
+    monkeypatch.setattr(distributed, "initialize", forbidden)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_main(["--preset", "cpu-small", "--pe", "cope", "--workdir", "runs/x", "--show-config",
+                        "model.num_layers=3"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# resolved config, one key=value override a line")
+    settings = {line.split("  # ")[0].strip(): line for line in out.splitlines() if not line.startswith("#")}
+    assert "model.num_layers=3" in settings and "model.pe=cope" in settings and "task.name=selective_copy" in settings
+    assert "# TensorBoard event files in workdir/tb/" in settings["run.tensorboard=true"]
+    assert "model.pe_options.npos=64" in settings  # the preset's per-encoding options
+    assert len(settings) > 50
+    assert list(tmp_path.iterdir()) == []
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.compare_main(["--pe", "cope,rope", "--show-config"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("resolved config") == 2 and "# model.pe=rope: resolved config" in out
+
+
+def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboardx(monkeypatch, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert cli.train_main([*TINY, "--workdir", str(first)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("| flipflop | rope | 0 |")
+    assert err.splitlines()[-1] == (f"outputs in {first}: config.json, metrics.jsonl, result.json, result.md, "
+                                    f"result.png, tb/ (tensorboard --logdir {first})")
+    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    logged = scalars(first / "tb")
+    train = {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+    assert sorted(train) == [1, 2, 3]
+    assert logged["train/loss"] == pytest.approx(train, rel=1e-6)
+    assert set(logged["train/accuracy"]) == set(logged["train/tokens_per_s"]) == {1, 2, 3}
+    valid = {r["step"]: r["token_error"] for r in records if r["split"] == "valid"}
+    assert sorted(valid) == [2, 3] and logged["valid/token_error"] == pytest.approx(valid, rel=1e-6)
+    assert set(logged["ood_dense/loss"]) == {2, 3}
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` now raises ImportError
+    second = tmp_path / "second"
+    assert cli.train_main(["--config", str(first / "config.json"), "--workdir", str(second), "run.seed=1"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"outputs in {second}: config.json, metrics.jsonl, result.json, result.md, result.png"
+    saved, rerun = (json.loads((d / "config.json").read_text()) for d in (first, second))
+    assert rerun["run"].pop("seed") == 1 and saved["run"].pop("seed") == 0 and rerun == saved
+    assert not (second / "tb").exists()
+    assert len((second / "metrics.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
+    """metrics.jsonl keeps the records up to the resume step; TensorBoard gets a purge from the next step on."""
+    first = loop.MetricsLog(tmp_path, resume_step=0, enabled=True, tensorboard=True)
+    for step in range(1, 5):
+        first.write({"step": step, "split": "train", "loss": float(step), "accuracy": 0.5})
+    first.close()
+    resumed = loop.MetricsLog(tmp_path, resume_step=2, enabled=True, tensorboard=True)
+    resumed.write({"step": 3, "split": "train", "loss": 30.0, "accuracy": 0.5})
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    events = read_events(tmp_path / "tb")
+    restart = [i for i, e in enumerate(events) if e.session_log.status == event_pb2.SessionLog.START]
+    assert [events[i].step for i in restart] == [3]  # TensorBoard hides the first run's steps >= 3
+    after = [(e.step, v.simple_value) for e in events[restart[0]:] for v in e.summary.value if v.tag == "train/loss"]
+    assert after == [(3, 30.0)]
+    assert jax.process_index() == 0
