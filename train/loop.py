@@ -101,7 +101,7 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / jnp.maximum(weight, 1e-9), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
         metrics = {"loss": loss, "correct": correct, "count": weight, "nonfinite": (~finite).astype(jnp.int32)}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=next_key), metrics
 
