@@ -3,6 +3,7 @@ outputs (TensorBoard event files read back, with and without tensorboardX)."""
 import json
 import pathlib
 import struct
+import subprocess
 import sys
 
 import jax
@@ -150,3 +151,17 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
     after = [(e.step, v.simple_value) for e in events[restart[0]:] for v in e.summary.value if v.tag == "train/loss"]
     assert after == [(3, 30.0)]
     assert jax.process_index() == 0
+
+
+def test_python_dash_m_runs_the_entry_points_from_outside_the_repo(tmp_path):
+    """`python -m jaxpe.train train ...` is jaxpe-train; a user's own train.py and kernels/ do not shadow ours."""
+    (tmp_path / "train.py").write_text("raise SystemExit('the user train.py was imported')\n")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("raise SystemExit('the user kernels/ was imported')\n")
+    shown = subprocess.run([sys.executable, "-m", "jaxpe.train", "train", "--show-config", "--preset", "cpu-small",
+                            "--pe", "cope"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "model.pe=cope" in shown.stdout.replace(" ", "")
+    bare = subprocess.run([sys.executable, "-m", "jaxpe.train"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert bare.returncode == 2 and "train,eval,compare" in bare.stderr
