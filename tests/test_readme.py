@@ -18,3 +18,17 @@ def test_readme_layer_example_runs():
     assert y.shape == (2, 32, 64) and y.dtype == jnp.float32
     assert not np.allclose(x, y)
     assert "pos_emb" in scope["params"]["params"]["Attention_0"]["pe"]
+
+
+def test_readme_nnx_example_runs():
+    """The NNX section's blocks run in order, as a reader pastes them."""
+    blocks = re.findall(r"<!-- readme-example-nnx.*?-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) == 2 and all(len(block.strip().splitlines()) <= 16 for block in blocks)
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), scope)
+    assert scope["y"].shape == (2, 32, 64)
+    assert np.isfinite(scope["loss"]) and scope["model"].deterministic
+    out, tokens = scope["out"], scope["tokens"]
+    assert out.shape == (8, 16)
+    np.testing.assert_array_equal(out[:, :8], tokens[:, :8])

@@ -1,0 +1,282 @@
+"""jaxpe's layers as Flax NNX modules: `TransformerLM`, `Attention`, `AMSPE`, the encodings' modules, `generate`.
+
+Each NNX layer wraps its linen twin. It builds the linen module, creates the parameters at construction (the linen
+`init` on a small zero input, keys from `rngs`), keeps them as `nnx.Param`s under `params` (the linen "params" tree:
+same names, shapes and initialisers) and its decoding cache as `nnx.Cache`s under `cache`, and calls the linen `apply`.
+So outputs equal the linen layer's for the same parameters, every registered encoding works unchanged, and linen
+parameters (a jaxpe.train checkpoint) load with `load_linen_params`.
+
+Dropout follows NNX: `deterministic` is an attribute (False at construction: training) that `model.eval()`,
+`model.train()` and `nnx.view(model, deterministic=...)` set and a call may override; masks draw from the `dropout`
+stream of the `rngs` given at construction (its `default` stream when it has none). Decoding follows
+`nnx.MultiHeadAttention`: `init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
+Needs flax >= 0.12.2 (older NNX does not run on jax >= 0.10); `nnx.view` works with these modules from flax 0.12.5.
+
+B batch, L length, Hq query heads, Hkv key/value heads, D head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpe.amspe import AMSPE as LinenAMSPE
+from jaxpe.attention import Attention as LinenAttention
+from jaxpe.model import ModelConfig
+from jaxpe.model import TransformerLM as LinenTransformerLM
+from jaxpe.model import generate as linen_generate
+from jaxpe.registry import PEConfig
+
+__all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
+           "embedding", "generate"]
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _variables(tree: Any, kind: type[nnx.Variable]) -> Any:
+    """A linen collection (nested dict of arrays) as a nested dict of NNX variables of type `kind`."""
+    return nnx.data(jax.tree.map(kind, tree))
+
+
+def _values(tree: Any) -> Any:
+    """The arrays of a nested dict of NNX variables."""
+    return jax.tree.map(lambda var: var[...], tree, is_leaf=_is_variable)
+
+
+def _check_pe(pe: Any) -> None:
+    if not isinstance(pe, PEConfig):
+        raise TypeError(f"pe must be a jaxpe.PEConfig (from jaxpe.pe_config(name)), got pe={pe!r}")
+
+
+class LinenLayer(nnx.Module):
+    """An NNX module owning the variables of a linen module and applying it; the base of every layer here.
+
+    `linen` is the linen module, `params` its "params" tree as `nnx.Param`s, `cache` its "cache" tree as `nnx.Cache`s
+    (None until `init_cache`), `rngs` the streams for dropout.
+    """
+
+    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, **sample_kwargs: Any) -> None:
+        """Create the parameters by running `module.init` on the sample inputs with a key from `rngs.params`."""
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got rngs={rngs!r}")
+        self.linen = module
+        self.rngs = rngs
+        variables = module.init({"params": rngs.params()}, *sample, **sample_kwargs)
+        self.params = _variables(variables.get("params", {}), nnx.Param)
+        self.cache = nnx.data(None)
+
+    def linen_params(self) -> Any:
+        """The parameters as a linen "params" tree of arrays: `self.linen.apply({"params": ...}, ...)` takes it."""
+        return _values(self.params)
+
+    def load_linen_params(self, params: Any) -> None:
+        """Set the parameters from a linen "params" tree with the same names and shapes (e.g. a jaxpe.train state)."""
+        mine, theirs = jax.tree.structure(self.linen_params()), jax.tree.structure(params)
+        if mine != theirs:
+            raise ValueError(f"params must have the tree of this layer's parameters {mine}, got {theirs}")
+        for (path, var), value in zip(jax.tree_util.tree_leaves_with_path(self.params, is_leaf=_is_variable),
+                                      jax.tree.leaves(params)):
+            if var[...].shape != jnp.shape(value):
+                raise ValueError(f"params{jax.tree_util.keystr(path)} must have shape {var[...].shape}, "
+                                 f"got {jnp.shape(value)}")
+            var[...] = jnp.asarray(value, var[...].dtype)
+
+    def _init_cache(self, *sample: Any, **sample_kwargs: Any) -> None:
+        """Zero the cache for inputs shaped like `sample` (shapes from jax.eval_shape; nothing is computed)."""
+        shapes = jax.eval_shape(lambda: self.linen.init(jax.random.key(0), *sample, decode=True, **sample_kwargs))
+        self.cache = _variables(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("cache", {})),
+                                nnx.Cache)
+
+    def _apply(self, *args: Any, decode: bool = False, dropout: bool = False, **kwargs: Any) -> Any:
+        """Call the linen module; `decode` reads and updates the cache, `dropout` draws a key from `rngs.dropout`."""
+        variables = {"params": self.linen_params()}
+        rngs = {"dropout": self.rngs.dropout()} if dropout else {}
+        if not decode:
+            return self.linen.apply(variables, *args, rngs=rngs, **kwargs)
+        if self.cache is None:
+            raise ValueError("decode=True needs a cache: call init_cache(batch_size, length) first")
+        variables["cache"] = _values(self.cache)
+        out, updated = self.linen.apply(variables, *args, decode=True, rngs=rngs, mutable=["cache"], **kwargs)
+        for var, value in zip(jax.tree.leaves(self.cache, is_leaf=_is_variable), jax.tree.leaves(updated["cache"])):
+            var[...] = value
+        return out
+
+
+class _DropoutLayer(LinenLayer):
+    """A LinenLayer with dropout, on unless `deterministic` (the attribute, or the call's override)."""
+
+    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool,
+                 **sample_kwargs: Any) -> None:
+        super().__init__(module, *sample, rngs=rngs, **sample_kwargs)
+        self.deterministic = deterministic
+
+    def set_view(self, deterministic: bool | None = None) -> None:
+        """What `nnx.view(model, deterministic=...)` calls."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def _deterministic(self, deterministic: bool | None) -> bool:
+        return self.deterministic if deterministic is None else deterministic
+
+
+def _check_cache_size(batch_size: int, length: int) -> None:
+    for name, value in (("batch_size", batch_size), ("length", length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+class TransformerLM(_DropoutLayer):
+    """tokens [B, L] int -> logits [B, L, V] float32: jaxpe.TransformerLM as an NNX module.
+
+    `model.config` is the ModelConfig. With `decode=True` each call appends its tokens to the KV cache made by
+    `init_cache` (prefill with many, then one at a time); `jaxpe.nnx.generate` does this for you.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, deterministic: bool = False) -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a jaxpe.ModelConfig, got config={config!r}")
+        super().__init__(LinenTransformerLM(config), jnp.zeros((1, 1), jnp.int32), rngs=rngs,
+                         deterministic=deterministic)
+        self.config = config
+
+    def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False) -> jax.Array:
+        deterministic = self._deterministic(deterministic)
+        return self._apply(tokens, deterministic=deterministic, decode=decode, dropout=not deterministic)
+
+    def init_cache(self, batch_size: int, length: int) -> None:
+        """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
+        _check_cache_size(batch_size, length)
+        if length > self.config.max_len:
+            raise ValueError(f"{length=} exceeds max_len={self.config.max_len}")
+        self._init_cache(jnp.zeros((batch_size, length), jnp.int32))
+
+
+class Attention(_DropoutLayer):
+    """Causal self-attention x [B, L, d_model] -> [B, L, d_model]: jaxpe.Attention as an NNX module.
+
+    Takes jaxpe.Attention's fields plus `d_model`, the input width (linen reads it from the first input). When `pe`
+    shares one position table across layers (CoPE with shared_table=True), every call must pass it as `pos_emb`.
+    """
+
+    def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig,
+                 layer_index: int = 0, max_len: int = 512, dropout: float = 0.0, impl: str = "auto",
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs, deterministic: bool = False) -> None:
+        if not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"{d_model=} must be a positive int")
+        _check_pe(pe)
+        module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
+                                layer_index=layer_index, max_len=max_len, dropout=dropout, impl=impl, dtype=dtype)
+        self.d_model = d_model
+        self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
+        x, kwargs = self._sample(1, 1)
+        super().__init__(module, x, rngs=rngs, deterministic=deterministic, **kwargs)
+
+    def _sample(self, batch_size: int, length: int) -> tuple[jax.Array, dict[str, Any]]:
+        pos_emb = None if self.shared_table_shape is None else jnp.zeros(self.shared_table_shape)
+        return jnp.zeros((batch_size, length, self.d_model)), {"pos_emb": pos_emb}
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
+                 pos_emb: jax.Array | None = None) -> jax.Array:
+        if pos_emb is None and self.shared_table_shape is not None:
+            raise ValueError(f"pos_emb is None, but pe={self.linen.pe} shares one table "
+                             f"{self.shared_table_shape} across layers: pass it")
+        deterministic = self._deterministic(deterministic)
+        return self._apply(x, deterministic=deterministic, decode=decode, dropout=not deterministic, pos_emb=pos_emb)
+
+    def init_cache(self, batch_size: int, length: int) -> None:
+        """Zero the key/value cache for `batch_size` sequences of up to `length` tokens."""
+        _check_cache_size(batch_size, length)
+        x, kwargs = self._sample(batch_size, length)
+        self._init_cache(x, **kwargs)
+
+
+class AMSPE(LinenLayer):
+    """x [B, L, d_model] -> x + adaptive PE: jaxpe.AMSPE as an NNX module; params["alpha"] of shape (1,)."""
+
+    def __init__(self, d_model: int, max_len: int = 5000, coarse_scale: float = 10.0, amplitude: float = 1.0, *,
+                 rngs: nnx.Rngs) -> None:
+        module = LinenAMSPE(d_model=d_model, max_len=max_len, coarse_scale=coarse_scale, amplitude=amplitude)
+        super().__init__(module, jnp.zeros((1, 1, d_model)), rngs=rngs)
+
+    def __call__(self, x: jax.Array, detail_level: float = 0.5, *, positions: jax.Array | None = None) -> jax.Array:
+        return self._apply(x, detail_level, positions=positions)
+
+
+class PositionEmbedding(LinenLayer):
+    """x [B, L, d_model] -> x + positions' embedding: an additive encoding's module, built by `embedding`."""
+
+    def __init__(self, module: nn.Module, *, d_model: int, rngs: nnx.Rngs) -> None:
+        super().__init__(module, jnp.zeros((1, 1, d_model)), rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
+        """positions [B, L] or None (0..L-1)."""
+        return self._apply(x, positions=positions)
+
+
+class AttentionCore(LinenLayer):
+    """An encoding's attention core, built by `core`: (q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D]) -> [B, Lq, Hq, D].
+
+    Called as its linen twin (see jaxpe.registry): `x` [B, Lq, d_model] the layer input, `q_pos` [B, Lq] int32,
+    `mask` None (causal, Lq == Lk) or [B, Lq, Lk] bool, `pos_emb` a table shared by all layers or None; encodings that
+    cache while decoding (CoPE "sep_keys", the gate-network CoPE) need `init_cache` before `decode=True`.
+    """
+
+    def __init__(self, module: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int,
+                 shared_table_shape: tuple[int, ...] | None, rngs: nnx.Rngs) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.d_model = num_heads, num_kv_heads, head_dim, d_model
+        self.shared_table_shape = shared_table_shape
+        args, kwargs = self._sample(1, 1)
+        super().__init__(module, *args, rngs=rngs, **kwargs)
+
+    def _sample(self, batch_size: int, length: int) -> tuple[tuple[jax.Array, ...], dict[str, Any]]:
+        q = jnp.zeros((batch_size, length, self.num_heads, self.head_dim))
+        kv = jnp.zeros((batch_size, length, self.num_kv_heads, self.head_dim))
+        pos_emb = None if self.shared_table_shape is None else jnp.zeros(self.shared_table_shape)
+        return (q, kv, kv), dict(x=jnp.zeros((batch_size, length, self.d_model)), mask=None, pos_emb=pos_emb,
+                                 q_pos=jnp.zeros((batch_size, length), jnp.int32))
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
+                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+        if pos_emb is None and self.shared_table_shape is not None:
+            raise ValueError(f"pos_emb is None, but the encoding shares one table {self.shared_table_shape} "
+                             f"across layers: pass it")
+        return self._apply(q, k, v, x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)
+
+    def init_cache(self, batch_size: int, length: int) -> None:
+        """Zero the encoding's own decoding cache (if it has one) for `length` keys."""
+        _check_cache_size(batch_size, length)
+        args, kwargs = self._sample(batch_size, length)
+        self._init_cache(*args, **kwargs)
+
+
+def embedding(pe: PEConfig, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:
+    """The NNX module adding encoding `pe` to token embeddings, or None when `pe` acts inside attention."""
+    _check_pe(pe)
+    module = pe.embedding(d_model=d_model, max_len=max_len)
+    return None if module is None else PositionEmbedding(module, d_model=d_model, rngs=rngs)
+
+
+def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, layer_index: int = 0,
+         max_len: int = 512, impl: str = "auto", rngs: nnx.Rngs) -> AttentionCore:
+    """The NNX attention core of encoding `pe` in layer `layer_index` (plain softmax attention for additive ones)."""
+    _check_pe(pe)
+    module = pe.core(layer_index=layer_index, head_dim=head_dim, max_len=max_len, impl=impl)
+    shared = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
+    return AttentionCore(module, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, d_model=d_model,
+                         shared_table_shape=shared, rngs=rngs)
+
+
+def generate(model: TransformerLM, prompt: jax.Array, *, max_new_tokens: int, rng: jax.Array | None = None,
+             temperature: float = 0.0) -> jax.Array:
+    """prompt [B, P] int32 -> [B, P + max_new_tokens], exactly as `jaxpe.generate` with the model's parameters:
+    prefill a KV cache with the prompt, then decode one token at a time (greedy when temperature == 0, else sampled
+    with `rng`), dropout off. The model's own cache and mode are left as they are."""
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a jaxpe.nnx.TransformerLM, got {type(model).__name__}")
+    return linen_generate(model.linen, model.linen_params(), prompt, max_new_tokens=max_new_tokens, rng=rng,
+                          temperature=temperature)
