@@ -1,10 +1,24 @@
-"""What the fused kernels share: the limits of the Pallas Triton path and whether this machine can run it."""
+"""What the kernels and the dense references share: the limits of the Pallas Triton path, whether this machine can
+run it, and the small numerical pieces every implementation needs (mask value, rotary frequencies, CoPE's
+interpolation, 2-D dots, tile sizes).
+
+D head dim, P table rows. The input checks of the public entry points are in `_checks.py`.
+"""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
 
 MAX_HEAD_DIM = 256  # the largest head dim D the fused kernels take (tiles pad D to a power of two)
 MIN_COMPUTE_CAPABILITY = 8.0  # Ampere: Triton's bfloat16 tensor-core dots
+MIN_BLOCK = 16  # the smallest tile side: Triton's dots need operands of at least 16 in each dimension
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite logit for masked keys (exp gives exactly 0)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -36,3 +50,76 @@ def pallas_unsupported(head_dim: int, *, backend: str, compute_capability: str |
     if head_dim > MAX_HEAD_DIM:
         return f"head dim D={head_dim} is over the fused kernels' limit of {MAX_HEAD_DIM}"
     return None
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tile_extent(n: int) -> int:
+    """The smallest power of two >= max(n, MIN_BLOCK): what a tile side or a padded head dim must be for Triton."""
+    return max(MIN_BLOCK, next_power_of_two(n))
+
+
+def check_block_sizes(blocks: Any) -> None:
+    """Every field of a kernel's frozen `BlockSizes` dataclass must be a power of two >= MIN_BLOCK."""
+    for field in dataclasses.fields(blocks):
+        value = getattr(blocks, field.name)
+        if not isinstance(value, int) or value < MIN_BLOCK or value & (value - 1):
+            raise ValueError(f"{field.name}={value!r} must be a power of two >= {MIN_BLOCK}")
+
+
+def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
+    """`compiler_params` that select Pallas's Triton lowering (since jax 0.9 the GPU default is Mosaic GPU)."""
+    from jax.experimental.pallas import triton as pltriton  # optional in a jax build: see pallas_unsupported
+    # Named TritonCompilerParams before jax 0.5; accept either.
+    params = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+    return params(num_warps=num_warps, num_stages=num_stages)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """A fused kernel's `interpret` argument: None means the Pallas interpreter unless the backend is a GPU."""
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, exact: bool = False
+        ) -> jax.Array:
+    """2-D a @ b (aᵀ with trans_a, bᵀ with trans_b) accumulated in float32; `exact` asks for IEEE float32 products
+    (no TF32 on the GPU) for float32 inputs."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if exact else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def rotary_frequencies(head_dim: int, theta: float, pairs: jax.Array | None = None) -> jax.Array:
+    """ω_d = θ^(−2d/D) float32 for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
+    if pairs is None:
+        pairs = jnp.arange(head_dim // 2, dtype=jnp.float32)
+    return theta ** (-2.0 * pairs.astype(jnp.float32) / head_dim)
+
+
+class Interpolation(NamedTuple):
+    """Linear interpolation at fractional positions p in [0, P − 1] between table rows lo = ⌊p⌋ and
+    hi = min(lo + 1, P − 1), weight w = p − lo; at_lo and at_hi are the values read at lo and hi."""
+
+    lo: jax.Array  # int32, like p
+    hi: jax.Array  # int32, like p
+    w: jax.Array  # like p
+    at_lo: jax.Array
+    at_hi: jax.Array
+
+    @property
+    def value(self) -> jax.Array:
+        """(1 − w)·at_lo + w·at_hi."""
+        return (1.0 - self.w) * self.at_lo + self.w * self.at_hi
+
+
+def interpolate(take: Callable[[jax.Array], jax.Array], positions: jax.Array, size: int) -> Interpolation:
+    """CoPE's interpolation of a table of `size` rows at `positions` (in [0, size − 1]); `take(index)` reads the
+    table at int32 indices shaped like `positions`. The gradient flows through w, never through ⌊p⌋ or ⌈p⌉."""
+    lo = lax.stop_gradient(jnp.floor(positions))
+    w = positions - lo
+    lo = lo.astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, size - 1)
+    return Interpolation(lo, hi, w, take(lo), take(hi))

@@ -1,0 +1,131 @@
+"""Input checks of the public entry points, one set for every layer: the kernels call them, and jaxpe re-exports them
+from `jaxpe.validation`. Each raises ValueError (TypeError for a dtype) with a message that names the argument and
+its value.
+
+B batch, L length, Hq query heads, Hkv key/value heads, D head dim, npos table rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Co-RoPE kernels take
+
+
+def check_float(name: str, x: jax.Array) -> None:
+    """Raise TypeError unless `x` is a floating-point array."""
+    dtype = jnp.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={dtype}")
+
+
+def check_rank(name: str, x: jax.Array, rank: int, dims: str) -> None:
+    """Raise ValueError unless `x` has `rank` axes (`dims` names them, e.g. "B L H D")."""
+    if x.ndim != rank:
+        raise ValueError(f"{name} must have shape [{dims}], got {name}.shape={tuple(x.shape)}")
+
+
+def check_positive(name: str, value: float) -> None:
+    """Raise ValueError unless `value` > 0."""
+    if not value > 0:
+        raise ValueError(f"{name}={value!r} must be > 0")
+
+
+def check_positive_int(name: str, value: int) -> None:
+    """Raise ValueError unless `value` is an int >= 1 (a block size of the blockwise paths)."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def check_npos(npos: int, name: str = "npos") -> None:
+    """A position table needs at least two rows."""
+    if not isinstance(npos, int) or npos < 2:
+        raise ValueError(f"{name}={npos!r} must be an int >= 2")
+
+
+def check_even_head_dim(d: int) -> None:
+    """Rotary encodings pair dimension d with d + D/2."""
+    if d % 2 or d < 2:
+        raise ValueError(f"head dim D={d} must be even and >= 2 for rotary encodings")
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int]:
+    """Validate q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; return (Hkv, G = Hq // Hkv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_rank(name, x, 4, "B L H D")
+        check_float(name, x)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k.shape={k.shape}, v.shape={v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must share batch and head dim, got q.shape={q.shape}, k.shape={k.shape}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads must be a multiple of key/value heads, got Hq={hq}, Hkv={hkv}")
+    return hkv, hq // hkv
+
+
+def check_same_length(q: jax.Array, k: jax.Array) -> None:
+    """Self-attention: Lq == Lk."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
+
+
+def check_pos_emb(pos_emb: jax.Array, num_heads: int, head_dim: int) -> None:
+    """pos_emb must be [npos, D] or [Hq, npos, D] with npos >= 2."""
+    check_float("pos_emb", pos_emb)
+    if pos_emb.ndim not in (2, 3) or pos_emb.shape[-1] != head_dim or (
+            pos_emb.ndim == 3 and pos_emb.shape[0] != num_heads):
+        raise ValueError(f"pos_emb must have shape [npos, D={head_dim}] or [Hq={num_heads}, npos, D={head_dim}], "
+                         f"got pos_emb.shape={tuple(pos_emb.shape)}")
+    check_npos(pos_emb.shape[-2])
+
+
+def check_gate_k(gate_k: jax.Array, k: jax.Array) -> None:
+    """Separate gate keys have k's shape and dtype."""
+    if gate_k.shape != k.shape or gate_k.dtype != k.dtype:
+        raise ValueError(f"gate_k must match k, got gate_k.shape={tuple(gate_k.shape)} dtype={gate_k.dtype}, "
+                         f"k.shape={tuple(k.shape)} dtype={k.dtype}")
+
+
+def check_cope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
+                      gate_k: jax.Array | None = None, *, sm_scale: float | None = None) -> None:
+    """CoPE attention: q [B, L, Hq, D], k/v/gate_k [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
+    sm_scale > 0 (None: the default D^−½)."""
+    check_qkv(q, k, v)
+    check_same_length(q, k)
+    if gate_k is not None:
+        check_gate_k(gate_k, k)
+    check_pos_emb(pos_emb, q.shape[2], q.shape[3])
+    if sm_scale is not None:
+        check_positive("sm_scale", sm_scale)
+
+
+def check_corope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
+                        sm_scale: float | None = None) -> None:
+    """Co-RoPE attention: q [B, L, Hq, D], k/v [B, L, Hkv, D] with D even, theta > 0, sm_scale > 0 (None: the
+    default D^−½)."""
+    check_qkv(q, k, v)
+    check_same_length(q, k)
+    check_even_head_dim(q.shape[3])
+    check_positive("theta", theta)
+    if sm_scale is not None:
+        check_positive("sm_scale", sm_scale)
+
+
+def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | None, num_stages: int | None
+                          ) -> None:
+    """The tuning arguments of a fused kernel: block_sizes None or a `kind` (that kernel's BlockSizes), num_warps and
+    num_stages None or positive ints."""
+    if block_sizes is not None and not isinstance(block_sizes, kind):
+        raise TypeError(f"block_sizes must be a {kind.__name__} or None, got {type(block_sizes).__name__}")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name}={value!r} must be a positive int or None")
+
+
+def check_kernel_dtype(q: jax.Array) -> None:
+    """The Co-RoPE kernels take float32 or bfloat16 (q, k, v share q's dtype, see check_qkv)."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q must be float32 or bfloat16 for the Co-RoPE kernels, got q.dtype={q.dtype}")
