@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.dispatch import resolve_impl
+from jaxpe.kernels._common import interpolate
+from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
-from jaxpe.relative import check_npos, relative_logits
+from jaxpe.relative import relative_logits
 from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
-from jaxpe.validation import check_float, check_qkv
+from jaxpe.validation import check_cope_inputs, check_npos, check_qkv
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -49,12 +51,7 @@ def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array)
     npos = pos_emb.shape[-2]
     spec = "bqhd,pd->bhqp" if pos_emb.ndim == 2 else "bqhd,hpd->bhqp"
     z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, Hq, Lq, npos]
-    lo = jax.lax.stop_gradient(jnp.floor(positions))
-    hi = jnp.minimum(lo + 1, npos - 1)
-    w = positions - lo
-    z_lo = jnp.take_along_axis(z, lo.astype(jnp.int32), axis=-1)
-    z_hi = jnp.take_along_axis(z, hi.astype(jnp.int32), axis=-1)
-    return (1.0 - w) * z_lo + w * z_hi
+    return interpolate(lambda index: jnp.take_along_axis(z, index, axis=-1), positions, npos).value
 
 
 def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float,
@@ -74,17 +71,6 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     return masked_softmax_attention(sm_scale * logits, v, mask).astype(q.dtype)
 
 
-def check_pos_emb(pos_emb: jax.Array, num_heads: int, head_dim: int) -> None:
-    """pos_emb must be [npos, D] or [Hq, npos, D] with npos >= 2."""
-    check_float("pos_emb", pos_emb)
-    if pos_emb.ndim not in (2, 3) or pos_emb.shape[-1] != head_dim or (
-            pos_emb.ndim == 3 and pos_emb.shape[0] != num_heads):
-        raise ValueError(f"pos_emb must have shape [npos, D={head_dim}] or [Hq={num_heads}, npos, D={head_dim}], "
-                         f"got pos_emb.shape={tuple(pos_emb.shape)}")
-    npos = pos_emb.shape[-2]
-    check_npos(npos)
-
-
 def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | None = None,
                    causal: bool = True, gate_k: jax.Array | None = None, impl: str = "auto") -> jax.Array:
     """CoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
@@ -92,24 +78,17 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
 
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
-    check_qkv(q, k, v)
-    check_pos_emb(pos_emb, q.shape[2], q.shape[3])
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     if not causal:
         raise ValueError("causal=False is not supported: CoPE counts gates from key j up to query i, "
                          "which only exists under a causal mask")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
-    if gate_k is not None and (gate_k.shape != k.shape or gate_k.dtype != k.dtype):
-        raise ValueError(f"gate_k must match k, got gate_k.shape={tuple(gate_k.shape)} dtype={gate_k.dtype}, "
-                         f"k.shape={tuple(k.shape)} dtype={k.dtype}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
         return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k)
     if impl == "blockwise":
-        from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    from jaxpe.kernels.cope_attention import cope_attention_pallas
+    from jaxpe.kernels.cope_attention import cope_attention_pallas  # Pallas loads only when the kernel runs
     return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
 
 

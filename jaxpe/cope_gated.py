@@ -13,25 +13,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.kernels._common import interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
-from jaxpe.relative import check_npos
 from jaxpe.rope import apply_rope
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import check_even_head_dim
+from jaxpe.validation import check_even_head_dim, check_npos
 
 
 def interpolate_table(table: jax.Array, positions: jax.Array) -> jax.Array:
     """table [max_pos, D], positions [B, L, H] (clamped to [0, max_pos − 1]) -> [B, L, H, D] float32, linear between
     rows ⌊p⌋ and ⌈p⌉ (gradient through the fraction, not the indices)."""
     max_pos = table.shape[0]
-    positions = jnp.clip(positions, 0.0, max_pos - 1)
-    lo = jax.lax.stop_gradient(jnp.floor(positions))
-    w = (positions - lo)[..., None]
-    lo_i = lo.astype(jnp.int32)
-    hi_i = jnp.minimum(lo_i + 1, max_pos - 1)
+    positions = jnp.clip(positions, 0.0, max_pos - 1)[..., None]  # [B, L, H, 1]: w broadcasts over D
     table = table.astype(jnp.float32)
-    return (1.0 - w) * table[lo_i] + w * table[hi_i]
+    return interpolate(lambda index: table[index[..., 0]], positions, max_pos).value
 
 
 def gated_cope_bias(q_pos_proj: jax.Array, key_emb: jax.Array) -> jax.Array:

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.dispatch import resolve_impl
+from jaxpe.kernels._common import rotary_frequencies
+from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
-from jaxpe.rope import rope_frequencies
 from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
-from jaxpe.validation import check_even_head_dim, check_qkv
+from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_qkv
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
@@ -61,7 +62,7 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
         return acc + e_a * jnp.cos(phi) - e_b * jnp.sin(phi), None
 
     last_first = lambda x: jnp.moveaxis(x, -1, 0)
-    xs = (rope_frequencies(d, theta), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
+    xs = (rotary_frequencies(d, theta), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
     acc0 = jnp.zeros(mileage.shape, jnp.float32)
     scores, _ = jax.lax.scan(one_frequency, acc0, xs)
     return sm_scale * scores
@@ -85,23 +86,17 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
 
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
-    check_qkv(q, k, v)
-    check_even_head_dim(q.shape[-1])
-    if not theta > 0:
-        raise ValueError(f"{theta=} must be > 0")
+    check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     if not causal:
         raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
                          "defined under a causal mask only (this first version is causal)")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
         return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale)
     if impl == "blockwise":
-        from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
         return corope_attention_blockwise(q, k, v, theta=theta, sm_scale=sm_scale)
-    from jaxpe.kernels.corope_attention import corope_attention_pallas
+    from jaxpe.kernels.corope_attention import corope_attention_pallas  # Pallas loads only when the kernel runs
     return corope_attention_pallas(q, k, v, theta=theta, sm_scale=sm_scale)
 
 

@@ -13,12 +13,7 @@ import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
-
-
-def check_npos(npos: int, name: str = "npos") -> None:
-    """A position table needs at least two rows."""
-    if not isinstance(npos, int) or npos < 2:
-        raise ValueError(f"{name}={npos!r} must be an int >= 2")
+from jaxpe.validation import check_npos
 
 
 def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_len: int) -> jax.Array:

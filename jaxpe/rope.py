@@ -10,26 +10,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.kernels._common import rotary_frequencies
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
 from jaxpe.validation import check_even_head_dim, check_float, check_positive, check_rank
-
-
-def rope_frequencies(head_dim: int, theta: float = 10000.0) -> jax.Array:
-    """ω [D/2] float32, ω_d = θ^(−2d/D)."""
-    check_even_head_dim(head_dim)
-    check_positive("theta", theta)
-    return theta ** (-2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0) -> jax.Array:
     """Rotate x [B, L, H, D] by positions [B, L] or [L] (ints or floats); returns x's dtype."""
     check_rank("x", x, 4, "B L H D")
     check_float("x", x)
+    check_even_head_dim(x.shape[-1])
+    check_positive("theta", theta)
     positions = jnp.asarray(positions)
     if positions.ndim not in (1, 2) or positions.shape[-1] != x.shape[1]:
         raise ValueError(f"positions must have shape [B, L] or [L] with L={x.shape[1]}, got {positions.shape=}")
-    freqs = rope_frequencies(x.shape[-1], theta)
+    freqs = rotary_frequencies(x.shape[-1], theta)  # [D/2]
     if positions.ndim == 1:
         positions = positions[None]
     if positions.shape[0] not in (1, x.shape[0]):
