@@ -1,7 +1,8 @@
 """Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): forward, dq and dk/dv kernels.
 
-B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim (Dp padded to a
-power of two), P = npos (Pp padded), NK = Lp / block_k key blocks. Kernel tiles are [block_q, block_k].
+Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
+dim (Dp padded to a power of two), P = npos table rows (Pp padded), NK = Lp / block_k key blocks. Einsum subscripts
+are the lower-case letters, with t for query and s for key positions. Kernel tiles are [block_q, block_k].
 
 The maths (SPEC §3): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p (one XLA matmul outside the kernels), pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋,
@@ -12,7 +13,7 @@ suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Tr
 axis, so pos is Σ_c z_ic·max(0, 1 − |p − c|) over the table rows c the tile's positions reach (a short loop
 of column loads). Once every row's R reaches P − 1, the remaining tiles are plain attention plus the per-row
 constant z_i,P−1: a second loop with no gate work. When differentiating, the forward also saves R_i before each
-key block ([B, Hq, NK, Lp] float32: L·L/block_k values, never L×L).
+key block ([B, N, NK, Lp] float32: L·L/block_k values, never L×L).
 
 Backward: with ds = ∂L/∂(q·k + pos), ∂L/∂p_ij = ds_ij·(z_i,hi − z_i,lo) (0 once clamped) and the gate gradient
 dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys. The dq kernel walks key blocks forward from 0, reading the
@@ -30,14 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from jaxpe.kernels._common import check_head_dim
-from jaxpe.kernels.cope_blockwise import check_cope_inputs
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Renamed from TritonCompilerParams to CompilerParams in jax 0.5; accept either.
-_CompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, next_power_of_two,
+                                   resolve_interpret, tile_extent, triton_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +48,44 @@ class BlockSizes:
     block_q_dkv: int = 64  # query rows per tile of the dk/dv kernel
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_k", "block_q_dq", "block_q_dkv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value!r} must be a power of two >= 16")
+        check_block_sizes(self)
 
     def fitted(self, length: int) -> BlockSizes:
         """The same sizes, each capped at the next power of two >= length (and >= 16)."""
-        cap = max(16, pl.next_power_of_2(length))
+        cap = tile_extent(length)
         return BlockSizes(*(min(getattr(self, f.name), cap) for f in dataclasses.fields(self)))
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """2-D matmul with float32 accumulation, contracting axis contract[0] of a with contract[1] of b."""
-    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
+    non-differentiable one and the kernels' keyword argument)."""
+
+    sm_scale: float
+    npos: int  # P
+    length: int  # L, before padding
+    blocks: BlockSizes  # fitted to L
+    interpret: bool
+    num_warps: int
+    num_stages: int
+
+    def compiler_params(self):
+        """Triton settings for every kernel of the call."""
+        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _config(q: jax.Array, pos_emb: jax.Array, *, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
+            num_warps: int | None, num_stages: int | None) -> _Config:
+    """The static settings for q [B, L, N, D] and a table of P rows: blocks fitted to L, 4 warps up to D = 64 and 8
+    above, 2 stages (unless given)."""
+    return _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
+                   blocks=block_sizes.fitted(q.shape[1]), interpret=interpret,
+                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages or 2)
 
 
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
     """g [block_q, block_k] float32, zero where masked."""
-    return jnp.where(mask, jax.nn.sigmoid(sm_scale * _dot(q, kg, (1, 1))), 0.0)
+    return jnp.where(mask, jax.nn.sigmoid(sm_scale * dot(q, kg, trans_b=True)), 0.0)
 
 
 def _suffix_positions(g: jax.Array, r: jax.Array, npos: int) -> jax.Array:
@@ -104,15 +120,15 @@ def _interpolate(column, p: jax.Array, lo: jax.Array, hi: jax.Array, *, slope: b
 
 def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
     """probs and ds = ∂L/∂(q·k + pos) for one tile, from the saved lse and delta = rowsum(o·do)."""
-    probs = jnp.exp(jnp.where(mask, sm_scale * s, _MASK_VALUE) - lse[:, None])
-    ds = sm_scale * probs * (_dot(do, v, (1, 1)) - delta[:, None])
+    probs = jnp.exp(jnp.where(mask, sm_scale * s, MASK_VALUE) - lse[:, None])
+    ds = sm_scale * probs * (dot(do, v, trans_b=True) - delta[:, None])
     return probs, ds
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, sm_scale: float, npos: int,
-                    length: int, block_k: int):
+def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, config: _Config):
     """One query block: key blocks in reverse from the diagonal, full tiles until every row is clamped, then
     clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], lse [bq], optional r [NK, bq] (saved R)."""
+    sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     live = rows < length
@@ -126,7 +142,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, 
         m, l, acc, r = carry
         keys = pl.ds(index * block_k, block_k)
         mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
-        s = _dot(q, k_ref[keys, :], (1, 1))  # [bq, bk]
+        s = dot(q, k_ref[keys, :], trans_b=True)  # [bq, bk]
         if r_ref:
             r_ref[0][pl.ds(index, 1), :] = r[None, :]
         if full:
@@ -137,19 +153,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, 
             r = r + jnp.sum(g, axis=1)
         else:
             s = s + z_last
-        logits = jnp.where(mask, sm_scale * s, _MASK_VALUE)
+        logits = jnp.where(mask, sm_scale * s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         correction = jnp.exp(m - m_new)
         probs = jnp.exp(logits - m_new[:, None])
         v = v_ref[keys, :]
-        acc = acc * correction[:, None] + _dot(probs.astype(v.dtype), v, (1, 0))
+        acc = acc * correction[:, None] + dot(probs.astype(v.dtype), v)
         return m_new, l * correction + jnp.sum(probs, axis=1), acc, r
 
     def unclamped(state):
         index, carry = state
         return jnp.logical_and(index >= 0, jnp.min(jnp.where(live, carry[3], jnp.inf)) < npos - 1)
 
-    init = (jnp.full((block_q,), _MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+    init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
     index, carry = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
@@ -159,10 +175,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, dq_ref, dz_ref, pdp_ref, *,
-               sm_scale: float, npos: int, length: int, block_k: int):
+               config: _Config):
     """One query block: key blocks forward from 0 to the diagonal, clamped tiles first. Carries the prefix sum of
     ∂L/∂p and saves it per key block. Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta [bq],
     r/pdp [NK, bq]."""
+    sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -181,11 +198,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r
         k, v = k_ref[keys, :], v_ref[keys, :]
         mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
         pdp_ref[pl.ds(index, 1), :] = dp_before[None, :]
-        s = _dot(q, k, (1, 1))
+        s = dot(q, k, trans_b=True)
         if not full:
             probs, ds = _softmax_grads(s + z_ref[:, pl.ds(npos - 1, 1)], mask, lse, delta, do, v, sm_scale)
             dz = dz + jnp.sum(ds, axis=1, keepdims=True) * (table_rows == npos - 1)
-            return dq + _dot(ds.astype(k.dtype), k, (1, 0)), dz, dp_before
+            return dq + dot(ds.astype(k.dtype), k), dz, dp_before
         kg = kg_ref[keys, :]
         g = _gates(q, kg, mask, sm_scale)
         p = _suffix_positions(g, saved_r(index)[1], npos)
@@ -194,7 +211,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r
         probs, ds = _softmax_grads(s + pos, mask, lse, delta, do, v, sm_scale)
         dp = jnp.where(p < npos - 1, ds * slope, 0.0)
         dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
-        dq = dq + _dot(ds.astype(k.dtype), k, (1, 0)) + _dot(dgate.astype(kg.dtype), kg, (1, 0))
+        dq = dq + dot(ds.astype(k.dtype), k) + dot(dgate.astype(kg.dtype), kg)
 
         def dz_column(c, dz):
             weight = jnp.maximum(0.0, 1.0 - jnp.abs(p - c.astype(jnp.float32)))
@@ -218,10 +235,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, pdp_ref, dk_ref, dv_ref,
-                dkg_ref, *, sm_scale: float, npos: int, length: int, block_q: int):
+                dkg_ref, *, config: _Config):
     """One key block of one kv head: loops over the G query heads of the group and the query blocks from the
     diagonal down. Refs: k/v/kg/dk/dv/dkg [bk, Dp], q/do [Lp, G, Dp], z [G, Lp, Pp], lse/delta [G, Lp],
     r/pdp [G, NK, Lp]."""
+    sm_scale, npos, length, block_q = config.sm_scale, config.npos, config.length, config.blocks.block_q_dkv
     block_k = k_ref.shape[0]
     index = pl.program_id(0)
     k, v, kg = k_ref[...], v_ref[...], kg_ref[...]
@@ -236,11 +254,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, 
         seen = (rows >= index * block_k) & (rows < length)
         r = jnp.where(seen, r_ref[head, index, span], 0.0)
         mask = cols[None, :] <= rows[:, None]
-        s = _dot(q, k, (1, 1))
+        s = dot(q, k, trans_b=True)
 
         def attention(s):
             probs, ds = _softmax_grads(s, mask, lse, delta, do, v, sm_scale)
-            return ds, dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(probs.astype(do.dtype), do, (0, 0))
+            return (ds, dk + dot(ds.astype(q.dtype), q, trans_a=True),
+                    dv + dot(probs.astype(do.dtype), do, trans_a=True))
 
         def at_clamp():
             _, dk_new, dv_new = attention(s + z_ref[head, span, pl.ds(npos - 1, 1)])
@@ -255,7 +274,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, 
             dp = jnp.where(p < npos - 1, ds * slope, 0.0)
             dp_before = jnp.where(seen, pdp_ref[head, index, span], 0.0)
             dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
-            return dk_new, dv_new, dkg + _dot(dgate.astype(q.dtype), q, (0, 0))
+            return dk_new, dv_new, dkg + dot(dgate.astype(q.dtype), q, trans_a=True)
 
         return lax.cond(jnp.min(jnp.where(seen, r, jnp.inf)) >= npos - 1, at_clamp, full)
 
@@ -272,175 +291,152 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, 
     dkg_ref[...] = dkg
 
 
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """Static settings shared by the kernels of one call."""
-
-    sm_scale: float
-    blocks: BlockSizes
-    length: int
-    npos: int
-    interpret: bool
-    num_warps: int
-    num_stages: int
-
-    def params(self):
-        return _CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
 def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
-    """Zero-pad L to a multiple of every block and D to a power of two; z [B, Hq, Lp, Pp] float32 = q·e."""
-    b, length, hq, d = q.shape
+    """Zero-pad L to a multiple of every block and D to a power of two; z [B, N, Lp, Pp] float32 = q·e."""
+    length, d = q.shape[1], q.shape[3]
     multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_dq, blocks.block_q_dkv)
-    padded, dp = -(-length // multiple) * multiple, max(16, pl.next_power_of_2(d))
+    padded, dp = -(-length // multiple) * multiple, tile_extent(d)
     pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
     q, k, v, kg = (jnp.pad(x, pad) for x in (q, k, v, kg))
     e = jnp.pad(pos_emb.astype(q.dtype), [(0, 0)] * (pos_emb.ndim - 1) + [(0, dp - d)])
-    spec = "blhd,pd->bhlp" if e.ndim == 2 else "blhd,hpd->bhlp"
+    spec = "btnd,pd->bntp" if e.ndim == 2 else "btnd,npd->bntp"
     z = jnp.einsum(spec, q, e, preferred_element_type=jnp.float32)
     npos = pos_emb.shape[-2]
-    z = jnp.pad(z, [(0, 0), (0, 0), (0, 0), (0, pl.next_power_of_2(npos) - npos)])
+    z = jnp.pad(z, [(0, 0), (0, 0), (0, 0), (0, next_power_of_two(npos) - npos)])
     return q, k, v, kg, e, z
 
 
 @dataclasses.dataclass(frozen=True)
 class _RowSpecs:
     """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
-    (Lp / bq, B, Hq). Every key/value row of the head's kv head is visible; z, statistics and the per-key-block
+    (Lp / bq, B, N). Every key/value row of the head's kv head is visible; z, statistics and the per-key-block
     row sums are blocked by rows."""
 
-    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
-    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head h // G
-    z: pl.BlockSpec  # [bq, Pp] of z [B, Hq, Lp, Pp]
-    stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
-    per_key_block: pl.BlockSpec  # [NK, bq] of [B, Hq, NK, Lp]
+    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, N, Dp] array
+    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, K, Dp] array, kv head n // G
+    z: pl.BlockSpec  # [bq, Pp] of z [B, N, Lp, Pp]
+    stat: pl.BlockSpec  # [bq] of [B, N, Lp]
+    per_key_block: pl.BlockSpec  # [NK, bq] of [B, N, NK, Lp]
     grid: tuple[int, int, int]
 
 
 def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _RowSpecs:
-    b, padded, hq, dp = q.shape
-    groups = hq // k.shape[2]
+    batch, padded, num_heads, dp = q.shape
+    groups = num_heads // k.shape[2]
     return _RowSpecs(
-        row=pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
-        kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
-        z=pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, j, h: (j, h, i, 0)),
-        stat=pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
-        per_key_block=pl.BlockSpec((None, None, padded // bk, bq), lambda i, j, h: (j, h, 0, i)),
-        grid=(padded // bq, b, hq),
+        row=pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+        kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h // groups, 0)),
+        z=pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, b, h: (b, h, i, 0)),
+        stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        per_key_block=pl.BlockSpec((None, None, padded // bk, bq), lambda i, b, h: (b, h, 0, i)),
+        grid=(padded // bq, batch, num_heads),
     )
 
 
-def _forward_call(setup: _Setup, q, k, v, kg, z, *, save_r: bool):
-    b, padded, hq, _ = q.shape
-    bk = setup.blocks.block_k
-    specs = _row_specs(q, k, z, setup.blocks.block_q, bk)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, padded), jnp.float32)]
+def _forward_call(config: _Config, q, k, v, kg, z, *, save_r: bool):
+    batch, padded, num_heads, _ = q.shape
+    bk = config.blocks.block_k
+    specs = _row_specs(q, k, z, config.blocks.block_q, bk)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)]
     out_specs = [specs.row, specs.stat]
     if save_r:
-        out_shape.append(jax.ShapeDtypeStruct((b, hq, padded // bk, padded), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, padded // bk, padded), jnp.float32))
         out_specs.append(specs.per_key_block)
-    kernel = functools.partial(_forward_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
-                               block_k=bk)
     return pl.pallas_call(
-        kernel, grid=specs.grid, in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z],
-        out_specs=out_specs, out_shape=out_shape, compiler_params=setup.params(), interpret=setup.interpret,
-        name="cope_forward")(q, k, v, kg, z)
+        functools.partial(_forward_kernel, config=config), grid=specs.grid,
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z],
+        out_specs=out_specs, out_shape=out_shape, compiler_params=config.compiler_params(),
+        interpret=config.interpret, name="cope_forward",
+    )(q, k, v, kg, z)
 
 
-def _dq_call(setup: _Setup, q, k, v, kg, z, do, lse, delta, r):
-    bk = setup.blocks.block_k
-    specs = _row_specs(q, k, z, setup.blocks.block_q_dq, bk)
-    kernel = functools.partial(_dq_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
-                               block_k=bk)
+def _dq_call(config: _Config, q, k, v, kg, z, do, lse, delta, r):
+    specs = _row_specs(q, k, z, config.blocks.block_q_dq, config.blocks.block_k)
     return pl.pallas_call(
-        kernel, grid=specs.grid,
+        functools.partial(_dq_kernel, config=config), grid=specs.grid,
         in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z, specs.row, specs.stat,
                   specs.stat, specs.per_key_block],
         out_specs=[specs.row, specs.z, specs.per_key_block],
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape, jnp.float32),
                    jax.ShapeDtypeStruct(r.shape, jnp.float32)],
-        compiler_params=setup.params(), interpret=setup.interpret, name="cope_backward_dq",
+        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dq",
     )(q, k, v, kg, z, do, lse, delta, r)
 
 
-def _dkv_call(setup: _Setup, q, k, v, kg, z, do, lse, delta, r, pdp):
-    b, padded, hq, dp = q.shape
-    hkv = k.shape[2]
-    groups = hq // hkv
-    bk = setup.blocks.block_k
+def _dkv_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, pdp):
+    batch, padded, num_heads, dp = q.shape
+    num_kv = k.shape[2]
+    groups = num_heads // num_kv
+    bk = config.blocks.block_k
     num_k = padded // bk
-    key_block = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
-    q_group = pl.BlockSpec((None, padded, groups, dp), lambda i, j, h: (j, 0, h, 0))
-    stat_group = pl.BlockSpec((None, groups, padded), lambda i, j, h: (j, h, 0))
-    per_key_block = pl.BlockSpec((None, groups, num_k, padded), lambda i, j, h: (j, h, 0, 0))
-    kernel = functools.partial(_dkv_kernel, sm_scale=setup.sm_scale, npos=setup.npos, length=setup.length,
-                               block_q=setup.blocks.block_q_dkv)
+    key_block = pl.BlockSpec((None, bk, None, dp), lambda i, b, h: (b, i, h, 0))
+    q_group = pl.BlockSpec((None, padded, groups, dp), lambda i, b, h: (b, 0, h, 0))
+    stat_group = pl.BlockSpec((None, groups, padded), lambda i, b, h: (b, h, 0))
+    per_key_block = pl.BlockSpec((None, groups, num_k, padded), lambda i, b, h: (b, h, 0, 0))
     out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
     return pl.pallas_call(
-        kernel, grid=(num_k, b, hkv),
+        functools.partial(_dkv_kernel, config=config), grid=(num_k, batch, num_kv),
         in_specs=[q_group, key_block, key_block, key_block,
-                  pl.BlockSpec((None, groups, padded, z.shape[-1]), lambda i, j, h: (j, h, 0, 0)),
+                  pl.BlockSpec((None, groups, padded, z.shape[-1]), lambda i, b, h: (b, h, 0, 0)),
                   q_group, stat_group, stat_group, per_key_block, per_key_block],
         out_specs=[key_block] * 3, out_shape=[out] * 3,
-        compiler_params=setup.params(), interpret=setup.interpret, name="cope_backward_dkv",
+        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dkv",
     )(q, k, v, kg, z, do, lse, delta, r, pdp)
 
 
-def _forward(q, k, v, kg, pos_emb, setup: _Setup):
-    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
-    out, lse, r = _forward_call(setup, qp, kp, vp, kgp, z, save_r=True)
-    return out[:, :setup.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, out, lse, r)
+def _cope_pallas_fwd(q, k, v, kg, pos_emb, config: _Config):
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
+    out, lse, r = _forward_call(config, qp, kp, vp, kgp, z, save_r=True)
+    return out[:, :config.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, out, lse, r)
 
 
-def _backward(setup: _Setup, residuals, dout):
+def _cope_pallas_bwd(config: _Config, residuals, dout):
     q, k, v, kg, pos_emb, out, lse, r = residuals
-    qp, kp, vp, kgp, e, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
+    qp, kp, vp, kgp, e, z = _padded(q, k, v, kg, pos_emb, config.blocks)
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
-    delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, pdp = _dq_call(setup, qp, kp, vp, kgp, z, do, lse, delta, r)
-    dk, dv, dkg = _dkv_call(setup, qp, kp, vp, kgp, z, do, lse, delta, r, pdp)
-    dz = dz[..., :setup.npos]
+    dq, dz, pdp = _dq_call(config, qp, kp, vp, kgp, z, do, lse, delta, r)
+    dk, dv, dkg = _dkv_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, pdp)
+    dz = dz[..., :config.npos]
     if e.ndim == 2:
-        dq = dq + jnp.einsum("bhlp,pd->blhd", dz, e.astype(jnp.float32))
-        de = jnp.einsum("bhlp,blhd->pd", dz, qp.astype(jnp.float32))
+        dq = dq + jnp.einsum("bntp,pd->btnd", dz, e.astype(jnp.float32))
+        de = jnp.einsum("bntp,btnd->pd", dz, qp.astype(jnp.float32))
     else:
-        dq = dq + jnp.einsum("bhlp,hpd->blhd", dz, e.astype(jnp.float32))
-        de = jnp.einsum("bhlp,blhd->hpd", dz, qp.astype(jnp.float32))
-    length, d = setup.length, q.shape[3]
+        dq = dq + jnp.einsum("bntp,npd->btnd", dz, e.astype(jnp.float32))
+        de = jnp.einsum("bntp,btnd->npd", dz, qp.astype(jnp.float32))
+    length, d = config.length, q.shape[3]
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
             dv[:, :length, :, :d].astype(v.dtype), dkg[:, :length, :, :d].astype(kg.dtype),
             de[..., :d].astype(pos_emb.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _cope_pallas(q, k, v, kg, pos_emb, setup: _Setup):
-    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, setup.blocks)
-    out = _forward_call(setup, qp, kp, vp, kgp, z, save_r=False)[0]
-    return out[:, :setup.length, :, :q.shape[3]]
+def _cope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, config: _Config
+                 ) -> jax.Array:
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
+    out = _forward_call(config, qp, kp, vp, kgp, z, save_r=False)[0]
+    return out[:, :config.length, :, :q.shape[3]]
 
 
-_cope_pallas.defvjp(_forward, _backward)
+_cope_pallas.defvjp(_cope_pallas_fwd, _cope_pallas_bwd)
+_cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(5,))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "num_warps", "num_stages"))
 def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                           gate_k: jax.Array | None = None, *, sm_scale: float, block_sizes: BlockSizes | None = None,
                           interpret: bool | None = None, num_warps: int | None = None,
                           num_stages: int | None = None) -> jax.Array:
     """Causal CoPE attention, fused kernels with a fused backward (custom VJP).
 
-    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [npos, D] or [Hq, npos, D],
-    gate_k [B, L, Hkv, D] or None (gates from k) -> [B, L, Hq, D] in q's dtype.
-    interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU).
+    q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
+    (gates from k) -> [B, L, N, D] in q's dtype.
+    interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU);
+    num_warps/num_stages tune the Triton lowering (defaults: 4 warps up to D = 64, else 8; 2 stages).
     """
-    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale)
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_head_dim(q.shape[3])
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    blocks = (block_sizes or BlockSizes()).fitted(q.shape[1])
-    head_dim = max(16, pl.next_power_of_2(q.shape[3]))
-    setup = _Setup(sm_scale=float(sm_scale), blocks=blocks, length=q.shape[1], npos=pos_emb.shape[-2],
-                   interpret=bool(interpret), num_warps=num_warps or (4 if head_dim <= 64 else 8),
-                   num_stages=num_stages or 2)
-    return _cope_pallas(q, k, v, k if gate_k is None else gate_k, pos_emb, setup)
+    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    config = _config(q, pos_emb, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
+                     interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages)
+    return _cope_pallas_jit(q, k, v, k if gate_k is None else gate_k, pos_emb, config)

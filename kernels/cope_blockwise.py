@@ -1,66 +1,70 @@
 """CoPE attention, blockwise in pure JAX: causal, GQA, forward and fused backward, O(L·block) memory.
 
-B batch, L length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim, P = npos positions,
-T key block, C query chunk (a multiple of T). Inside, heads are grouped: q [B, Hkv, G, L, D],
-k/v/kg [B, Hkv, L, D], z [B, Hkv, G, L, P]; everything is computed in float32.
+Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
+dim, P = npos table rows, BK keys per block, C query rows per chunk (a multiple of BK). Einsum subscripts are the
+lower-case letters, with t for query and s for key positions. Inside, heads are grouped: q [B, K, G, Lp, D],
+k/v/kg [B, K, Lp, D], z [B, K, G, Lp, P]; everything is computed in float32.
 
 The maths (SPEC §3): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p, pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋, hi = min(lo + 1, P − 1), w = p − lo,
 logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
 
-Forward: query chunks (lax.map, one compiled body); for each, key blocks walked in reverse from the diagonal, carrying the
-suffix sum R_i of the gates seen so far, so that inside a block p = R + (rowtotal − cumsum + g). Once every row
+Forward: query chunks (lax.map, one compiled body); for each, key blocks walked in reverse from the diagonal, carrying
+the suffix sum R_i of the gates seen so far, so that inside a block p = R + (rowtotal − cumsum + g). Once every row
 of the chunk has R ≥ P − 1, every earlier key sits at the clamped position: those blocks are plain attention
 plus the per-row constant z_i,P−1 (no gates, no gathers) and R stops changing.
 
 Backward: the gate gradient dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys, so the backward walks key
 blocks forward, carrying prefix sums of g and of ∂L/∂p. Then p_ij = R_i − (gates before j), R_i being the
 forward's final carry: the gate sum over the blocks it computed in full. The clamped blocks come first and
-need no gate work (∂L/∂p = 0 there). Only [B, Hkv, G, C, T] tiles are ever built.
+need no gate work (∂L/∂p = 0 there). Only [B, K, G, C, BK] tiles are ever built.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from jaxpe.kernels._checks import check_cope_inputs, check_positive_int
+from jaxpe.kernels._common import MASK_VALUE, Interpolation, interpolate
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call (hashable: the jit static argument and the custom_vjp's non-differentiable one)."""
+
+    sm_scale: float
+    block_k: int  # keys per scan step (BK, at most L)
+    block_q: int  # query rows per chunk (C, rounded to a multiple of BK)
 
 
 def _causal(rows: jax.Array, index: jax.Array, size: int) -> jax.Array:
-    """Mask [C, T]: key j = index·size + t is visible from row i iff j ≤ i."""
+    """Mask [C, BK]: key j = index·size + c is visible from row i iff j ≤ i."""
     cols = index * size + jnp.arange(size)
     return cols[None, :] <= rows[:, None]
 
 
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
-    """q [B, Hkv, G, C, D], kg [B, Hkv, T, D] -> g [B, Hkv, G, C, T], zero where masked."""
-    s = jnp.einsum("bhgcd,bhtd->bhgct", q, kg)
+    """q [B, K, G, C, D], kg [B, K, BK, D] -> g [B, K, G, C, BK], zero where masked."""
+    s = jnp.einsum("bkgtd,bksd->bkgts", q, kg)
     return jnp.where(mask[None, None, None], jax.nn.sigmoid(sm_scale * s), 0.0)
 
 
-def _interpolate(z: jax.Array, p: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Position logits from z [B, Hkv, G, C, P] at p [B, Hkv, G, C, T] (in [0, P − 1]).
-
-    Returns pos [B, Hkv, G, C, T] and (lo, hi, w, z_lo, z_hi) for the backward.
-    """
-    lo = jnp.floor(p)
-    w = p - lo
-    lo = lo.astype(jnp.int32)
-    hi = jnp.minimum(lo + 1, z.shape[-1] - 1)
-    z_lo = jnp.take_along_axis(z, lo, axis=-1)
-    z_hi = jnp.take_along_axis(z, hi, axis=-1)
-    return z_lo + w * (z_hi - z_lo), (lo, hi, w, z_lo, z_hi)
+def _interpolate(z: jax.Array, p: jax.Array) -> Interpolation:
+    """Position logits from z [B, K, G, C, P] at p [B, K, G, C, BK] (in [0, P − 1]): `.value`, and the indices,
+    weights and logits read that the backward needs."""
+    return interpolate(lambda index: jnp.take_along_axis(z, index, axis=-1), p, z.shape[-1])
 
 
 def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, r0: jax.Array, *,
                    size: int, sm_scale: float, length: int) -> tuple[jax.Array, ...]:
     """One query chunk (rows r0 .. r0 + C) against key blocks of `size`, walked in reverse from the diagonal.
 
-    q [B, Hkv, G, C, D], z [B, Hkv, G, C, P], k/v/kg [B, Hkv, Lp, D].
-    Returns out [B, Hkv, G, C, D], lse [B, Hkv, G, C], R [B, Hkv, G, C] and the number of leading key blocks
+    q [B, K, G, C, D], z [B, K, G, C, P], k/v/kg [B, K, Lp, D].
+    Returns out [B, K, G, C, D], lse [B, K, G, C], R [B, K, G, C] and the number of leading key blocks
     that were clamped (they are always a prefix: R only grows).
     """
     npos = z.shape[-1]
@@ -73,7 +77,7 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
         index = num_blocks - 1 - i
         k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in (k, v, kg))
         mask = _causal(rows, index, size)
-        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k_b)
+        qk = jnp.einsum("bkgtd,bksd->bkgts", q, k_b)
         clamped = jnp.all(jnp.where(live, r >= npos - 1, True))
 
         def full():
@@ -81,22 +85,22 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
             csum = jnp.cumsum(g, axis=-1)
             total = csum[..., -1:]
             p = jnp.minimum(r[..., None] + total - csum + g, npos - 1)
-            return qk + _interpolate(z, p)[0], r + total[..., 0]
+            return qk + _interpolate(z, p).value, r + total[..., 0]
 
         def at_clamp():
             return qk + z[..., -1:], r
 
         s, r = lax.cond(clamped, at_clamp, full)
-        logits = jnp.where(mask[None, None, None], sm_scale * s, _MASK_VALUE)
+        logits = jnp.where(mask[None, None, None], sm_scale * s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         correction = jnp.exp(m - m_new)
         probs = jnp.exp(logits - m_new[..., None])
         l = l * correction + jnp.sum(probs, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bhgct,bhtd->bhgcd", probs, v_b)
+        acc = acc * correction[..., None] + jnp.einsum("bkgts,bksd->bkgtd", probs, v_b)
         return m_new, l, acc, r, clamped_blocks + clamped.astype(jnp.int32)
 
     rowshape = q.shape[:-1]
-    init = (jnp.full(rowshape, _MASK_VALUE), jnp.zeros(rowshape), jnp.zeros(q.shape), jnp.zeros(rowshape),
+    init = (jnp.full(rowshape, MASK_VALUE), jnp.zeros(rowshape), jnp.zeros(q.shape), jnp.zeros(rowshape),
             jnp.zeros((), jnp.int32))
     m, l, acc, r, clamped_blocks = lax.fori_loop(0, num_blocks, step, init)
     return acc / l[..., None], m + jnp.log(l), r, clamped_blocks
@@ -107,52 +111,52 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
                     size: int, sm_scale: float) -> tuple[jax.Array, ...]:
     """Gradients of one query chunk, key blocks walked forward (prefix sums of g and ∂L/∂p carried).
 
-    q/do [B, Hkv, G, C, D], z [B, Hkv, G, C, P], lse/delta/r [B, Hkv, G, C]; blocks before `first_full`
-    were clamped in the forward. kv = (k, v, kg) [B, Hkv, Lp, D]; dkv = their gradients so far, to which this
-    chunk's part is added. Returns dq [B, Hkv, G, C, D], dz [B, Hkv, G, C, P], dk, dv, dkg.
+    q/do [B, K, G, C, D], z [B, K, G, C, P], lse/delta/r [B, K, G, C]; blocks before `first_full`
+    were clamped in the forward. kv = (k, v, kg) [B, K, Lp, D]; dkv = their gradients so far, to which this
+    chunk's part is added. Returns dq [B, K, G, C, D], dz [B, K, G, C, P], dk, dv, dkg.
     """
     npos = z.shape[-1]
     rows = r0 + jnp.arange(q.shape[3])
     flat_rows = jnp.arange(z.size // npos)[:, None]
 
     def scatter(dz: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
-        """dz[..., index] += values along the last axis (index/values [B, Hkv, G, C, T])."""
+        """dz[..., index] += values along the last axis (index/values [B, K, G, C, BK])."""
         flat = dz.reshape(-1, npos).at[flat_rows, index.reshape(-1, size)].add(values.reshape(-1, size))
         return flat.reshape(dz.shape)
 
     def softmax_grads(s, mask, v_b):
-        probs = jnp.exp(jnp.where(mask[None, None, None], sm_scale * s, _MASK_VALUE) - lse[..., None])
-        dprobs = jnp.einsum("bhgcd,bhtd->bhgct", do, v_b)
+        probs = jnp.exp(jnp.where(mask[None, None, None], sm_scale * s, MASK_VALUE) - lse[..., None])
+        dprobs = jnp.einsum("bkgtd,bksd->bkgts", do, v_b)
         return probs, sm_scale * probs * (dprobs - delta[..., None])  # ds: gradient of q·k + pos
 
     def step(index, carry):
         dq, dz, g_before, dp_before, dkv = carry
         k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in kv)
         mask = _causal(rows, index, size)
-        qk = jnp.einsum("bhgcd,bhtd->bhgct", q, k_b)
+        qk = jnp.einsum("bkgtd,bksd->bkgts", q, k_b)
 
         def full():
             g = _gates(q, kg_b, mask, sm_scale)
             csum = jnp.cumsum(g, axis=-1)
             p = jnp.clip(r[..., None] - g_before[..., None] - (csum - g), 0.0, npos - 1)
-            pos, (lo, hi, w, z_lo, z_hi) = _interpolate(z, p)
-            probs, ds = softmax_grads(qk + pos, mask, v_b)
-            dz_new = scatter(scatter(dz, lo, ds * (1.0 - w)), hi, ds * w)
-            dp_csum = jnp.cumsum(ds * (z_hi - z_lo), axis=-1)
+            at = _interpolate(z, p)
+            probs, ds = softmax_grads(qk + at.value, mask, v_b)
+            dz_new = scatter(scatter(dz, at.lo, ds * (1.0 - at.w)), at.hi, ds * at.w)
+            dp_csum = jnp.cumsum(ds * (at.at_hi - at.at_lo), axis=-1)
             dgate = sm_scale * (dp_before[..., None] + dp_csum) * g * (1.0 - g)
-            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k_b) + jnp.einsum("bhgct,bhtd->bhgcd", dgate, kg_b)
-            dkg = jnp.einsum("bhgct,bhgcd->bhtd", dgate, q)
+            dq_new = dq + jnp.einsum("bkgts,bksd->bkgtd", ds, k_b) + jnp.einsum("bkgts,bksd->bkgtd", dgate, kg_b)
+            dkg = jnp.einsum("bkgts,bkgtd->bksd", dgate, q)
             return (dq_new, dz_new, g_before + csum[..., -1], dp_before + dp_csum[..., -1]), probs, ds, dkg
 
         def at_clamp():
             probs, ds = softmax_grads(qk + z[..., -1:], mask, v_b)
             dz_new = dz.at[..., -1].add(jnp.sum(ds, axis=-1))
-            dq_new = dq + jnp.einsum("bhgct,bhtd->bhgcd", ds, k_b)
+            dq_new = dq + jnp.einsum("bkgts,bksd->bkgtd", ds, k_b)
             return (dq_new, dz_new, g_before, dp_before), probs, ds, jnp.zeros_like(kg_b)
 
         carry, probs, ds, dkg = lax.cond(index < first_full, at_clamp, full)
-        dk = jnp.einsum("bhgct,bhgcd->bhtd", ds, q)
-        dv = jnp.einsum("bhgct,bhgcd->bhtd", probs, do)
+        dk = jnp.einsum("bkgts,bkgtd->bksd", ds, q)
+        dv = jnp.einsum("bkgts,bkgtd->bksd", probs, do)
         dkv = tuple(_add_block(total, part, index * size) for total, part in zip(dkv, (dk, dv, dkg)))
         return (*carry, dkv)
 
@@ -163,7 +167,7 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
 
 
 def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array:
-    """total[:, :, start : start + T] += part, for total [B, Hkv, Lp, D] and part [B, Hkv, T, D]."""
+    """total[:, :, start : start + BK] += part, for total [B, K, Lp, D] and part [B, K, BK, D]."""
     size = part.shape[2]
     return lax.dynamic_update_slice_in_dim(
         total, lax.dynamic_slice_in_dim(total, start, size, axis=2) + part, start, axis=2)
@@ -171,62 +175,62 @@ def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array
 
 def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, padded: int
              ) -> tuple[jax.Array, ...]:
-    """[B, L, H, D] inputs -> float32 q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], e [P, D] or [Hkv, G, P, D],
+    """[B, L, N|K, D] inputs -> float32 q [B, K, G, Lp, D], k/v/kg [B, K, Lp, D], e [P, D] or [K, G, P, D],
     with L zero-padded to Lp = `padded`."""
-    b, length, hq, d = q.shape
-    hkv = k.shape[2]
+    b, length, n, d = q.shape
+    num_kv = k.shape[2]
     e = pos_emb.astype(q.dtype).astype(jnp.float32)  # the table at the inputs' precision, as the reference uses it
     if pos_emb.ndim == 3:
-        e = e.reshape(hkv, hq // hkv, *pos_emb.shape[1:])
+        e = e.reshape(num_kv, n // num_kv, *pos_emb.shape[1:])
     pad = [(0, 0), (0, padded - length), (0, 0), (0, 0)]
-    q = jnp.pad(q, pad).astype(jnp.float32).reshape(b, -1, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
+    q = jnp.pad(q, pad).astype(jnp.float32).reshape(b, -1, num_kv, n // num_kv, d).transpose(0, 2, 3, 1, 4)
     k, v, kg = (jnp.pad(x, pad).astype(jnp.float32).transpose(0, 2, 1, 3) for x in (k, v, kg))
     return q, k, v, kg, e
 
 
 def _position_logits(q: jax.Array, e: jax.Array) -> jax.Array:
-    """z [B, Hkv, G, L, P] = q·e_p for the shared [P, D] or per-head [Hkv, G, P, D] table."""
-    spec = "bhgld,pd->bhglp" if e.ndim == 2 else "bhgld,hgpd->bhglp"
+    """z [B, K, G, L, P] = q·e_p for the shared [P, D] or per-head [K, G, P, D] table."""
+    spec = "bkgtd,pd->bkgtp" if e.ndim == 2 else "bkgtd,kgpd->bkgtp"
     return jnp.einsum(spec, q, e)
 
 
-def _tiling(length: int, block_k: int, block_q: int) -> tuple[int, int, int]:
-    """(key block T, query chunk C, padded length Lp): T ≤ L, C a multiple of T, Lp a multiple of C."""
-    size = min(block_k, length)
+def _tiling(length: int, config: _Config) -> tuple[int, int, int]:
+    """(key block BK, query chunk C, padded length Lp): BK ≤ L, C a multiple of BK, Lp a multiple of C."""
+    size = min(config.block_k, length)
     num_blocks = -(-length // size)
-    chunk = size * max(1, min(block_q // size, num_blocks))
+    chunk = size * max(1, min(config.block_q // size, num_blocks))
     return size, chunk, -(-length // chunk) * chunk
 
 
 def _chunked(x: jax.Array, chunk: int) -> jax.Array:
-    """[B, Hkv, G, Lp, ...] -> [Lp / C, B, Hkv, G, C, ...], chunks first (for lax.map)."""
-    b, h, g, padded, *rest = x.shape
-    x = x.reshape(b, h, g, padded // chunk, chunk, *rest)
+    """[B, K, G, Lp, ...] -> [Lp / C, B, K, G, C, ...], chunks first (for lax.map)."""
+    b, num_kv, g, padded, *rest = x.shape
+    x = x.reshape(b, num_kv, g, padded // chunk, chunk, *rest)
     return jnp.moveaxis(x, 3, 0)
 
 
 def _unchunked(x: jax.Array) -> jax.Array:
     """Inverse of `_chunked`."""
     x = jnp.moveaxis(x, 0, 3)
-    b, h, g, n, chunk, *rest = x.shape
-    return x.reshape(b, h, g, n * chunk, *rest)
+    b, num_kv, g, n, chunk, *rest = x.shape
+    return x.reshape(b, num_kv, g, n * chunk, *rest)
 
 
 def _ungrouped(x: jax.Array, length: int) -> jax.Array:
-    """[B, Hkv, G, Lp, D] -> [B, L, Hkv·G, D]."""
-    b, hkv, g, padded, d = x.shape
-    return x.transpose(0, 3, 1, 2, 4).reshape(b, padded, hkv * g, d)[:, :length]
+    """[B, K, G, Lp, D] -> [B, L, N, D]."""
+    b, num_kv, g, padded, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, padded, num_kv * g, d)[:, :length]
 
 
-def _forward(q, k, v, kg, pos_emb, sm_scale, block_k, block_q):
+def _cope_blockwise_fwd(q, k, v, kg, pos_emb, config: _Config):
     length = q.shape[1]
-    size, chunk, padded = _tiling(length, block_k, block_q)
+    size, chunk, padded = _tiling(length, config)
     qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
     z = _position_logits(qg, e)
 
     def one_chunk(xs):
         q_c, z_c, r0 = xs
-        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, size=size, sm_scale=sm_scale, length=length)
+        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, size=size, sm_scale=config.sm_scale, length=length)
 
     starts = jnp.arange(0, padded, chunk)
     out, lse, r, first_full = lax.map(one_chunk, (_chunked(qg, chunk), _chunked(z, chunk), starts))
@@ -234,10 +238,10 @@ def _forward(q, k, v, kg, pos_emb, sm_scale, block_k, block_q):
     return _ungrouped(out, length).astype(q.dtype), (q, k, v, kg, pos_emb, out, lse, r, first_full)
 
 
-def _backward(sm_scale, block_k, block_q, residuals, dout):
+def _cope_blockwise_bwd(config: _Config, residuals, dout):
     q, k, v, kg, pos_emb, out, lse, r, first_full = residuals
     length = q.shape[1]
-    size, chunk, padded = _tiling(length, block_k, block_q)
+    size, chunk, padded = _tiling(length, config)
     qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
     do = _grouped(dout, k, v, kg, pos_emb, padded)[0]
     z = _position_logits(qg, e)
@@ -248,67 +252,44 @@ def _backward(sm_scale, block_k, block_q, residuals, dout):
         dq, dz, dkv = carry
         q_c, z_c, do_c, lse_c, delta_c, r_c = (x[c] for x in per_chunk)
         dq_c, dz_c, *dkv = _chunk_backward(q_c, z_c, do_c, lse_c, delta_c, r_c, first_full[c], (kt, vt, kgt),
-                                           dkv, c * chunk, size=size, sm_scale=sm_scale)
+                                           dkv, c * chunk, size=size, sm_scale=config.sm_scale)
         return dq.at[c].set(dq_c), dz.at[c].set(dz_c), tuple(dkv)
 
     init = (jnp.zeros_like(per_chunk[0]), jnp.zeros_like(per_chunk[1]), tuple(jnp.zeros_like(kt) for _ in range(3)))
     dq, dz, dkv = lax.fori_loop(0, padded // chunk, one_chunk, init)
     dq, dz = _unchunked(dq), _unchunked(dz)
     if e.ndim == 2:
-        dq = dq + jnp.einsum("bhglp,pd->bhgld", dz, e)
-        de = jnp.einsum("bhglp,bhgld->pd", dz, qg)
+        dq = dq + jnp.einsum("bkgtp,pd->bkgtd", dz, e)
+        de = jnp.einsum("bkgtp,bkgtd->pd", dz, qg)
     else:
-        dq = dq + jnp.einsum("bhglp,hgpd->bhgld", dz, e)
-        de = jnp.einsum("bhglp,bhgld->hgpd", dz, qg).reshape(pos_emb.shape)
+        dq = dq + jnp.einsum("bkgtp,kgpd->bkgtd", dz, e)
+        de = jnp.einsum("bkgtp,bkgtd->kgpd", dz, qg).reshape(pos_emb.shape)
     dk, dv, dkg = (x.transpose(0, 2, 1, 3)[:, :length] for x in dkv)
     return (_ungrouped(dq, length).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dkg.astype(kg.dtype),
             de.astype(pos_emb.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _cope_blockwise(q, k, v, kg, pos_emb, sm_scale, block_k, block_q):
-    return _forward(q, k, v, kg, pos_emb, sm_scale, block_k, block_q)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _cope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, config: _Config
+                    ) -> jax.Array:
+    return _cope_blockwise_fwd(q, k, v, kg, pos_emb, config)[0]
 
 
-_cope_blockwise.defvjp(_forward, _backward)
+_cope_blockwise.defvjp(_cope_blockwise_fwd, _cope_blockwise_bwd)
+_cope_blockwise_jit = jax.jit(_cope_blockwise, static_argnums=(5,))
 
 
-def check_cope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, gate_k: jax.Array | None,
-                      sm_scale: float) -> None:
-    """Shapes and dtypes for the CoPE kernels: q [B, L, Hq, D], k/v/gate_k [B, L, Hkv, D],
-    pos_emb [P, D] or [Hq, P, D] with P >= 2."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("pos_emb", pos_emb)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must be floating point, got {name}.dtype={x.dtype}")
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"q, k, v must be [B, L, H, D] with k.shape == v.shape, got {q.shape=}, {k.shape=}, "
-                         f"{v.shape=}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q [B, L, Hq, D] and k [B, L, Hkv, D] must share B, L, D with Hkv dividing Hq, got "
-                         f"{q.shape=}, {k.shape=}")
-    if gate_k is not None and gate_k.shape != k.shape:
-        raise ValueError(f"gate_k must have k's shape {k.shape}, got {gate_k.shape=}")
-    hq, d = q.shape[2], q.shape[3]
-    if pos_emb.shape[-1:] != (d,) or pos_emb.ndim not in (2, 3) or (pos_emb.ndim == 3 and pos_emb.shape[0] != hq):
-        raise ValueError(f"pos_emb must be [npos, {d}] or [{hq}, npos, {d}], got {pos_emb.shape=}")
-    if pos_emb.shape[-2] < 2:
-        raise ValueError(f"npos={pos_emb.shape[-2]} must be >= 2")
-    if not sm_scale > 0:
-        raise ValueError(f"{sm_scale=} must be > 0")
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "block_q"))
 def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                              gate_k: jax.Array | None = None, *, sm_scale: float, block_k: int = 128,
                              block_q: int = 512) -> jax.Array:
     """Causal CoPE attention in O(L·block) memory, differentiable (custom VJP).
 
-    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [npos, D] or [Hq, npos, D],
-    gate_k [B, L, Hkv, D] or None (gates from k) -> [B, L, Hq, D] in q's dtype.
+    q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
+    (gates from k) -> [B, L, N, D] in q's dtype.
     block_k: keys per scan step; block_q: query rows per chunk (rounded to a multiple of block_k).
     """
-    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale)
-    if block_k < 1 or block_q < 1:
-        raise ValueError(f"{block_k=} and {block_q=} must be >= 1")
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    check_positive_int("block_k", block_k)
+    check_positive_int("block_q", block_q)
     kg = k if gate_k is None else gate_k
-    return _cope_blockwise(q, k, v, kg, pos_emb, float(sm_scale), block_k, block_q)
+    return _cope_blockwise_jit(q, k, v, kg, pos_emb, _Config(float(sm_scale), block_k, block_q))

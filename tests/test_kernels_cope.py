@@ -193,7 +193,7 @@ def test_rejects_bad_inputs():
         cope_attention_pallas(q, k, k, jnp.zeros((4, 16)), sm_scale=0.1)
     with pytest.raises(ValueError, match="gate_k"):
         cope_attention_pallas(q, k, k, jnp.zeros((4, 32)), jnp.zeros((1, 8, 2, 32)), sm_scale=0.1)
-    with pytest.raises(ValueError, match="Hkv dividing Hq"):
+    with pytest.raises(ValueError, match="Hq=3, Hkv=2"):
         cope_attention_blockwise(jnp.zeros((1, 8, 3, 32)), jnp.zeros((1, 8, 2, 32)), jnp.zeros((1, 8, 2, 32)),
                                  jnp.zeros((4, 32)), sm_scale=0.1)
     with pytest.raises(TypeError, match="q.dtype"):
