@@ -1,6 +1,7 @@
 """Fused Co-RoPE attention in Pallas (Triton lowering on GPU, interpret mode on CPU): causal, GQA, fwd + bwd.
 
-B batch, L length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim, Dh = D/2 rotary pairs.
+Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
+dim, Dh = D/2 rotary pairs. Einsum subscripts are the lower-case letters, with t for query and s for key positions.
 Tiles: BQ query rows × BK keys × BD rotary pairs. One program instance owns one GQA group (G query heads, one
 k/v head), so the mileage Δ and its cos/sin are computed once per tile and reused by every head of the group.
 
@@ -9,14 +10,14 @@ With the rotated keys kc = k1 cos φ + k2 sin φ, ks = k2 cos φ − k1 sin φ (
 score_ij = sm_scale·Σ_d (q1·kc + q2·ks) — elementwise work, not a matmul — and ∂kc/∂φ = ks, ∂ks/∂φ = −kc.
 
 Kernels:
-- forward, grid (L/BQ, B, Hkv): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
+- forward, grid (L/BQ, B, K): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
   (one pass, causal early exit), online softmax; writes o and the per-row logsumexp.
-- dq, grid (L/BQ, B, Hkv): the same reverse walk; dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc); the
+- dq, grid (L/BQ, B, K): the same reverse walk; dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc); the
   gate gradient dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it with Suf_it = Σ_{j≥t} dΔ_ij carried and Tot_i known at
   the end, so dq^leader gets sm_scale·(Tot_i·Σ_t z'_it k_t − Σ_t Suf_it z'_it k_t) from one pass. It also
   writes, for every (key block, row), the carried suffix sums of z and of dΔ at that block's right edge, and Tot.
-- dk/dv, grid (L/BK, B, Hkv): walks query blocks from the diagonal down; rebuilds Δ and dz from those carries.
-Memory: O(L) per head for o, lse; the backward's carries are [B, Hkv, L/BK, L] float32 (1/BK of an L×L
+- dk/dv, grid (L/BK, B, K): walks query blocks from the diagonal down; rebuilds Δ and dz from those carries.
+Memory: O(L) per head for o, lse; the backward's carries are [B, K, L/BK, L] float32 (1/BK of an L×L
 array); no L×L or L×L×D tensor exists anywhere.
 
 Triton restrictions respected: block sizes powers of two ≥ 16, no reverse cumsum (rowtotal − cumsum), no
@@ -27,24 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from jaxpe.kernels._common import check_head_dim
-from jaxpe.kernels.corope_blockwise import check_corope_inputs
-
-_CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _is_power_of_two_at_least_16(n: int) -> bool:
-    return isinstance(n, int) and n >= 16 and n & (n - 1) == 0
+from jaxpe.kernels._checks import check_corope_inputs, check_kernel_dtype, check_pallas_settings
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, resolve_interpret,
+                                   rotary_frequencies, tile_extent, triton_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,41 +53,63 @@ class BlockSizes:
     block_q_bwd: int = 32  # backward (dq and dk/dv kernels): query rows per tile
     block_k_bwd: int = 32  # backward: keys per tile, also the granularity of the carried row sums
 
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not _is_power_of_two_at_least_16(value):
-                raise ValueError(f"BlockSizes.{field.name}={value!r} must be a power of two >= 16")
+    def __post_init__(self) -> None:
+        check_block_sizes(self)
+
+    def fitted(self, length: int, half: int) -> BlockSizes:
+        """The same sizes, the row and key blocks capped at the next power of two >= length (and >= 16), block_d
+        at the padded half head dim."""
+        cap = tile_extent(length)
+        return BlockSizes(block_q=min(self.block_q, cap), block_k=min(self.block_k, cap),
+                          block_d=min(self.block_d, half), block_q_bwd=min(self.block_q_bwd, cap),
+                          block_k_bwd=min(self.block_k_bwd, cap))
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
+    non-differentiable one and the kernels' keyword argument)."""
+
+    theta: float
+    sm_scale: float
+    head_dim: int  # D, the caller's (for ω)
+    groups: int  # G, the query heads of one program
+    padded: int  # Lp, a multiple of every block
+    half: int  # padded D/2, a power of two >= 16
+    blocks: BlockSizes  # fitted to L and D
+    interpret: bool
+    num_warps: int | None  # None: 4 or 8 by tile size
+    num_stages: int | None  # None: 2
+
+    @property
+    def chunks(self) -> range:
+        """The first rotary pair of each BD-wide chunk."""
+        return range(0, self.half, self.blocks.block_d)
+
+    def compiler_params(self, tile: int):
+        """Triton settings for a kernel whose tiles hold `tile` = BQ·BK scores."""
+        num_warps = self.num_warps if self.num_warps is not None else (4 if tile <= 32 * 32 else 8)
+        return triton_compiler_params(num_warps=num_warps, num_stages=self.num_stages or 2)
 
 
-def _sigmoid(x: jax.Array) -> jax.Array:
-    """The logistic function from exp and divide (Triton has no logistic lowering)."""
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
-def _mm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, exact: bool = False
-        ) -> jax.Array:
-    """a @ b with float32 accumulation; `exact` asks for IEEE float32 products (no TF32) for float32 inputs."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if exact else None
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _omega(lo: int, block_d: int, head_dim: int, theta: float) -> jax.Array:
-    """ω [BD] for rotary pairs lo..lo+BD−1, ω_d = θ^(−2d/D) (pairs past D/2 are zero padding; any ω works)."""
-    d = (lo + lax.broadcasted_iota(jnp.int32, (block_d,), 0)).astype(jnp.float32)
-    return jnp.exp(d * (-2.0 * math.log(theta) / head_dim))
+def _config(q: jax.Array, k: jax.Array, *, theta: float, sm_scale: float, block_sizes: BlockSizes,
+            interpret: bool, num_warps: int | None, num_stages: int | None) -> _Config:
+    """The static settings for q [B, L, N, D], k [B, L, K, D]: blocks fitted, L padded to a multiple of every block,
+    each half of D to a power of two >= 16."""
+    length, d = q.shape[1], q.shape[3]
+    half = tile_extent(d // 2)
+    blocks = block_sizes.fitted(length, half)
+    multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
+    return _Config(theta=float(theta), sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
+                   padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 def _gates(q_lead: jax.Array, k: jax.Array, rows: jax.Array, cols: jax.Array, sm_scale: float
            ) -> tuple[jax.Array, jax.Array]:
     """q_lead [BQ, Dp], k [BK, Dp] -> causal gates z [BQ, BK] (0 above the diagonal) and the mask."""
     mask = cols[None, :] <= rows[:, None]
-    z = _sigmoid(sm_scale * _mm(q_lead, k, trans_b=True, exact=True))
+    z = jax.nn.sigmoid(sm_scale * dot(q_lead, k, trans_b=True, exact=True))
     return jnp.where(mask, z, 0.0), mask
 
 
@@ -106,82 +121,69 @@ def _suffix_exclusive(x: jax.Array) -> jax.Array:
 Loader = Callable[..., jax.Array]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Static shape facts shared by the three kernels."""
-
-    groups: int  # G, query heads per program
-    half: int  # padded D/2 (power of two)
-    block_d: int
-    head_dim: int  # the caller's D (for ω)
-    theta: float
-    sm_scale: float
-
-    @property
-    def chunks(self) -> range:
-        return range(0, self.half, self.block_d)
-
-
-def _rotate(delta: jax.Array, load_k: Loader, lo: int, geo: _Geometry
+def _rotate(delta: jax.Array, load_k: Loader, lo: int, config: _Config
             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One chunk: ω [BD], cos φ, sin φ, kc, ks [BQ, BK, BD] for delta [BQ, BK]."""
-    omega = _omega(lo, geo.block_d, geo.head_dim, geo.theta)
+    """One chunk: ω [BD], cos φ, sin φ, kc, ks [BQ, BK, BD] for delta [BQ, BK]. Pairs past D/2 are zero padding
+    (any ω works there)."""
+    pairs = lo + lax.broadcasted_iota(jnp.int32, (config.blocks.block_d,), 0)
+    omega = rotary_frequencies(config.head_dim, config.theta, pairs)
     phi = delta[:, :, None] * omega[None, None, :]
     cos, sin = jnp.cos(phi), jnp.sin(phi)
-    k1, k2 = load_k(lo)[None], load_k(geo.half + lo)[None]  # [1, BK, BD]
+    k1, k2 = load_k(lo)[None], load_k(config.half + lo)[None]  # [1, BK, BD]
     return omega, cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
 
 
-def _scores(delta: jax.Array, load_q: Loader, load_k: Loader, geo: _Geometry) -> list[jax.Array]:
+def _scores(delta: jax.Array, load_q: Loader, load_k: Loader, config: _Config) -> list[jax.Array]:
     """G scores [BQ, BK] = sm_scale·Σ_d (q1·kc + q2·ks); the trig is shared by the heads of the group."""
-    scores = [jnp.zeros(delta.shape, jnp.float32) for _ in range(geo.groups)]
-    for lo in geo.chunks:
-        _, _, _, kc, ks = _rotate(delta, load_k, lo, geo)
-        for r in range(geo.groups):
-            q1, q2 = load_q(r, lo)[:, None, :], load_q(r, geo.half + lo)[:, None, :]
+    scores = [jnp.zeros(delta.shape, jnp.float32) for _ in range(config.groups)]
+    for lo in config.chunks:
+        _, _, _, kc, ks = _rotate(delta, load_k, lo, config)
+        for r in range(config.groups):
+            q1, q2 = load_q(r, lo)[:, None, :], load_q(r, config.half + lo)[:, None, :]
             scores[r] = scores[r] + jnp.sum(q1 * kc + q2 * ks, axis=2)
-    return [geo.sm_scale * s for s in scores]
+    return [config.sm_scale * s for s in scores]
 
 
 def _softmax_grads(scores: list[jax.Array], mask: jax.Array, lse: list[jax.Array], row_dot: list[jax.Array],
                    do: list[jax.Array], v: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
     """Per head: P = exp(S − lse) and dS = P·(dO·vᵀ − Σ_d dO·O), each [BQ, BK]."""
     p = [jnp.where(mask, jnp.exp(s - m[:, None]), 0.0) for s, m in zip(scores, lse)]
-    ds = [pr * (_mm(dor, v, trans_b=True) - rd[:, None]) for pr, dor, rd in zip(p, do, row_dot)]
+    ds = [pr * (dot(dor, v, trans_b=True) - rd[:, None]) for pr, dor, rd in zip(p, do, row_dot)]
     return p, ds
 
 
-def _rotary_backward(delta: jax.Array, ds: list[jax.Array], load_q: Loader, load_k: Loader, geo: _Geometry,
+def _rotary_backward(delta: jax.Array, ds: list[jax.Array], load_q: Loader, load_k: Loader, config: _Config,
                      *, wrt_q: bool) -> tuple[list, jax.Array]:
     """Back through the scores of one tile.
 
     Returns per chunk either (wrt_q) per head (dq1, dq2) [BQ, BD], or (dk1, dk2) [BK, BD]; and dΔ [BQ, BK].
     """
     grads, d_delta = [], jnp.zeros(delta.shape, jnp.float32)
-    for lo in geo.chunks:
-        omega, cos, sin, kc, ks = _rotate(delta, load_k, lo, geo)
+    for lo in config.chunks:
+        omega, cos, sin, kc, ks = _rotate(delta, load_k, lo, config)
         dsq1 = jnp.zeros(kc.shape, jnp.float32)  # Σ_h dS^h q1^h, [BQ, BK, BD]
         dsq2 = jnp.zeros(kc.shape, jnp.float32)
         per_head = []
-        for r in range(geo.groups):
+        for r in range(config.groups):
             dsr = ds[r][:, :, None]
             if wrt_q:
                 per_head.append((jnp.sum(dsr * kc, axis=1), jnp.sum(dsr * ks, axis=1)))
             dsq1 = dsq1 + dsr * load_q(r, lo)[:, None, :]
-            dsq2 = dsq2 + dsr * load_q(r, geo.half + lo)[:, None, :]
+            dsq2 = dsq2 + dsr * load_q(r, config.half + lo)[:, None, :]
         if wrt_q:
             grads.append(per_head)
         else:
             grads.append((jnp.sum(dsq1 * cos - dsq2 * sin, axis=0), jnp.sum(dsq1 * sin + dsq2 * cos, axis=0)))
         d_delta = d_delta + jnp.sum((dsq1 * ks - dsq2 * kc) * omega[None, None, :], axis=2)
-    return grads, geo.sm_scale * d_delta
+    return grads, config.sm_scale * d_delta
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo: _Geometry, block_q: int, block_k: int):
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, config: _Config):
     """q_ref [BQ, G, Dp], k_ref/v_ref [Lp, Dp] -> o_ref [BQ, G, Dp], lse_ref [G, BQ]."""
+    block_q, block_k = config.blocks.block_q, config.blocks.block_k
     qb = pl.program_id(0)
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    load_q = lambda r, lo: q_ref[:, r, pl.ds(lo, geo.block_d)].astype(jnp.float32)
+    load_q = lambda r, lo: q_ref[:, r, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
     last_kb = lax.div((qb + 1) * block_q - 1, block_k)
 
     def body(step, carry):
@@ -189,23 +191,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo: _Geometry, bloc
         kb = last_kb - step
         keys = pl.ds(kb * block_k, block_k)
         cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        load_k = lambda lo: k_ref[keys, pl.ds(lo, geo.block_d)].astype(jnp.float32)
-        z, mask = _gates(q_ref[:, 0, :], k_ref[keys, :], rows, cols, geo.sm_scale)
+        load_k = lambda lo: k_ref[keys, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
+        z, mask = _gates(q_ref[:, 0, :], k_ref[keys, :], rows, cols, config.sm_scale)
         delta = z_suffix[:, None] + _suffix_exclusive(z)  # [BQ, BK]
-        scores = _scores(delta, load_q, load_k, geo)
+        scores = _scores(delta, load_q, load_k, config)
         v = v_ref[keys, :]
         new_m, new_l, new_acc = [], [], []
-        for r in range(geo.groups):
-            s = jnp.where(mask, scores[r], _MASK_VALUE)
+        for r in range(config.groups):
+            s = jnp.where(mask, scores[r], MASK_VALUE)
             m_r = jnp.maximum(m[r], jnp.max(s, axis=1))
             p = jnp.exp(s - m_r[:, None])
             correction = jnp.exp(m[r] - m_r)
             new_m.append(m_r)
             new_l.append(correction * l[r] + jnp.sum(p, axis=1))
-            new_acc.append(correction[:, None] * acc[r] + _mm(p.astype(v.dtype), v))
+            new_acc.append(correction[:, None] * acc[r] + dot(p.astype(v.dtype), v))
         return z_suffix + jnp.sum(z, axis=1), new_m, new_l, new_acc
 
-    g, dp = geo.groups, o_ref.shape[-1]
+    g, dp = config.groups, o_ref.shape[-1]
     init = (jnp.zeros((block_q,), jnp.float32), [jnp.full((block_q,), -jnp.inf, jnp.float32)] * g,
             [jnp.zeros((block_q,), jnp.float32)] * g, [jnp.zeros((block_q, dp), jnp.float32)] * g)
     _, m, l, acc = lax.fori_loop(0, last_kb + 1, body, init)
@@ -215,17 +217,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo: _Geometry, bloc
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref,
-               dq_ref, z_carry_ref, dd_carry_ref, dd_total_ref, *, geo: _Geometry, block_q: int, block_k: int):
+               dq_ref, z_carry_ref, dd_carry_ref, dd_total_ref, *, config: _Config):
     """q_ref/do_ref [BQ, G, Dp], k_ref/v_ref [Lp, Dp], lse_ref/row_dot_ref [G, BQ] ->
     dq_ref [BQ, G, Dp], z_carry_ref/dd_carry_ref [L/BK, BQ] (suffix sums right of each key block), dd_total_ref [BQ].
     """
+    block_q, block_k = config.blocks.block_q_bwd, config.blocks.block_k_bwd
     qb = pl.program_id(0)
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    load_q = lambda r, lo: q_ref[:, r, pl.ds(lo, geo.block_d)].astype(jnp.float32)
+    load_q = lambda r, lo: q_ref[:, r, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
     q_lead = q_ref[:, 0, :]
-    do = [do_ref[:, r, :] for r in range(geo.groups)]
-    lse = [lse_ref[r, :] for r in range(geo.groups)]
-    row_dot = [row_dot_ref[r, :] for r in range(geo.groups)]
+    do = [do_ref[:, r, :] for r in range(config.groups)]
+    lse = [lse_ref[r, :] for r in range(config.groups)]
+    row_dot = [row_dot_ref[r, :] for r in range(config.groups)]
     last_kb = lax.div((qb + 1) * block_q - 1, block_k)
 
     def body(step, carry):
@@ -235,46 +238,47 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref,
         dd_carry_ref[kb, :] = dd_suffix
         keys = pl.ds(kb * block_k, block_k)
         cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        load_k = lambda lo: k_ref[keys, pl.ds(lo, geo.block_d)].astype(jnp.float32)
-        z, mask = _gates(q_lead, k_ref[keys, :], rows, cols, geo.sm_scale)
+        load_k = lambda lo: k_ref[keys, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
+        z, mask = _gates(q_lead, k_ref[keys, :], rows, cols, config.sm_scale)
         delta = z_suffix[:, None] + _suffix_exclusive(z)
-        _, ds = _softmax_grads(_scores(delta, load_q, load_k, geo), mask, lse, row_dot, do, v_ref[keys, :])
-        grads, d_delta = _rotary_backward(delta, ds, load_q, load_k, geo, wrt_q=True)
+        _, ds = _softmax_grads(_scores(delta, load_q, load_k, config), mask, lse, row_dot, do, v_ref[keys, :])
+        grads, d_delta = _rotary_backward(delta, ds, load_q, load_k, config, wrt_q=True)
         dq = [[(a1 + g1, a2 + g2) for (a1, a2), (g1, g2) in zip(acc_c, grad_c)] for acc_c, grad_c in zip(dq, grads)]
         suffix = dd_suffix[:, None] + _suffix_exclusive(d_delta) + d_delta  # Σ_{j≥t} dΔ_ij, [BQ, BK]
         z_slope = z * (1.0 - z)  # dz/dlogit, 0 above the diagonal
         suffix_slope = suffix * z_slope
-        dq_gate_total = [(t1 + _mm(z_slope, load_k(lo)), t2 + _mm(z_slope, load_k(geo.half + lo)))
-                         for (t1, t2), lo in zip(dq_gate_total, geo.chunks)]
-        dq_gate_suffix = [(s1 + _mm(suffix_slope, load_k(lo)), s2 + _mm(suffix_slope, load_k(geo.half + lo)))
-                          for (s1, s2), lo in zip(dq_gate_suffix, geo.chunks)]
+        dq_gate_total = [(t1 + dot(z_slope, load_k(lo)), t2 + dot(z_slope, load_k(config.half + lo)))
+                         for (t1, t2), lo in zip(dq_gate_total, config.chunks)]
+        dq_gate_suffix = [(s1 + dot(suffix_slope, load_k(lo)), s2 + dot(suffix_slope, load_k(config.half + lo)))
+                          for (s1, s2), lo in zip(dq_gate_suffix, config.chunks)]
         return (z_suffix + jnp.sum(z, axis=1), dd_suffix + jnp.sum(d_delta, axis=1), dq,
                 dq_gate_total, dq_gate_suffix)
 
     row = jnp.zeros((block_q,), jnp.float32)
-    chunk = jnp.zeros((block_q, geo.block_d), jnp.float32)
-    pairs = [(chunk, chunk) for _ in geo.chunks]
-    init = (row, row, [[(chunk, chunk)] * geo.groups for _ in geo.chunks], pairs, pairs)
+    chunk = jnp.zeros((block_q, config.blocks.block_d), jnp.float32)
+    pairs = [(chunk, chunk) for _ in config.chunks]
+    init = (row, row, [[(chunk, chunk)] * config.groups for _ in config.chunks], pairs, pairs)
     _, dd_total, dq, dq_gate_total, dq_gate_suffix = lax.fori_loop(0, last_kb + 1, body, init)
     dd_total_ref[...] = dd_total
-    for c, lo in enumerate(geo.chunks):
-        for r in range(geo.groups):
+    for c, lo in enumerate(config.chunks):
+        for r in range(config.groups):
             dq1, dq2 = dq[c][r]
             if r == 0:  # the leader's gates: dz_it = Tot_i − Suf_it
                 (t1, t2), (s1, s2) = dq_gate_total[c], dq_gate_suffix[c]
                 dq1 = dq1 + dd_total[:, None] * t1 - s1
                 dq2 = dq2 + dd_total[:, None] * t2 - s2
-            dq_ref[:, r, pl.ds(lo, geo.block_d)] = (geo.sm_scale * dq1).astype(dq_ref.dtype)
-            dq_ref[:, r, pl.ds(geo.half + lo, geo.block_d)] = (geo.sm_scale * dq2).astype(dq_ref.dtype)
+            dq_ref[:, r, pl.ds(lo, config.blocks.block_d)] = (config.sm_scale * dq1).astype(dq_ref.dtype)
+            dq_ref[:, r, pl.ds(config.half + lo, config.blocks.block_d)] = (config.sm_scale * dq2).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, z_carry_ref, dd_carry_ref, dd_total_ref,
-                dk_ref, dv_ref, *, geo: _Geometry, block_q: int, block_k: int):
+                dk_ref, dv_ref, *, config: _Config):
     """q_ref/do_ref [Lp, G, Dp], k_ref/v_ref [BK, Dp], lse_ref/row_dot_ref [G, Lp],
     z_carry_ref/dd_carry_ref [L/BK, Lp], dd_total_ref [Lp] -> dk_ref/dv_ref [BK, Dp]."""
+    block_q, block_k = config.blocks.block_q_bwd, config.blocks.block_k_bwd
     kb = pl.program_id(0)
     cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    load_k = lambda lo: k_ref[:, pl.ds(lo, geo.block_d)].astype(jnp.float32)
+    load_k = lambda lo: k_ref[:, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
     k, v = k_ref[...], v_ref[...]
     first_qb = lax.div(kb * block_k, block_q)
 
@@ -282,72 +286,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, z_carry_ref, 
         dk, dv = carry
         span = pl.ds(qb * block_q, block_q)
         rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-        load_q = lambda r, lo: q_ref[span, r, pl.ds(lo, geo.block_d)].astype(jnp.float32)
+        load_q = lambda r, lo: q_ref[span, r, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
         q_lead = q_ref[span, 0, :]
-        do = [do_ref[span, r, :] for r in range(geo.groups)]
-        z, mask = _gates(q_lead, k, rows, cols, geo.sm_scale)
+        do = [do_ref[span, r, :] for r in range(config.groups)]
+        z, mask = _gates(q_lead, k, rows, cols, config.sm_scale)
         delta = z_carry_ref[kb, span][:, None] + _suffix_exclusive(z)
-        p, ds = _softmax_grads(_scores(delta, load_q, load_k, geo), mask,
-                               [lse_ref[r, span] for r in range(geo.groups)],
-                               [row_dot_ref[r, span] for r in range(geo.groups)], do, v)
+        p, ds = _softmax_grads(_scores(delta, load_q, load_k, config), mask,
+                               [lse_ref[r, span] for r in range(config.groups)],
+                               [row_dot_ref[r, span] for r in range(config.groups)], do, v)
         for pr, dor in zip(p, do):
-            dv = dv + _mm(pr.astype(dor.dtype), dor, trans_a=True)
-        grads, d_delta = _rotary_backward(delta, ds, load_q, load_k, geo, wrt_q=False)
+            dv = dv + dot(pr.astype(dor.dtype), dor, trans_a=True)
+        grads, d_delta = _rotary_backward(delta, ds, load_q, load_k, config, wrt_q=False)
         suffix = dd_carry_ref[kb, span][:, None] + _suffix_exclusive(d_delta) + d_delta  # Σ_{j≥t} dΔ_ij
         d_logit = (dd_total_ref[span][:, None] - suffix) * z * (1.0 - z)  # dz_it·z'_it, [BQ, BK]
-        dk = [(a1 + g1 + _mm(d_logit, load_q(0, lo), trans_a=True),
-               a2 + g2 + _mm(d_logit, load_q(0, geo.half + lo), trans_a=True))
-              for (a1, a2), (g1, g2), lo in zip(dk, grads, geo.chunks)]
+        dk = [(a1 + g1 + dot(d_logit, load_q(0, lo), trans_a=True),
+               a2 + g2 + dot(d_logit, load_q(0, config.half + lo), trans_a=True))
+              for (a1, a2), (g1, g2), lo in zip(dk, grads, config.chunks)]
         return dk, dv
 
-    chunk = jnp.zeros((block_k, geo.block_d), jnp.float32)
-    init = ([(chunk, chunk) for _ in geo.chunks], jnp.zeros(dv_ref.shape, jnp.float32))
+    chunk = jnp.zeros((block_k, config.blocks.block_d), jnp.float32)
+    init = ([(chunk, chunk) for _ in config.chunks], jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = lax.fori_loop(first_qb, pl.cdiv(q_ref.shape[0], block_q), body, init)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-    for (dk1, dk2), lo in zip(dk, geo.chunks):
-        dk_ref[:, pl.ds(lo, geo.block_d)] = (geo.sm_scale * dk1).astype(dk_ref.dtype)
-        dk_ref[:, pl.ds(geo.half + lo, geo.block_d)] = (geo.sm_scale * dk2).astype(dk_ref.dtype)
+    for (dk1, dk2), lo in zip(dk, config.chunks):
+        dk_ref[:, pl.ds(lo, config.blocks.block_d)] = (config.sm_scale * dk1).astype(dk_ref.dtype)
+        dk_ref[:, pl.ds(config.half + lo, config.blocks.block_d)] = (config.sm_scale * dk2).astype(dk_ref.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static settings of one call (hashable: a jit static argument and the custom_vjp's non-diff argument)."""
-
-    theta: float
-    sm_scale: float
-    block_sizes: BlockSizes
-    interpret: bool
-    num_warps: int | None
-    num_stages: int | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Block sizes fitted to one problem: padded length Lp, padded half head dim, tiles."""
-
-    length: int  # Lp, a multiple of every block
-    half: int  # padded D/2, a power of two ≥ 16
-    block_q: int
-    block_k: int
-    block_q_bwd: int
-    block_k_bwd: int
-    geo: _Geometry
-
-
-def _plan(length: int, d: int, groups: int, cfg: _Config) -> _Plan:
-    half = max(16, _next_power_of_two(d // 2))
-    cap = max(16, _next_power_of_two(length))
-    bs = cfg.block_sizes
-    blocks = [min(b, cap) for b in (bs.block_q, bs.block_k, bs.block_q_bwd, bs.block_k_bwd)]
-    padded = -(-length // max(blocks)) * max(blocks)
-    geo = _Geometry(groups=groups, half=half, block_d=min(bs.block_d, half), head_dim=d,
-                    theta=cfg.theta, sm_scale=cfg.sm_scale)
-    return _Plan(padded, half, *blocks, geo=geo)
-
-
-def _pad(x: jax.Array, plan: _Plan) -> jax.Array:
+def _pad(x: jax.Array, config: _Config) -> jax.Array:
     """[B, L, H, D] -> [B, Lp, H, 2·half]: zero rows at the end, each rotary half zero-padded to `half`."""
-    pad = [(0, 0), (0, plan.length - x.shape[1]), (0, 0), (0, plan.half - x.shape[3] // 2)]
+    pad = [(0, 0), (0, config.padded - x.shape[1]), (0, 0), (0, config.half - x.shape[3] // 2)]
     return jnp.concatenate([jnp.pad(h, pad) for h in jnp.split(x, 2, axis=-1)], axis=-1)
 
 
@@ -357,116 +325,99 @@ def _unpad(x: jax.Array, length: int, head_dim: int) -> jax.Array:
     return jnp.concatenate([x[:, :length, :, : head_dim // 2], x[:, :length, :, half: half + head_dim // 2]], -1)
 
 
-def _compiler_params(cfg: _Config, tile: int):
-    num_warps = cfg.num_warps if cfg.num_warps is not None else (4 if tile <= 32 * 32 else 8)
-    num_stages = cfg.num_stages if cfg.num_stages is not None else 2
-    return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, plan: _Plan, cfg: _Config) -> tuple[jax.Array, jax.Array]:
-    """Padded q [B, Lp, Hq, Dp], k/v [B, Lp, Hkv, Dp] -> o [B, Lp, Hq, Dp], lse [B, Hq, Lp] float32."""
-    b, lp, hq, dp = q.shape
-    g, bq = plan.geo.groups, plan.block_q
-    group_rows = pl.BlockSpec((None, bq, g, dp), lambda i, n, h: (n, i, h, 0))
-    kv_all = pl.BlockSpec((None, lp, None, dp), lambda i, n, h: (n, 0, h, 0))
+def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Padded q [B, Lp, N, Dp], k/v [B, Lp, K, Dp] -> o [B, Lp, N, Dp], lse [B, N, Lp] float32."""
+    batch, lp, num_heads, dp = q.shape
+    g, bq, bk = config.groups, config.blocks.block_q, config.blocks.block_k
+    group_rows = pl.BlockSpec((None, bq, g, dp), lambda i, b, h: (b, i, h, 0))
+    kv_all = pl.BlockSpec((None, lp, None, dp), lambda i, b, h: (b, 0, h, 0))
     return pl.pallas_call(
-        functools.partial(_forward_kernel, geo=plan.geo, block_q=bq, block_k=plan.block_k),
-        grid=(lp // bq, b, k.shape[2]),
+        functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, k.shape[2]),
         in_specs=[group_rows, kv_all, kv_all],
-        out_specs=[group_rows, pl.BlockSpec((None, g, bq), lambda i, n, h: (n, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)],
-        compiler_params=_compiler_params(cfg, bq * plan.block_k),
-        interpret=cfg.interpret,
-        name="corope_forward",
+        out_specs=[group_rows, pl.BlockSpec((None, g, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, lp), jnp.float32)],
+        compiler_params=config.compiler_params(bq * bk), interpret=config.interpret, name="corope_forward",
     )(q, k, v)
 
 
-def _backward(q, k, v, o, lse, do, plan: _Plan, cfg: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Padded residuals and do [B, Lp, Hq, Dp] -> padded dq, dk, dv (dq kernel, then dk/dv kernel)."""
-    b, lp, hq, dp = q.shape
-    hkv = k.shape[2]
-    g, bq, bk = plan.geo.groups, plan.block_q_bwd, plan.block_k_bwd
-    n_kb = lp // bk
-    row_dot = jnp.einsum("blhd,blhd->bhl", o.astype(jnp.float32), do.astype(jnp.float32))  # Σ_d dO·O
-    params = _compiler_params(cfg, bq * bk)
-
-    group_rows = pl.BlockSpec((None, bq, g, dp), lambda i, n, h: (n, i, h, 0))
-    group_stats = pl.BlockSpec((None, g, bq), lambda i, n, h: (n, h, i))
-    kv_all = pl.BlockSpec((None, lp, None, dp), lambda i, n, h: (n, 0, h, 0))
-    carries = pl.BlockSpec((None, None, n_kb, bq), lambda i, n, h: (n, h, 0, i))
-    carry_shape = jax.ShapeDtypeStruct((b, hkv, n_kb, lp), jnp.float32)
-    dq, z_carry, dd_carry, dd_total = pl.pallas_call(
-        functools.partial(_dq_kernel, geo=plan.geo, block_q=bq, block_k=bk),
-        grid=(lp // bq, b, hkv),
+def _dq_call(config: _Config, q, k, v, do, lse, row_dot) -> tuple[jax.Array, ...]:
+    """Padded inputs, do [B, Lp, N, Dp], lse/row_dot [B, N, Lp] -> dq [B, Lp, N, Dp] and the carries of the dk/dv
+    kernel: suffix sums of z and of dΔ right of each key block [B, K, Lp/BK, Lp], dΔ row totals [B, K, Lp]."""
+    batch, lp, _, dp = q.shape
+    num_kv = k.shape[2]
+    g, bq, bk = config.groups, config.blocks.block_q_bwd, config.blocks.block_k_bwd
+    group_rows = pl.BlockSpec((None, bq, g, dp), lambda i, b, h: (b, i, h, 0))
+    group_stats = pl.BlockSpec((None, g, bq), lambda i, b, h: (b, h, i))
+    kv_all = pl.BlockSpec((None, lp, None, dp), lambda i, b, h: (b, 0, h, 0))
+    carries = pl.BlockSpec((None, None, lp // bk, bq), lambda i, b, h: (b, h, 0, i))
+    carry_shape = jax.ShapeDtypeStruct((batch, num_kv, lp // bk, lp), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, config=config), grid=(lp // bq, batch, num_kv),
         in_specs=[group_rows, kv_all, kv_all, group_rows, group_stats, group_stats],
-        out_specs=[group_rows, carries, carries, pl.BlockSpec((None, None, bq), lambda i, n, h: (n, h, i))],
+        out_specs=[group_rows, carries, carries, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), carry_shape, carry_shape,
-                   jax.ShapeDtypeStruct((b, hkv, lp), jnp.float32)],
-        compiler_params=params,
-        interpret=cfg.interpret,
-        name="corope_backward_dq",
+                   jax.ShapeDtypeStruct((batch, num_kv, lp), jnp.float32)],
+        compiler_params=config.compiler_params(bq * bk), interpret=config.interpret, name="corope_backward_dq",
     )(q, k, v, do, lse, row_dot)
 
-    group_all = pl.BlockSpec((None, lp, g, dp), lambda i, n, h: (n, 0, h, 0))
-    stats_all = pl.BlockSpec((None, g, lp), lambda i, n, h: (n, h, 0))
-    carries_all = pl.BlockSpec((None, None, n_kb, lp), lambda i, n, h: (n, h, 0, 0))
-    kv_block = pl.BlockSpec((None, bk, None, dp), lambda i, n, h: (n, i, h, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, geo=plan.geo, block_q=bq, block_k=bk),
-        grid=(n_kb, b, hkv),
+
+def _dkv_call(config: _Config, q, k, v, do, lse, row_dot, z_carry, dd_carry, dd_total
+              ) -> tuple[jax.Array, jax.Array]:
+    """Padded inputs and the dq kernel's carries -> dk, dv [B, Lp, K, Dp]."""
+    batch, lp, _, dp = q.shape
+    num_kv = k.shape[2]
+    g, bq, bk = config.groups, config.blocks.block_q_bwd, config.blocks.block_k_bwd
+    group_all = pl.BlockSpec((None, lp, g, dp), lambda i, b, h: (b, 0, h, 0))
+    stats_all = pl.BlockSpec((None, g, lp), lambda i, b, h: (b, h, 0))
+    carries_all = pl.BlockSpec((None, None, lp // bk, lp), lambda i, b, h: (b, h, 0, 0))
+    kv_block = pl.BlockSpec((None, bk, None, dp), lambda i, b, h: (b, i, h, 0))
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, config=config), grid=(lp // bk, batch, num_kv),
         in_specs=[group_all, kv_block, kv_block, group_all, stats_all, stats_all, carries_all, carries_all,
-                  pl.BlockSpec((None, None, lp), lambda i, n, h: (n, h, 0))],
+                  pl.BlockSpec((None, None, lp), lambda i, b, h: (b, h, 0))],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
-        interpret=cfg.interpret,
-        name="corope_backward_dkv",
+        compiler_params=config.compiler_params(bq * bk), interpret=config.interpret, name="corope_backward_dkv",
     )(q, k, v, do, lse, row_dot, z_carry, dd_carry, dd_total)
-    return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _corope(q: jax.Array, k: jax.Array, v: jax.Array, cfg: _Config) -> jax.Array:
-    return _corope_fwd(q, k, v, cfg)[0]
-
-
-def _corope_fwd(q, k, v, cfg: _Config):
-    plan = _plan(q.shape[1], q.shape[3], q.shape[2] // k.shape[2], cfg)
-    qp, kp, vp = (_pad(x, plan) for x in (q, k, v))
-    o, lse = _forward(qp, kp, vp, plan, cfg)
+def _corope_pallas_fwd(q, k, v, config: _Config):
+    qp, kp, vp = (_pad(x, config) for x in (q, k, v))
+    o, lse = _forward_call(config, qp, kp, vp)
     return _unpad(o, q.shape[1], q.shape[3]), (qp, kp, vp, o, lse)
 
 
-def _corope_bwd(cfg: _Config, residuals, do):
+def _corope_pallas_bwd(config: _Config, residuals, do):
     qp, kp, vp, o, lse = residuals
-    length, d = do.shape[1], do.shape[3]
-    plan = _plan(length, d, qp.shape[2] // kp.shape[2], cfg)
-    grads = _backward(qp, kp, vp, o, lse, _pad(do.astype(o.dtype), plan), plan, cfg)
-    return tuple(_unpad(x, length, d) for x in grads)
+    dop = _pad(do.astype(o.dtype), config)
+    row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), dop.astype(jnp.float32))  # Σ_d dO·O
+    dq, *carries = _dq_call(config, qp, kp, vp, dop, lse, row_dot)
+    dk, dv = _dkv_call(config, qp, kp, vp, dop, lse, row_dot, *carries)
+    return tuple(_unpad(x, do.shape[1], do.shape[3]) for x in (dq, dk, dv))
 
 
-_corope.defvjp(_corope_fwd, _corope_bwd)
-_corope_jit = jax.jit(_corope, static_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _corope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> jax.Array:
+    return _corope_pallas_fwd(q, k, v, config)[0]
+
+
+_corope_pallas.defvjp(_corope_pallas_fwd, _corope_pallas_bwd)
+_corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(3,))
 
 
 def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
                             block_sizes: BlockSizes | None = None, interpret: bool | None = None,
                             num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
-    """Fused causal Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32 or bfloat16) -> [B, L, Hq, D].
+    """Fused causal Co-RoPE attention. q [B, L, N, D], k/v [B, L, K, D] (float32 or bfloat16) -> [B, L, N, D].
 
-    Differentiable (fused dq and dk/dv kernels). interpret defaults to True off GPU (Pallas interpreter);
-    num_warps/num_stages tune the Triton lowering (defaults: 4 or 8 warps by tile size, 2 stages).
+    Differentiable (fused dq and dk/dv kernels). interpret: run the kernels in the Pallas interpreter (default:
+    unless the backend is a GPU); num_warps/num_stages tune the Triton lowering (defaults: 4 or 8 warps by tile
+    size, 2 stages).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
+    check_kernel_dtype(q)
     check_head_dim(q.shape[3])
-    if block_sizes is None:
-        block_sizes = BlockSizes()
-    if not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
-        if value is not None and not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name}={value!r} must be a positive int or None")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    cfg = _Config(float(theta), float(sm_scale), block_sizes, bool(interpret), num_warps, num_stages)
-    return _corope_jit(q, k, v, cfg)
+    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    config = _config(q, k, theta=theta, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
+                     interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages)
+    return _corope_pallas_jit(q, k, v, config)

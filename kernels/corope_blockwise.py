@@ -1,15 +1,17 @@
 """Co-RoPE attention, blockwise in pure JAX: causal, GQA, forward and fused backward, any backend.
 
-B batch, L length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim, Dh = D/2, T block size.
-Internally heads are grouped: q [B, Hkv, G, L, D], k/v [B, Hkv, L, D]; head r = 0 of a group is its leader.
+Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
+dim, Dh = D/2 rotary pairs, BK block size (queries and keys). Einsum subscripts are the lower-case letters, with t for
+query and s for key positions. Internally heads are grouped: q [B, K, G, Lp, D], k/v [B, K, Lp, D]; head 0 of a
+group is its leader.
 
 The maths (SPEC §3): z_ij = sigmoid(sm_scale·q^leader_i·k_j) for j ≤ i, Δ_ij = Σ_{t=j+1..i} z_it,
 φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ). Writing the rotated keys
-kc = k1 cos φ + k2 sin φ and ks = k2 cos φ − k1 sin φ (shared by the G heads of a group, [T, T, Dh] per tile),
+kc = k1 cos φ + k2 sin φ and ks = k2 cos φ − k1 sin φ (shared by the G heads of a group, [BK, BK, Dh] per tile),
 score = sm_scale·Σ_d (q1·kc + q2·ks), and ∂kc/∂φ = ks, ∂ks/∂φ = −kc.
 
 Loop structure: query blocks in sequence; for each, key blocks walked in reverse from the diagonal carrying the
-running suffix sum of z per row (one pass, causal early exit). Memory per step is O(B·Hq·T²·Dh); nothing of
+running suffix sum of z per row (one pass, causal early exit). Memory per step is O(B·N·BK²·Dh); nothing of
 size L×L is ever built, forward or backward.
 
 Backward, per query block (reverse key walk again): with dS the softmax gradient of the scores,
@@ -19,41 +21,52 @@ The −Suf part is applied during the walk; the Tot part by a second, cheap walk
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from jaxpe.kernels._checks import check_corope_inputs, check_kernel_dtype, check_positive_int
+from jaxpe.kernels._common import MASK_VALUE, rotary_frequencies
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call (hashable: the jit static argument and the custom_vjp's non-differentiable one)."""
+
+    theta: float
+    sm_scale: float
+    block: int  # BK, query rows and keys per block (at most L)
 
 
 def _frequencies(head_dim: int, theta: float) -> jax.Array:
-    """ω [1, 1, 1, 1, D/2] float32 (broadcasts against [B, Hkv, T, T, Dh] tiles), ω_d = θ^(−2d/D)."""
-    return theta ** (-2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim).reshape(1, 1, 1, 1, -1)
+    """ω [1, 1, 1, 1, Dh] float32, broadcasting against [B, K, BK, BK, Dh] tiles."""
+    return rotary_frequencies(head_dim, theta).reshape(1, 1, 1, 1, -1)
 
 
 def _gates(q_lead: jax.Array, k: jax.Array, rows: jax.Array, cols: jax.Array, sm_scale: float
            ) -> tuple[jax.Array, jax.Array]:
-    """Causal gates and mask: q_lead [B, Hkv, T, D], k [B, Hkv, T, D] -> z [B, Hkv, T, T], mask [1, 1, T, T]."""
+    """Causal gates and mask: q_lead [B, K, BK, D], k [B, K, BK, D] -> z [B, K, BK, BK], mask [1, 1, BK, BK]."""
     mask = (cols[None, :] <= rows[:, None])[None, None]
-    z = jax.nn.sigmoid(sm_scale * jnp.einsum("bgqd,bgkd->bgqk", q_lead, k))
+    z = jax.nn.sigmoid(sm_scale * jnp.einsum("bktd,bksd->bkts", q_lead, k))
     return jnp.where(mask, z, 0.0), mask
 
 
 def _rotated_keys(delta: jax.Array, k: jax.Array, omega: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """delta [B, Hkv, T, T], k [B, Hkv, T, D] -> cos φ, sin φ, kc, ks, each [B, Hkv, T(q), T(k), Dh]."""
+    """delta [B, K, BK, BK], k [B, K, BK, D] -> cos φ, sin φ, kc, ks, each [B, K, BK(t), BK(s), Dh]."""
     phi = delta[..., None] * omega
     cos, sin = jnp.cos(phi), jnp.sin(phi)
-    k1, k2 = jnp.split(k[:, :, None], 2, axis=-1)  # [B, Hkv, 1, T, Dh]
+    k1, k2 = jnp.split(k[:, :, None], 2, axis=-1)  # [B, K, 1, BK, Dh]
     return cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
 
 
 def _scores(q: jax.Array, kc: jax.Array, ks: jax.Array, sm_scale: float) -> jax.Array:
-    """q [B, Hkv, G, T, D], kc/ks [B, Hkv, T, T, Dh] -> scores [B, Hkv, G, T, T]."""
+    """q [B, K, G, BK, D], kc/ks [B, K, BK, BK, Dh] -> scores [B, K, G, BK, BK]."""
     q1, q2 = jnp.split(q, 2, axis=-1)
-    return sm_scale * (jnp.einsum("bgrqd,bgqkd->bgrqk", q1, kc) + jnp.einsum("bgrqd,bgqkd->bgrqk", q2, ks))
+    return sm_scale * (jnp.einsum("bkgtd,bktsd->bkgts", q1, kc) + jnp.einsum("bkgtd,bktsd->bkgts", q2, ks))
 
 
 def _block(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
@@ -62,69 +75,70 @@ def _block(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
 
 def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, block: int
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[B, L, H, D] inputs -> float32 q [B, Hkv, G, Lp, D], k/v [B, Hkv, Lp, D], Lp = L rounded up to `block`."""
-    b, length, hq, d = q.shape
-    hkv = k.shape[2]
+    """[B, L, N|K, D] inputs -> float32 q [B, K, G, Lp, D], k/v [B, K, Lp, D], Lp = L rounded up to `block`."""
+    b, length, n, d = q.shape
+    num_kv = k.shape[2]
     pad = [(0, 0), (0, -length % block), (0, 0), (0, 0)]
-    q = jnp.pad(q.astype(jnp.float32), pad).reshape(b, -1, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
+    q = jnp.pad(q.astype(jnp.float32), pad).reshape(b, -1, num_kv, n // num_kv, d).transpose(0, 2, 3, 1, 4)
     k, v = (jnp.pad(x.astype(jnp.float32), pad).transpose(0, 2, 1, 3) for x in (k, v))
     return q, k, v
 
 
 def _ungrouped(x: jax.Array, length: int) -> jax.Array:
-    """[B, Hkv, G, Lp, D] -> [B, L, Hq, D]."""
-    b, hkv, g, _, d = x.shape
-    return x.transpose(0, 3, 1, 2, 4).reshape(b, -1, hkv * g, d)[:, :length]
+    """[B, K, G, Lp, D] -> [B, L, N, D]."""
+    b, num_kv, g, _, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, -1, num_kv * g, d)[:, :length]
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float, block: int
-             ) -> tuple[jax.Array, jax.Array]:
-    """Grouped float32 q, k, v -> o [B, Hkv, G, Lp, D], lse [B, Hkv, G, Lp]."""
-    b, hkv, g, length, d = q.shape
-    omega = _frequencies(d, theta)
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> tuple[jax.Array, jax.Array]:
+    """Grouped float32 q, k, v -> o [B, K, G, Lp, D], lse [B, K, G, Lp]."""
+    b, num_kv, g, length, d = q.shape
+    block, sm_scale = config.block, config.sm_scale
+    omega = _frequencies(d, config.theta)
 
     def query_block(qb, outputs):
         o, lse = outputs
-        q_blk = _block(q, qb, block, 3)  # [B, Hkv, G, T, D]
+        q_blk = _block(q, qb, block, 3)  # [B, K, G, BK, D]
         rows = qb * block + jnp.arange(block)
 
         def key_block(step, carry):
-            z_suffix, m, l, acc = carry  # [B, Hkv, T], [B, Hkv, G, T] x2, [B, Hkv, G, T, D]
+            z_suffix, m, l, acc = carry  # [B, K, BK], [B, K, G, BK] x2, [B, K, G, BK, D]
             kb = qb - step
             k_blk, v_blk = _block(k, kb, block, 2), _block(v, kb, block, 2)
             z, mask = _gates(q_blk[:, :, 0], k_blk, rows, kb * block + jnp.arange(block), sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
             _, _, kc, ks = _rotated_keys(delta, k_blk, omega)
-            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), _MASK_VALUE)
+            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
-            acc = correction[..., None] * acc + jnp.einsum("bgrqk,bgkd->bgrqd", p, v_blk)
+            acc = correction[..., None] * acc + jnp.einsum("bkgts,bksd->bkgtd", p, v_blk)
             return z_suffix + z.sum(-1), m_new, correction * l + p.sum(-1), acc
 
-        init = (jnp.zeros((b, hkv, block)), jnp.full((b, hkv, g, block), -jnp.inf),
-                jnp.zeros((b, hkv, g, block)), jnp.zeros((b, hkv, g, block, d)))
+        init = (jnp.zeros((b, num_kv, block)), jnp.full((b, num_kv, g, block), -jnp.inf),
+                jnp.zeros((b, num_kv, g, block)), jnp.zeros((b, num_kv, g, block, d)))
         _, m, l, acc = lax.fori_loop(0, qb + 1, key_block, init)
         o = lax.dynamic_update_slice_in_dim(o, acc / l[..., None], qb * block, axis=3)
         lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), qb * block, axis=3)
         return o, lse
 
-    init = (jnp.zeros_like(q), jnp.zeros((b, hkv, g, length)))
+    init = (jnp.zeros_like(q), jnp.zeros((b, num_kv, g, length)))
     return lax.fori_loop(0, length // block, query_block, init)
 
 
-def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array, *,
-              theta: float, sm_scale: float, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Grouped float32 residuals and output cotangent do [B, Hkv, G, Lp, D] -> grouped dq, dk, dv."""
-    b, hkv, g, length, d = q.shape
-    omega = _frequencies(d, theta)
-    row_dot = jnp.sum(do * o, axis=-1)  # [B, Hkv, G, Lp], Σ_j P dP per row
+def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array,
+              config: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Grouped float32 residuals and output cotangent do [B, K, G, Lp, D] -> grouped dq, dk, dv."""
+    b, num_kv, g, length, d = q.shape
+    block, sm_scale = config.block, config.sm_scale
+    omega = _frequencies(d, config.theta)
+    row_dot = jnp.sum(do * o, axis=-1)  # [B, K, G, Lp], Σ_j P dP per row
 
     def query_block(qb, grads):
         dq, dk, dv = grads
-        q_blk, do_blk = _block(q, qb, block, 3), _block(do, qb, block, 3)  # [B, Hkv, G, T, D]
-        lse_blk, row_dot_blk = _block(lse, qb, block, 3), _block(row_dot, qb, block, 3)  # [B, Hkv, G, T]
-        q_lead = q_blk[:, :, 0]  # [B, Hkv, T, D]
+        q_blk, do_blk = _block(q, qb, block, 3), _block(do, qb, block, 3)  # [B, K, G, BK, D]
+        lse_blk, row_dot_blk = _block(lse, qb, block, 3), _block(row_dot, qb, block, 3)  # [B, K, G, BK]
+        q_lead = q_blk[:, :, 0]  # [B, K, BK, D]
         q1, q2 = jnp.split(q_blk, 2, axis=-1)
         rows = qb * block + jnp.arange(block)
 
@@ -135,27 +149,27 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
             z, mask = _gates(q_lead, k_blk, rows, kb * block + jnp.arange(block), sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
             cos, sin, kc, ks = _rotated_keys(delta, k_blk, omega)
-            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), _MASK_VALUE)
-            p = jnp.exp(s - lse_blk[..., None])  # [B, Hkv, G, T, T]
-            dp = jnp.einsum("bgrqd,bgkd->bgrqk", do_blk, v_blk)
+            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
+            p = jnp.exp(s - lse_blk[..., None])  # [B, K, G, BK, BK]
+            dp = jnp.einsum("bkgtd,bksd->bkgts", do_blk, v_blk)
             ds = p * (dp - row_dot_blk[..., None])
-            dv_blk = jnp.einsum("bgrqk,bgrqd->bgkd", p, do_blk)
+            dv_blk = jnp.einsum("bkgts,bkgtd->bksd", p, do_blk)
             dq_blk = dq_blk + sm_scale * jnp.concatenate(
-                [jnp.einsum("bgrqk,bgqkd->bgrqd", ds, kc), jnp.einsum("bgrqk,bgqkd->bgrqd", ds, ks)], axis=-1)
-            dsq1 = jnp.einsum("bgrqk,bgrqd->bgqkd", ds, q1)  # Σ_h dS^h q1^h, [B, Hkv, T, T, Dh]
-            dsq2 = jnp.einsum("bgrqk,bgrqd->bgqkd", ds, q2)
+                [jnp.einsum("bkgts,bktsd->bkgtd", ds, kc), jnp.einsum("bkgts,bktsd->bkgtd", ds, ks)], axis=-1)
+            dsq1 = jnp.einsum("bkgts,bkgtd->bktsd", ds, q1)  # Σ_g dS^g q1^g, [B, K, BK, BK, Dh]
+            dsq2 = jnp.einsum("bkgts,bkgtd->bktsd", ds, q2)
             dk_blk = sm_scale * jnp.concatenate(
                 [jnp.sum(dsq1 * cos - dsq2 * sin, axis=2), jnp.sum(dsq1 * sin + dsq2 * cos, axis=2)], axis=-1)
-            d_delta = sm_scale * jnp.sum((dsq1 * ks - dsq2 * kc) * omega, axis=-1)  # [B, Hkv, T, T]
+            d_delta = sm_scale * jnp.sum((dsq1 * ks - dsq2 * kc) * omega, axis=-1)  # [B, K, BK, BK]
             suffix = dd_suffix[..., None] + lax.cumsum(d_delta, axis=3, reverse=True)  # Σ_{j≥t} dΔ_ij
             d_logit = -sm_scale * suffix * z * (1.0 - z)  # the −Suf part of dz, through the sigmoid
-            dq_blk = dq_blk.at[:, :, 0].add(jnp.einsum("bgqk,bgkd->bgqd", d_logit, k_blk))
-            dk_blk = dk_blk + jnp.einsum("bgqk,bgqd->bgkd", d_logit, q_lead)
+            dq_blk = dq_blk.at[:, :, 0].add(jnp.einsum("bkts,bksd->bktd", d_logit, k_blk))
+            dk_blk = dk_blk + jnp.einsum("bkts,bktd->bksd", d_logit, q_lead)
             dk = lax.dynamic_update_slice_in_dim(dk, _block(dk, kb, block, 2) + dk_blk, kb * block, axis=2)
             dv = lax.dynamic_update_slice_in_dim(dv, _block(dv, kb, block, 2) + dv_blk, kb * block, axis=2)
             return z_suffix + z.sum(-1), dd_suffix + d_delta.sum(-1), dq_blk, dk, dv
 
-        zeros_row = jnp.zeros((b, hkv, block))
+        zeros_row = jnp.zeros((b, num_kv, block))
         _, d_delta_total, dq_blk, dk, dv = lax.fori_loop(
             0, qb + 1, key_block, (zeros_row, zeros_row, jnp.zeros_like(q_blk), dk, dv))
 
@@ -164,8 +178,8 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
             k_blk = _block(k, kb, block, 2)
             z, _ = _gates(q_lead, k_blk, rows, kb * block + jnp.arange(block), sm_scale)
             d_logit = sm_scale * d_delta_total[..., None] * z * (1.0 - z)
-            dk_blk = _block(dk, kb, block, 2) + jnp.einsum("bgqk,bgqd->bgkd", d_logit, q_lead)
-            dq_lead = dq_lead + jnp.einsum("bgqk,bgkd->bgqd", d_logit, k_blk)
+            dk_blk = _block(dk, kb, block, 2) + jnp.einsum("bkts,bktd->bksd", d_logit, q_lead)
+            dq_lead = dq_lead + jnp.einsum("bkts,bksd->bktd", d_logit, k_blk)
             return dq_lead, lax.dynamic_update_slice_in_dim(dk, dk_blk, kb * block, axis=2)
 
         dq_lead, dk = lax.fori_loop(0, qb + 1, total_part, (dq_blk[:, :, 0], dk))
@@ -175,63 +189,40 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
     return lax.fori_loop(0, length // block, query_block, (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, theta: float, sm_scale: float, block: int
-                      ) -> jax.Array:
-    o, _ = _forward(*_grouped(q, k, v, block), theta=theta, sm_scale=sm_scale, block=block)
-    return _ungrouped(o, q.shape[1]).astype(q.dtype)
-
-
-def _corope_blockwise_fwd(q, k, v, theta, sm_scale, block):
-    o, lse = _forward(*_grouped(q, k, v, block), theta=theta, sm_scale=sm_scale, block=block)
+def _corope_blockwise_fwd(q, k, v, config: _Config):
+    o, lse = _forward(*_grouped(q, k, v, config.block), config)
     return _ungrouped(o, q.shape[1]).astype(q.dtype), (q, k, v, o, lse)
 
 
-def _corope_blockwise_bwd(theta, sm_scale, block, residuals, do):
+def _corope_blockwise_bwd(config: _Config, residuals, do):
     q, k, v, o, lse = residuals
-    gq, gk, gv = _grouped(q, k, v, block)
-    gdo = _grouped(do, k, v, block)[0]
-    dq, dk, dv = _backward(gq, gk, gv, o, lse, gdo, theta=theta, sm_scale=sm_scale, block=block)
+    gq, gk, gv = _grouped(q, k, v, config.block)
+    gdo = _grouped(do, k, v, config.block)[0]
+    dq, dk, dv = _backward(gq, gk, gv, o, lse, gdo, config)
     length = q.shape[1]
     return (_ungrouped(dq, length).astype(q.dtype),
             dk.transpose(0, 2, 1, 3)[:, :length].astype(k.dtype),
             dv.transpose(0, 2, 1, 3)[:, :length].astype(v.dtype))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> jax.Array:
+    return _corope_blockwise_fwd(q, k, v, config)[0]
+
+
 _corope_blockwise.defvjp(_corope_blockwise_fwd, _corope_blockwise_bwd)
-_corope_blockwise_jit = jax.jit(_corope_blockwise, static_argnums=(3, 4, 5))
-
-
-def check_corope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float) -> None:
-    """Raise ValueError/TypeError for inputs the Co-RoPE kernels cannot take (shared with the Pallas kernel)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must have shape [B, L, H, D], got {name}.shape={tuple(x.shape)}")
-        if x.dtype not in (jnp.float32, jnp.bfloat16):
-            raise TypeError(f"{name} must be float32 or bfloat16, got {name}.dtype={x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape=}, {v.shape=}")
-    b, length, hq, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, length, d):
-        raise ValueError(f"q and k must share batch, length and head dim, got {q.shape=}, {k.shape=}")
-    if hq % k.shape[2]:
-        raise ValueError(f"query heads must be a multiple of key/value heads, got {q.shape=}, {k.shape=}")
-    if d % 2 or d < 2:
-        raise ValueError(f"head dim {d=} must be even (rotary pairs d with d + D/2)")
-    if not theta > 0:
-        raise ValueError(f"{theta=} must be > 0")
-    if not sm_scale > 0:
-        raise ValueError(f"{sm_scale=} must be > 0")
+_corope_blockwise_jit = jax.jit(_corope_blockwise, static_argnums=(3,))
 
 
 def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
                                block_k: int = 128) -> jax.Array:
-    """Causal Co-RoPE attention in key/query blocks of `block_k`. q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D].
+    """Causal Co-RoPE attention in query/key blocks of `block_k`. q [B, L, N, D], k/v [B, L, K, D] (float32 or
+    bfloat16) -> [B, L, N, D] in q's dtype.
 
-    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype; output in q's dtype;
-    differentiable (custom VJP, O(L·block_k·D) memory per step).
+    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype; differentiable (custom VJP,
+    O(L·block_k·D) memory per step).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    if not (isinstance(block_k, int) and block_k >= 1):
-        raise ValueError(f"{block_k=} must be a positive int")
-    return _corope_blockwise_jit(q, k, v, float(theta), float(sm_scale), min(block_k, q.shape[1]))
+    check_kernel_dtype(q)
+    check_positive_int("block_k", block_k)
+    return _corope_blockwise_jit(q, k, v, _Config(float(theta), float(sm_scale), min(block_k, q.shape[1])))

@@ -209,7 +209,7 @@ def test_bad_inputs_raise(kernel):
     attention = {"blockwise": corope_attention_blockwise, "pallas": corope_attention_pallas}[kernel]
     q = jnp.zeros((1, 8, 4, 32))
     kv = jnp.zeros((1, 8, 2, 32))
-    with pytest.raises(ValueError, match="head dim d=31"):
+    with pytest.raises(ValueError, match="head dim D=31 must be even"):
         attention(q[..., :31], kv[..., :31], kv[..., :31], theta=THETA, sm_scale=0.2)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         attention(q[:, :, :3], kv, kv, theta=THETA, sm_scale=0.2)
