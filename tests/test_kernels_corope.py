@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import chex
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_harness import assert_matches, outputs_and_grads, square_intermediates_of_grad
 
 import jaxpe
 from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
@@ -57,6 +56,7 @@ IDS = [str(case) for case, _, _ in SWEEP]
 PALLAS_SWEEP = [SWEEP[i] for i in (0, 1, 3, 4, 5, 7)]
 PALLAS_IDS = [IDS[i] for i in (0, 1, 3, 4, 5, 7)]
 
+NAMES = ["o", "dq", "dk", "dv"]
 # Max |error| allowed, as a fraction of max(1, max |reference|), for the output and for the gradients.
 TOLERANCE = {"float32": (2e-5, 2e-4), "bfloat16": (2e-2, 3e-2)}
 
@@ -83,20 +83,10 @@ def make_inputs(case: Case, key: jax.Array) -> tuple[jax.Array, ...]:
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), cotangent
 
 
-# Compile time dominates these tests; the speed of the compiled test programs does not matter.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def output_and_grads(attention, q, k, v, cotangent) -> list[np.ndarray]:
-    """[o, dq, dk, dv] as float32 NumPy, gradients of sum(o · cotangent)."""
-
-    def run(q, k, v):
-        o, pullback = jax.vjp(attention, q, k, v)
-        assert o.dtype == q.dtype
-        return o, *pullback(cotangent.astype(o.dtype))
-
-    compiled = jax.jit(run).lower(q, k, v).compile(FAST_COMPILE)
-    return [np.asarray(x, np.float32) for x in compiled(q, k, v)]
+def run(attention, case: Case) -> list[jax.Array]:
+    """attention(q, k, v) on `make_inputs(case, KEY)` -> [o, dq, dk, dv]."""
+    q, k, v, cotangent = make_inputs(case, KEY)
+    return outputs_and_grads(attention, (q, k, v), cotangent)
 
 
 def reference(q, k, v):
@@ -104,25 +94,19 @@ def reference(q, k, v):
 
 
 @functools.lru_cache(maxsize=None)
-def reference_results(case: Case) -> list[np.ndarray]:
+def reference_results(case: Case) -> list[jax.Array]:
     """The dense reference's [o, dq, dk, dv] on `make_inputs(case, KEY)`, computed once per case."""
-    return output_and_grads(reference, *make_inputs(case, KEY))
+    return run(reference, case)
 
 
 def assert_matches_reference(case: Case, attention, tolerance=TOLERANCE):
-    q, k, v, cotangent = make_inputs(case, KEY)
     if case.saturated:
+        q, k, _, _ = make_inputs(case, KEY)
         leaders = q[:, :, :: case.groups].astype(jnp.float32)
-        logits = jnp.einsum("blhd,bmhd->bhlm", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
+        logits = jnp.einsum("btkd,bskd->bkts", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
         assert float(jnp.min(jnp.abs(logits))) >= 30.0
-    results = output_and_grads(attention, q, k, v, cotangent)
-    chex.assert_shape(results, [q.shape, q.shape, k.shape, v.shape])
-    tol_out, tol_grad = tolerance[case.dtype]
-    for name, got, want, tol in zip(["o", "dq", "dk", "dv"], results, reference_results(case),
-                                    [tol_out, tol_grad, tol_grad, tol_grad]):
-        assert np.all(np.isfinite(got)), name
-        scale = max(1.0, float(np.max(np.abs(want))))
-        chex.assert_trees_all_close(got, want, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {case}")
+    assert_matches(run(attention, case), reference_results(case), names=NAMES, tolerance=tolerance[case.dtype],
+                   context=str(case))
 
 
 class _PallasSweep:
@@ -162,27 +146,6 @@ class TestCoRoPEBlockwise:
         assert_matches_reference(case, attention)
 
 
-def square_intermediates(fn, *args, size: int) -> list[tuple[int, ...]]:
-    """Shapes of every intermediate in fn's jaxpr (all nested jaxprs included) with two axes of `size` or more."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                shape = getattr(var.aval, "shape", ())
-                if sum(dim >= size for dim in shape) >= 2:
-                    found.append(tuple(shape))
-            for param in eqn.params.values():
-                for p in param if isinstance(param, (tuple, list)) else (param,):
-                    if isinstance(p, jex_core.ClosedJaxpr):
-                        walk(p.jaxpr)
-                    elif isinstance(p, jex_core.Jaxpr):
-                        walk(p)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
-
-
 @pytest.mark.parametrize("impl", ["blockwise", "pallas"])
 def test_backward_never_builds_length_squared(impl, key):
     """jax.grad's jaxpr holds no [.., L, .., L, ..] value (L = 512); the dense reference does (the probe works)."""
@@ -192,9 +155,8 @@ def test_backward_never_builds_length_squared(impl, key):
         "blockwise": lambda q, k, v: corope_attention_blockwise(q, k, v, theta=THETA, sm_scale=0.2, block_k=64),
         "pallas": lambda q, k, v: corope_attention_pallas(q, k, v, theta=THETA, sm_scale=0.2, interpret=True),
     }[impl]
-    grad = lambda attention: jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)), argnums=(0, 1, 2))
-    assert square_intermediates(grad(kernel), q, k, v, size=length) == []
-    assert square_intermediates(grad(reference), q, k, v, size=length)
+    assert square_intermediates_of_grad(reference, q, k, v, size=length)
+    assert square_intermediates_of_grad(kernel, q, k, v, size=length) == []
 
 
 def test_block_sizes_validated():

@@ -1,0 +1,66 @@
+"""What the kernel tests share (test_kernels_cope.py, test_kernels_corope.py): an attention's output and gradients
+in one compiled run, the per-dtype tolerance assertion against a reference, and the jaxpr probe that finds arrays of
+size L×L built by a backward pass."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import chex
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+
+# Compile time dominates these tests; the speed of the compiled test programs does not matter.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def outputs_and_grads(attention: Callable[..., jax.Array], args: Sequence[jax.Array], cotangent: jax.Array, *,
+                      compiler_options: dict[str, object] | None = FAST_COMPILE) -> list[jax.Array]:
+    """[out, d args[0], d args[1], ...]: out = attention(*args) and the gradients of sum(out · cotangent), compiled
+    with `compiler_options` (None: XLA's defaults)."""
+
+    def run(*args):
+        out, pullback = jax.vjp(attention, *args)
+        return [out, *pullback(cotangent.astype(out.dtype))]
+
+    return jax.jit(run).lower(*args).compile(compiler_options)(*args)
+
+
+def assert_matches(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names: Sequence[str],
+                   tolerance: tuple[float, float], context: str) -> None:
+    """got = [out, *grads] against the reference's: same shapes and dtypes, finite, and max |got − want| ≤
+    tol·max(1, max |want|), tol = tolerance[0] for the output and tolerance[1] for the gradients."""
+    assert len(got) == len(want) == len(names), (len(got), len(want), names)
+    for index, (name, x, y) in enumerate(zip(names, got, want)):
+        chex.assert_shape(x, y.shape)
+        assert x.dtype == y.dtype, (name, x.dtype, y.dtype)
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.all(np.isfinite(x)), f"{name} of {context}"
+        tol = tolerance[0 if index == 0 else 1]
+        scale = max(1.0, float(np.max(np.abs(y))))
+        chex.assert_trees_all_close(x, y, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {context}")
+
+
+def square_intermediates_of_grad(attention: Callable[..., jax.Array], *args: jax.Array, size: int
+                                 ) -> list[tuple[int, ...]]:
+    """Shapes of every intermediate of jax.grad(sum(attention(*args))) with respect to every arg (nested jaxprs
+    included: scan/while/cond bodies, custom VJPs, kernels) with two axes of `size` or more."""
+    grad = jax.grad(lambda *a: jnp.sum(attention(*a)), argnums=tuple(range(len(args))))
+    found = []
+
+    def walk(jaxpr: jex_core.Jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                shape = tuple(getattr(var.aval, "shape", ()))
+                if sum(dim >= size for dim in shape) >= 2:
+                    found.append(shape)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(grad)(*args).jaxpr)
+    return found
