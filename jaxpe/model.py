@@ -18,26 +18,31 @@ from jaxpe.validation import check_impl
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 DTYPES = ("float32", "bfloat16")
+UNFILLED = ("vocab_size", "max_len")  # fields that may wait as None until the data is known
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of TransformerLM. `pe_options` may be given as a dict; it is stored as sorted pairs."""
+    """Hyperparameters of TransformerLM. `pe_options` may be given as a dict; it is stored as sorted pairs.
 
-    vocab_size: int  # token ids are 0..vocab_size-1
-    d_model: int = 256  # residual width
+    `vocab_size` and `max_len` may be None, "not known yet", in a config that an application completes from its data
+    (as jaxpe.train does from its task); building a model from such a config is an error (`check_filled`).
+    """
+
+    vocab_size: int | None = None  # token ids are 0..vocab_size-1; None: not known yet, filled from the data
+    d_model: int = 256  # width of the residual stream
     num_layers: int = 4  # Transformer blocks
     num_heads: int = 4  # query heads
     num_kv_heads: int | None = None  # key/value heads (GQA); None means num_heads (MHA), 1 is MQA
     mlp_dim: int | None = None  # MLP hidden width; None means 4·d_model
-    max_len: int = 512  # rows of fixed position tables and the default CoPE npos − 1; also the generation limit
+    max_len: int | None = 512  # position-table rows, default CoPE npos − 1, generation limit; None: from the data
     dropout: float = 0.1  # dropout on embeddings, attention output and MLP output
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
     prenorm: bool = True  # pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)), the paper's counting runs)
     mlp: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True  # output logits through the token embedding matrix
     pe: str = "rope"  # encoding name from the registry (jaxpe.PE_NAMES)
-    pe_options: Any = ()  # that encoding's config fields, e.g. {"npos": 64}
+    pe_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()  # that encoding's config fields, e.g. {"npos": 64}
     dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
 
@@ -46,6 +51,8 @@ class ModelConfig:
             object.__setattr__(self, "pe_options", tuple(sorted(self.pe_options.items())))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
             value = getattr(self, name)
+            if value is None and name in UNFILLED:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.d_model % self.num_heads:
@@ -59,6 +66,14 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         check_impl(self.impl)
         self.pe_config  # validates the encoding name and its options
+
+    def check_filled(self) -> None:
+        """ValueError naming the fields still None (not known yet): a model needs them all."""
+        missing = [name for name in UNFILLED if getattr(self, name) is None]
+        if missing:
+            unset = ", ".join(f"{name}=None" for name in missing)
+            raise ValueError(f"ModelConfig {unset}: fill them in before building a model, "
+                             f"e.g. dataclasses.replace(config, {missing[0]}=...)")
 
     @property
     def pe_config(self) -> PEConfig:
@@ -135,6 +150,7 @@ class TransformerLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False) -> jax.Array:
         c = self.config
+        c.check_filled()
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be an int array [B, L], got shape={tuple(tokens.shape)} dtype={tokens.dtype}")
         b, length = tokens.shape

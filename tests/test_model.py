@@ -1,5 +1,7 @@
 """Model-level properties for every encoding: causality, GQA = MHA with repeated heads, prefill + decode = full forward,
 jit/vmap/grad, pmap over 8 simulated devices, bf16 tolerance, and the paper-size config through jax.eval_shape."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -225,3 +227,15 @@ def test_model_config_errors():
         model.init(jax.random.PRNGKey(0), jnp.zeros((1, 30), jnp.int32))
     with pytest.raises(TypeError, match="tokens must be an int array"):
         jaxpe.TransformerLM(tiny("rope")).init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
+
+
+def test_vocab_size_and_max_len_may_wait_for_the_data():
+    """An application's config may leave vocab_size and max_len None (jaxpe.train fills them from its task); a model
+    built from it is an error naming them, and the filled config builds."""
+    unfilled = tiny("cope", vocab_size=None, max_len=None)
+    with pytest.raises(ValueError, match=r"ModelConfig vocab_size=None, max_len=None: fill them in"):
+        jaxpe.TransformerLM(unfilled).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    filled = dataclasses.replace(unfilled, vocab_size=VOCAB, max_len=24)
+    assert filled == tiny("cope") and jaxpe.ModelConfig(VOCAB).max_len == 512
+    with pytest.raises(ValueError, match="max_len=0 must be a positive int"):
+        tiny("rope", max_len=0)
