@@ -113,7 +113,7 @@ def _tpu_hosts() -> int:
 def _gce_tpu_workers() -> int:
     """Workers of this Cloud TPU VM's slice by jax's own GceTpuCluster (a private API: 0 where it is missing)."""
     try:
-        from jax._src.clusters import GceTpuCluster
+        from jax._src.clusters import GceTpuCluster  # a private module that may move: imported only when needed
     except ImportError:
         return 0
     if not GceTpuCluster.is_env_present():  # False at once off a TPU VM

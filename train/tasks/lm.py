@@ -142,7 +142,7 @@ def _file_documents(config: LMConfig) -> tuple[Documents, str]:
 def _hf_documents(config: LMConfig) -> tuple[Documents, str]:
     """Documents of a Hugging Face dataset by split, and the fingerprint."""
     try:
-        import datasets
+        import datasets  # an optional extra (jaxpe[hf]), needed only for hf: sources
     except ImportError:
         raise ImportError(f"source={config.source!r} needs the Hugging Face `datasets` package: "
                           "pip install 'jaxpe[hf]' (or pip install datasets)") from None
