@@ -165,7 +165,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxpe-compare: {error}", file=sys.stderr)
         return 1
     seeds = ",".join(map(str, args.seeds))
-    print(f"\n{comparison['task']}: {comparison['metric']} (%, lower is better), mean ± std over seeds {seeds}\n")
+    label = evaluate.metric_label(comparison["metric"])
+    print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
     print(comparison["table"], end="")
     _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
     return 0

@@ -7,12 +7,15 @@ Metrics (lower is better for all three):
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import pathlib
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +114,11 @@ def metric_scale(metric: str) -> float:
     return 100.0 if metric in PERCENT_METRICS else 1.0
 
 
+def metric_label(metric: str) -> str:
+    """The metric's name with the unit it is shown in: "token_error (%)", "bits_per_byte"."""
+    return f"{metric} (%)" if metric in PERCENT_METRICS else metric
+
+
 def format_metric(split: Mapping[str, float], metric: str, digits: int) -> tuple[str, str] | None:
     """(mean, " ± std" or "") of `metric` in one split's summary, scaled and rounded for display; None if absent."""
     if metric not in split:
@@ -124,8 +132,7 @@ def results_markdown(
     rows: Sequence[Mapping[str, Any]], *, metric: str, splits: Sequence[str], label_keys: Sequence[str]
 ) -> str:
     """A Markdown table: one row per run, columns label_keys then `metric` (error rates in %) per split."""
-    unit = " (%)" if metric in PERCENT_METRICS else ""
-    header = [*label_keys, *(f"{s} {metric}{unit}" for s in splits)]
+    header = [*label_keys, *(f"{s} {metric_label(metric)}" for s in splits)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [str(row[k]) for k in label_keys]
@@ -138,11 +145,6 @@ def results_markdown(
 
 def environment() -> dict[str, Any]:
     """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
-    import datetime
-    import platform
-
-    import flax
-
     device = jax.devices()[0]
     return {
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "device_count": jax.device_count(),

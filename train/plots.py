@@ -1,4 +1,4 @@
-"""Plot helpers for the CLI and the notebooks: loss curves, result bars, position curves, labelled heatmap
+"""Plot helpers for the CLI and the notebooks: a run's summary, result bars, position curves, labelled heatmap
 panels (gates, positions, tables; N panels, R rows, C columns) and benchmark curves.
 
 Figures are built with `matplotlib.figure.Figure` and rendered by the Agg canvas, so nothing
@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from jaxpe.train.evaluate import metric_label, metric_scale
 
 
 def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:
@@ -35,21 +37,6 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
-def loss_curves(
-    curves: Mapping[str, Sequence[Mapping[str, Any]]], path: str | pathlib.Path | None = None, *, key: str = "loss"
-) -> Figure:
-    """Training `key` against step, one line per label; curves: label -> metrics records."""
-    fig, (ax,) = _figure(6, 4)
-    for label, records in curves.items():
-        train = [r for r in records if r.get("split") == "train"]
-        ax.plot([r["step"] for r in train], [r[key] for r in train], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train {key}")
-    ax.set_yscale("log")
-    ax.legend()
-    return _save(fig, path)
-
-
 def result_bars(
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -62,13 +49,13 @@ def result_bars(
     fig, (ax,) = _figure(max(6.0, 1.2 * len(splits) * max(len(rows), 1) / 2), 4)
     width = 0.8 / max(len(rows), 1)
     x = np.arange(len(splits))
-    scale = 1.0 if metric == "bits_per_byte" else 100.0
+    scale = metric_scale(metric)
     for i, row in enumerate(rows):
         values = [scale * row["splits"].get(s, {}).get(metric, np.nan) for s in splits]
         errors = [scale * row["splits"].get(s, {}).get(f"{metric}_std", 0.0) for s in splits]
         ax.bar(x + (i - (len(rows) - 1) / 2) * width, values, width, yerr=errors, label=str(row[label_key]), capsize=3)
     ax.set_xticks(x, list(splits))
-    ax.set_ylabel(metric + ("" if metric == "bits_per_byte" else " (%)"))
+    ax.set_ylabel(metric_label(metric))
     ax.legend()
     return _save(fig, path)
 
@@ -83,9 +70,8 @@ def run_summary(metrics_path: str | pathlib.Path, result: Mapping[str, Any], pat
     left.set_ylabel("train loss")
     left.set_yscale("log")
     metric, splits = result["metric"], list(result["splits"])
-    scale = 1.0 if metric == "bits_per_byte" else 100.0
-    right.bar(splits, [scale * result["splits"][s][metric] for s in splits])
-    right.set_ylabel(metric + ("" if metric == "bits_per_byte" else " (%)"))
+    right.bar(splits, [metric_scale(metric) * result["splits"][s][metric] for s in splits])
+    right.set_ylabel(metric_label(metric))
     fig.suptitle(f"{result['task']} / {result['pe']} / seed {result['seed']}")
     return _save(fig, path)
 
