@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxpe
 from jaxpe.train.config import (
     ModelConfig,
     OptimConfig,
@@ -24,7 +25,7 @@ from jaxpe.train.config import (
     preset_names,
     to_dict,
 )
-from jaxpe.train.loop import Trainer, build_model
+from jaxpe.train.loop import Trainer, build_model, build_task, longest_length
 
 PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "train" / "presets"
 
@@ -74,10 +75,35 @@ def test_malformed_override_and_invalid_values():
 
 
 def test_unknown_task_option_names_the_key():
-    from jaxpe.train.loop import build_task
-
     with pytest.raises(ValueError, match="nvarz"):
         build_task(build_config(task="counting", overrides=["task.nvarz=3"]))
+
+
+def test_model_is_jaxpe_model_config_filled_in_from_the_task():
+    """TrainConfig.model is jaxpe's own ModelConfig; vocab_size and max_len stay None until the task fills them."""
+    config = build_config(task="flipflop", overrides=["task.seq_len=16", "model.d_model=16", "model.num_heads=2"])
+    assert type(config.model) is jaxpe.ModelConfig and ModelConfig is jaxpe.ModelConfig
+    assert config.model.vocab_size is None and config.model.max_len is None
+    task = build_task(config)
+    filled = build_model(config.model, task.vocab_size, longest_length(task)).config
+    assert (filled.vocab_size, filled.max_len) == (task.vocab_size, longest_length(task))
+    assert dataclasses.replace(filled, vocab_size=None, max_len=None) == config.model
+    set_model = build_config(config=config, overrides=["model.vocab_size=64", "model.max_len=40"]).model
+    assert (build_model(set_model, task.vocab_size, 16).config.vocab_size, set_model.max_len) == (64, 40)
+    with pytest.raises(ValueError, match="model.vocab_size=2 is smaller than the task's vocab_size="):
+        build_model(dataclasses.replace(config.model, vocab_size=2), task.vocab_size, 16)
+
+
+def test_overrides_are_set_together_and_checked_by_the_model_config():
+    """One list of overrides (or one preset) is applied at once: 256 % 3 != 0 on the way to d_model=48 is no error;
+    an invalid result is jaxpe.ModelConfig's error."""
+    config = build_config(overrides=["model.num_heads=3", "model.d_model=48"])
+    assert (config.model.num_heads, config.model.d_model) == (3, 48)
+    assert from_dict(to_dict(config)) == config
+    with pytest.raises(ValueError, match="d_model=256 must be a multiple of num_heads=3"):
+        build_config(overrides=["model.num_heads=3"])
+    with pytest.raises(ValueError, match="unknown option 'npoz' for pe='cope'"):
+        build_config(pe="cope", overrides=["model.pe_options.npoz=3"])
 
 
 def test_presets_apply_in_order():

@@ -1,11 +1,14 @@
 """The training entry point's one nested config, presets and `key=value` overrides.
 
-`TrainConfig{task, model, optim, run}` is a tree of frozen dataclasses. It is built from the
-defaults (or a run's saved `config.json`), then a preset (a name from the package's `presets/`,
-or a path to a JSON file), then `--task`/`--pe`, then `key=value` overrides such as
-`model.num_layers=2`, `task.nvars=3` or `model.pe_options.npos=32`. Every override is parsed
-against the field's type; an unknown key or a value of the wrong type raises ValueError naming
-the key. `format_config` prints a resolved config with the comment of every field.
+`TrainConfig{task, model, optim, run}` is a tree of frozen dataclasses; `model` is jaxpe's own
+`ModelConfig`, its vocabulary size and maximum length left None for the trainer to take from the
+task. It is built from the defaults (or a run's saved `config.json`), then a preset (a name from
+the package's `presets/`, or a path to a JSON file), then `--task`/`--pe`, then `key=value`
+overrides such as `model.num_layers=2`, `task.nvars=3` or `model.pe_options.npos=32`. Every
+override is parsed against the field's type; an unknown key or a value of the wrong type raises
+ValueError naming the key. The values of one step (a preset, a list of overrides) are set
+together, so that checks across fields (d_model against num_heads) see them all.
+`format_config` prints a resolved config with the comment of every field.
 """
 from __future__ import annotations
 
@@ -25,32 +28,16 @@ from collections.abc import Mapping, Sequence
 from importlib.resources.abc import Traversable
 from typing import Any
 
+from jaxpe.model import ModelConfig
+from jaxpe.registry import pe_config
+from jaxpe.train.tasks import task_config_class
+from jaxpe.train.tasks.base import config_from_options
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     name: str = "flipflop"  # a jaxpe.train.tasks registry name (counting, flipflop, selective_copy, lm)
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # make_task(name, **options)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """jaxpe.ModelConfig without vocab_size (the task's) and with max_len derivable."""
-
-    d_model: int = 256  # width of the residual stream
-    num_layers: int = 4  # transformer blocks
-    num_heads: int = 4  # query heads
-    num_kv_heads: int | None = None  # key/value heads (GQA); None = num_heads
-    mlp_dim: int | None = None  # hidden width of the MLP; None = 4 * d_model
-    max_len: int | None = None  # size of fixed position tables; None = the longest evaluation split
-    dropout: float = 0.1  # dropout rate (train only)
-    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
-    prenorm: bool = True  # pre-norm blocks (False = post-norm, the CoPE paper's setting)
-    mlp: str = "gelu"  # "gelu" | "swiglu"
-    tie_embeddings: bool = True  # output projection = input embedding transposed
-    pe: str = "rope"  # positional encoding, a jaxpe.PE_NAMES entry
-    pe_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # that encoding's config fields
-    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (params stay float32)
-    impl: str = "auto"  # CoPE/Co-RoPE attention implementation: auto, reference, blockwise, pallas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +86,8 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)  # which data
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # which network
+    # which network: jaxpe.ModelConfig; vocab_size and max_len None = the task's vocabulary and longest sequence
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(max_len=None))
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)  # how to fit it
     run: RunConfig = dataclasses.field(default_factory=RunConfig)  # how long, how often, where
 
@@ -185,29 +173,38 @@ def build_config(
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """Applies `section.field=value` strings; ValueError names a bad key or value."""
+    """Applies `section.field=value` strings (last wins), all together; ValueError names a bad key or value."""
+    tree: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. model.num_layers=2)")
-        config = _set(config, key.strip().split("."), text.strip(), key.strip(), parse=True)
-    return config
+        *sections, name = key.strip().split(".")
+        node = tree
+        for section in sections:
+            if not isinstance(node.get(section), dict):
+                node[section] = {}
+            node = node[section]
+        node[name] = text.strip()
+    return _apply(config, tree, "", parse=True)
 
 
-def apply_dict(config: TrainConfig, values: Mapping[str, Any], prefix: str = "") -> TrainConfig:
-    """Applies a nested dict of already-typed values (a preset); ValueError names a bad key."""
-    for name, value in values.items():
-        key = f"{prefix}{name}"
-        if isinstance(value, Mapping) and not _is_mapping_field(config, key.split(".")):
-            config = apply_dict(config, value, prefix=f"{key}.")
-        else:
-            config = _set(config, key.split("."), value, key, parse=False)
-    return config
+def apply_dict(config: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
+    """Applies a nested dict of already-typed values (a preset, a saved config); ValueError names a bad key."""
+    return _apply(config, values, "", parse=False)
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """A JSON-serialisable dict of a config tree."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=list))
+    """A JSON-serialisable dict of a config tree (mapping fields as dicts, whatever they are stored as)."""
+    hints = typing.get_type_hints(type(config))
+    tree = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            tree[field.name] = to_dict(value)
+        else:
+            tree[field.name] = dict(value) if _is_mapping(hints[field.name]) else value
+    return json.loads(json.dumps(tree, default=list))
 
 
 def from_dict(data: Mapping[str, Any]) -> TrainConfig:
@@ -259,10 +256,6 @@ def format_config(config: TrainConfig) -> str:
     The task's options and the encoding's options are listed in full (their config classes' defaults filled in),
     so a typo in them is a ValueError here too.
     """
-    from jaxpe.registry import pe_config  # the model library's encodings
-    from jaxpe.train.tasks import task_config_class
-    from jaxpe.train.tasks.base import config_from_options
-
     sections = field_comments(TrainConfig)
     lines: list[str | tuple[str, str]] = []  # a section heading, or (key=value, comment)
     for section in dataclasses.fields(config):
@@ -275,7 +268,7 @@ def format_config(config: TrainConfig) -> str:
                 options = config_from_options(task_config_class(node.name), node.name, value)
                 lines += _option_lines(section.name, options, f"{node.name} option")
             elif isinstance(node, ModelConfig) and field.name == "pe_options":
-                lines += _option_lines(key, pe_config(node.pe, **value), f"{node.pe} option")
+                lines += _option_lines(key, pe_config(node.pe, **dict(value)), f"{node.pe} option")
             else:
                 lines.append((f"{key}={_override_text(value)}", comments.get(field.name, "")))
     width = max(len(line[0]) for line in lines if isinstance(line, tuple))
@@ -308,52 +301,57 @@ def _option_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=list)
 
 
-def _is_mapping_field(config: Any, path: list[str]) -> bool:
-    node = config
-    for name in path:
-        if not dataclasses.is_dataclass(node):
-            return False
-        if name not in {f.name for f in dataclasses.fields(node)}:
-            # task.<option> is a task option, a leaf
-            return False
-        node = getattr(node, name)
-    return isinstance(node, Mapping)
+def _apply(node: Any, values: Mapping[str, Any], prefix: str, *, parse: bool) -> Any:
+    """A copy of the dataclass `node` with `values` set: {field: value, section: {...}, mapping field: {...}}.
 
-
-def _set(node: Any, path: list[str], value: Any, key: str, *, parse: bool) -> Any:
-    """Returns a copy of the dataclass `node` with the field at `path` set to `value`."""
-    if isinstance(node, TaskConfig) and path[0] not in ("name", "options"):
-        path = ["options", *path]  # task.nvars=3 is task.options.nvars=3
-    name, rest = path[0], path[1:]
-    fields = {f.name: f for f in dataclasses.fields(node)}
-    if name not in fields:
-        raise ValueError(f"unknown config key {key!r}: {name!r} is not one of {sorted(fields)}")
-    hint = typing.get_type_hints(type(node))[name]
-    current = getattr(node, name)
-    if dataclasses.is_dataclass(current):
-        if not rest:
-            raise ValueError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=...")
-        return dataclasses.replace(node, **{name: _set(current, rest, value, key, parse=parse)})
-    if isinstance(current, Mapping):
-        if not rest:
+    Each dataclass is replaced once, with all its new values, so that its checks across fields see them together.
+    `parse`: the leaves are override text (parsed against the field's type), else typed values (checked).
+    """
+    shorthand = {k: v for k, v in values.items() if k not in ("name", "options")}
+    if isinstance(node, TaskConfig) and shorthand:  # task.nvars=3 is task.options.nvars=3
+        given = values.get("options", {})
+        values = {**{k: v for k, v in values.items() if k not in shorthand},
+                  "options": {**given, **shorthand} if isinstance(given, Mapping) else given}
+    fields = {f.name for f in dataclasses.fields(node)}
+    hints = typing.get_type_hints(type(node))
+    changes = {}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ValueError(f"unknown config key {key!r}: {name!r} is not one of {sorted(fields)}")
+        current = getattr(node, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=...")
+            changes[name] = _apply(current, value, f"{key}.", parse=parse)
+        elif _is_mapping(hints[name]):
             if not isinstance(value, Mapping):
                 raise ValueError(f"config key {key!r} needs a mapping, got {value!r}")
-            return dataclasses.replace(node, **{name: {**current, **value}})
-        return dataclasses.replace(node, **{name: _set_in_mapping(current, rest, value, parse=parse)})
-    if rest:
-        raise ValueError(f"unknown config key {key!r}: {name!r} has no field {'.'.join(rest)!r}")
-    typed = _parse(key, value, hint) if parse else _check(key, value, hint)
-    return dataclasses.replace(node, **{name: typed})
+            changes[name] = _merged(dict(current), value) if parse else {**dict(current), **value}
+        elif isinstance(value, Mapping) and value:
+            rest = _first_key(value)
+            raise ValueError(f"unknown config key {f'{key}.{rest}'!r}: {name!r} has no field {rest!r}")
+        else:
+            changes[name] = _parse(key, value, hints[name]) if parse else _check(key, value, hints[name])
+    return dataclasses.replace(node, **changes)
 
 
-def _set_in_mapping(mapping: Mapping[str, Any], path: list[str], value: Any, *, parse: bool) -> dict[str, Any]:
-    name, rest = path[0], path[1:]
+def _merged(mapping: dict[str, Any], texts: Mapping[str, Any]) -> dict[str, Any]:
+    """`mapping` with override texts set at their (nested) keys, each read as a JSON literal."""
     out = dict(mapping)
-    if rest:
-        out[name] = _set_in_mapping(out.get(name, {}), rest, value, parse=parse)
-    else:
-        out[name] = _parse_literal(value) if parse else value
+    for name, text in texts.items():
+        if isinstance(text, Mapping):
+            inner = out.get(name)
+            out[name] = _merged(dict(inner) if isinstance(inner, Mapping) else {}, text)
+        else:
+            out[name] = _parse_literal(text)
     return out
+
+
+def _first_key(tree: Mapping[str, Any]) -> str:
+    """The dotted key of the first leaf of a nested dict."""
+    name, value = next(iter(tree.items()))
+    return f"{name}.{_first_key(value)}" if isinstance(value, Mapping) and value else name
 
 
 def _parse_literal(text: str) -> Any:
@@ -404,6 +402,11 @@ def _check(key: str, value: Any, hint: Any) -> Any:
         if kind in options and type(value) is kind:
             return value
     raise ValueError(f"config key {key!r}: {value!r} is not {_describe(hint)}")
+
+
+def _is_mapping(hint: Any) -> bool:
+    """Whether a field annotated `hint` holds a mapping (set key by key: task.options, model.pe_options)."""
+    return Mapping in _options(hint)
 
 
 def _options(hint: Any) -> set[Any]:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpe.model import TransformerLM
 from jaxpe.train import distributed, evaluate, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import ModelConfig, OptimConfig, TrainConfig, from_dict, to_dict
@@ -108,14 +109,14 @@ def make_train_step(
     return train_step
 
 
-def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> Any:
-    """jaxpe.TransformerLM for this config (max_len filled in when None)."""
-    import jaxpe  # the model library; imported here so train's mechanics load without it
-
-    fields = dataclasses.asdict(model)
-    fields["pe_options"] = dict(model.pe_options)
-    fields["max_len"] = model.max_len or max_len
-    return jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=vocab_size, **fields))
+def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
+    """jaxpe.TransformerLM for `model`, its vocab_size and max_len filled in where None (the task's vocabulary and
+    longest sequence); a vocab_size that is set must hold the task's `vocab_size` tokens."""
+    if model.vocab_size is not None and model.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the task's {vocab_size=}; "
+                         "leave it unset (none) to take the task's")
+    return TransformerLM(dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size,
+                                             max_len=model.max_len or max_len))
 
 
 def build_task(config: TrainConfig) -> Any:
@@ -460,12 +461,16 @@ def compare_encodings(
 
 
 def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, Any] | None:
-    """result.json of a run in run_dir that finished with exactly `config`, else None."""
+    """result.json of a run in run_dir that finished with `config` (its saved config read back equals it), else None."""
     path = run_dir / "result.json"
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    return result if result.get("config") == to_dict(config) else None
+    try:
+        saved = from_dict(result["config"])
+    except (KeyError, ValueError):
+        return None
+    return result if saved == config else None
 
 
 def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
