@@ -11,7 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 import jaxpe
-from jaxpe.train import cli, distributed, loop
+from jaxpe.train import cli, distributed, experiments, loop
 from jaxpe.train.config import preset_names
 from jaxpe.train.tasks import TASK_NAMES
 
@@ -82,8 +82,8 @@ def test_show_config_prints_every_key_and_runs_nothing(monkeypatch, tmp_path, ca
     def forbidden(*args, **kwargs):
         raise AssertionError("--show-config must not start anything")
 
-    monkeypatch.setattr(loop, "train_and_evaluate", forbidden)
-    monkeypatch.setattr(loop, "compare_encodings", forbidden)
+    monkeypatch.setattr(experiments, "train_and_evaluate", forbidden)
+    monkeypatch.setattr(experiments, "compare_encodings", forbidden)
     monkeypatch.setattr(distributed, "initialize", forbidden)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:

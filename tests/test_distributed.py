@@ -5,7 +5,7 @@ import logging
 import jax
 import pytest
 
-from jaxpe.train import cli, distributed, loop
+from jaxpe.train import cli, distributed, experiments, loop
 
 VARIABLES = (
     "JAXPE_COORDINATOR", "JAXPE_NUM_PROCESSES", "JAXPE_PROCESS_ID",
@@ -126,7 +126,7 @@ def test_cli_flags_reach_jax(monkeypatch, calls, tmp_path):
     def stop(config, workdir):
         raise loop.NonFiniteLossError("stopped by the test")
 
-    monkeypatch.setattr(loop, "train_and_evaluate", stop)
+    monkeypatch.setattr(experiments, "train_and_evaluate", stop)
     assert cli.train_main(["--workdir", str(tmp_path), "--coordinator", "10.0.0.1:1234", "--num-processes", "2",
                            "--process-id", "1"]) == 1
     assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]

@@ -25,7 +25,7 @@ from jaxpe.train.config import (
     preset_names,
     to_dict,
 )
-from jaxpe.train.loop import Trainer, build_model, build_task, longest_length
+from jaxpe.train.trainer import Trainer, build_model, build_task, longest_length
 
 PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "train" / "presets"
 

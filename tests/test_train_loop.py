@@ -1,4 +1,4 @@
-"""jaxpe.train.loop / jaxpe.train.evaluate / jaxpe.train.checkpoint: the step's maths against NumPy, data parallelism,
+"""jaxpe.train.step / loop / experiments / evaluate / checkpoint: the step's maths against NumPy, data parallelism,
 end-to-end smoke run, NaN stop, corrupt-checkpoint fallback."""
 import json
 import logging
@@ -17,18 +17,11 @@ import pytest
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.cli import compare_main, eval_main
 from jaxpe.train.config import OptimConfig, build_config
-from jaxpe.train.evaluate import batch_sums, metrics_from_sums
-from jaxpe.train.loop import (
-    NonFiniteLossError,
-    Trainer,
-    TrainState,
-    build_model,
-    build_task,
-    make_optimizer,
-    make_train_step,
-    train_and_evaluate,
-    weighted_loss,
-)
+from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
+from jaxpe.train.experiments import train_and_evaluate
+from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
+from jaxpe.train.trainer import Trainer, build_model, build_task
 
 # A tiny real jaxpe model on short flip-flop sequences: compiles in seconds on a CPU.
 TINY = [
@@ -58,7 +51,8 @@ def test_weighted_loss_matches_numpy(key):
     targets = np.array(jax.random.randint(jax.random.fold_in(key, 1), (3, 5), 0, 7), np.int32)
     weights = np.array(jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (3, 5)), np.float32)
     loss = weighted_loss(lambda params, inputs, k: params)
-    total, (correct, count) = loss(logits, {"inputs": targets, "targets": targets, "weights": weights}, key)
+    total, sums = loss(logits, {"inputs": targets, "targets": targets, "weights": weights}, key)
+    correct, count = sums["weight"] - sums["wrong"], sums["weight"]
     lp = np_log_softmax(np.asarray(logits, np.float64))
     nll = -np.take_along_axis(lp, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(total, (nll * weights).sum(), rtol=1e-5)
@@ -72,7 +66,7 @@ def test_eval_sums_and_metrics_match_numpy(key):
     targets[0] = logits[0].argmax(-1)  # row 0 entirely right
     weights = np.zeros((4, 6), np.float32)
     weights[0, 2:] = weights[1, 3] = weights[2, :] = 1.0  # row 3 is padding (no weight)
-    m = metrics_from_sums(jax.tree.map(float, batch_sums(jnp.asarray(logits), targets, weights)))
+    m = metrics_from_sums(jax.tree.map(float, compute_metrics(jnp.asarray(logits), targets, weights)))
     wrong = (logits.argmax(-1) != targets) & (weights > 0)
     nll = -np.take_along_axis(np_log_softmax(logits.astype(np.float64)), targets[..., None], -1)[..., 0]
     assert m["sequences"] == 3
@@ -123,7 +117,7 @@ def test_train_step_accumulation_equals_full_batch(key):
         new, metrics = jax.jit(make_train_step(weighted_loss(logits_fn), tx, accum))(state, data)
         chex.assert_trees_all_close(new.params, expected, rtol=1e-5, atol=1e-6)
         assert int(new.step) == 1 and not np.array_equal(new.rng, key)
-        np.testing.assert_allclose(metrics["loss"] / metrics["count"], mean_loss(params), rtol=1e-5)
+        np.testing.assert_allclose(metrics["nll"] / metrics["weight"], mean_loss(params), rtol=1e-5)
         assert int(metrics["nonfinite"]) == 0
 
 

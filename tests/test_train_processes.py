@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpe.train.config import build_config
-from jaxpe.train.loop import train_and_evaluate
+from jaxpe.train.experiments import train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"

@@ -3,6 +3,10 @@
     from jaxpe.train import build_config, train_and_evaluate
     config = build_config(preset="cpu-small", task="flipflop", pe="cope", overrides=["run.steps=200"])
     result = train_and_evaluate(config, "runs/ff-cope")
+
+Modules: config (TrainConfig, whose `model` is jaxpe.ModelConfig), step (train state, loss, train_step), trainer
+(jit and sharding), loop (the loop and its hooks), experiments (train_and_evaluate, restore_run, evaluate_checkpoint,
+compare_encodings), evaluate (metrics and how they are shown), checkpoint, distributed, tasks, plots, report, cli.
 """
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (
@@ -19,23 +23,17 @@ from jaxpe.train.config import (
     preset_names,
 )
 from jaxpe.train.distributed import initialize, make_mesh
-from jaxpe.train.evaluate import METRICS, metrics_from_sums
+from jaxpe.train.evaluate import METRICS, compute_metrics, metrics_from_sums
 from jaxpe.train.tasks import TASK_NAMES, make_task
-from jaxpe.train.loop import (
-    NonFiniteLossError,
-    Trainer,
-    TrainState,
-    compare_encodings,
-    evaluate_checkpoint,
-    make_optimizer,
-    make_train_step,
-    train_and_evaluate,
-    weighted_loss,
-)
+from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
+from jaxpe.train.trainer import Trainer, build_model, build_task
+from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.experiments import Run, compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 
 __all__ = [
-    "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "RunConfig", "TaskConfig",
-    "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "compare_encodings",
-    "evaluate_checkpoint", "format_config", "initialize", "load_config", "load_preset", "make_mesh", "make_optimizer",
-    "make_task", "make_train_step", "metrics_from_sums", "preset_names", "train_and_evaluate", "weighted_loss",
+    "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "Run", "RunConfig", "TaskConfig",
+    "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "build_model", "build_task",
+    "compare_encodings", "compute_metrics", "evaluate_checkpoint", "format_config", "initialize", "load_config",
+    "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step", "metrics_from_sums", "preset_names",
+    "restore_run", "train_and_evaluate", "weighted_loss",
 ]

@@ -6,7 +6,7 @@
   jaxpe-eval --workdir runs/ff
   jaxpe-compare --task flipflop --pe cope,rope,learned --seeds 0,1 --preset cpu-small --workdir runs/cmp
 
-Each parses its flags and calls one function of jaxpe.train.loop. A workdir that already holds
+Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes. Multi-host: see jaxpe.train.distributed.initialize (TPU pods, Slurm, Open MPI
 and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly).
@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import jax
 
 from jaxpe import PE_NAMES
-from jaxpe.train import distributed, evaluate, loop
+from jaxpe.train import distributed, evaluate, experiments
 from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
+from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.tasks import TASK_NAMES
 
 PRECEDENCE = ("config precedence, later wins: the defaults (or the saved run of --config), --preset, --task and --pe "
@@ -122,8 +123,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     [config] = _resolve(parser, args, [args.pe])
     _start(args)
     try:
-        result = loop.train_and_evaluate(config, args.workdir)
-    except loop.NonFiniteLossError as error:
+        result = experiments.train_and_evaluate(config, args.workdir)
+    except NonFiniteLossError as error:
         print(f"jaxpe-train: {error}", file=sys.stderr)
         return 1
     print(evaluate.results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
@@ -142,7 +143,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _start(args)
     try:
-        result = loop.evaluate_checkpoint(args.workdir, step=args.step)
+        result = experiments.evaluate_checkpoint(args.workdir, step=args.step)
     except ValueError as error:
         parser.error(str(error))
     print(result["table"], end="")
@@ -160,8 +161,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     configs = _resolve(parser, args, args.pe)
     _start(args)
     try:
-        comparison = loop.compare_encodings(configs, args.seeds, args.workdir)
-    except loop.NonFiniteLossError as error:
+        comparison = experiments.compare_encodings(configs, args.seeds, args.workdir)
+    except NonFiniteLossError as error:
         print(f"jaxpe-compare: {error}", file=sys.stderr)
         return 1
     seeds = ",".join(map(str, args.seeds))

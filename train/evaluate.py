@@ -1,5 +1,7 @@
 """Evaluation: per-split sums on device, the task's metric on the host, JSON and Markdown.
 
+`compute_metrics` is the one definition of what is counted, for training (jaxpe.train.step) and evaluation alike;
+`metrics_from_sums` turns the sums into metrics, `metric_scale`/`metric_label` are the one rule for showing them.
 Metrics (lower is better for all three):
 - `seq_error`: fraction of sequences with any weighted token predicted wrong (counting);
 - `token_error`: fraction of weighted tokens predicted wrong (flip-flop reads, copied tokens);
@@ -26,10 +28,12 @@ METRICS = ("seq_error", "token_error", "bits_per_byte")
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, inputs [B, L]) -> logits [B, L, V]
 
 
-def batch_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> dict[str, jax.Array]:
-    """Sums over a batch: logits [B, L, V], targets [B, L] int, weights [B, L] float.
+def compute_metrics(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> dict[str, jax.Array]:
+    """Float32 sums over a batch: logits [B, L, V], targets [B, L] int, weights [B, L] float.
 
-    Rows whose weights are all zero (padding) count nowhere.
+    nll: weighted negative log-likelihood (the training loss), wrong: weight of wrong argmax predictions, weight:
+    total weight, seq_wrong: rows with any weighted token wrong, seqs: rows with weight. Rows whose weights are all
+    zero (padding) count nowhere. Sums add across micro-batches, steps and devices; see metrics_from_sums.
     """
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)  # [B, L]
     wrong = (jnp.argmax(logits, axis=-1) != targets) & (weights > 0)  # [B, L]
@@ -38,17 +42,17 @@ def batch_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> dic
         "nll": jnp.sum(nll * weights),
         "wrong": jnp.sum(wrong * weights),
         "weight": jnp.sum(weights),
-        "seq_wrong": jnp.sum(jnp.any(wrong, axis=-1) & row_used),
-        "seqs": jnp.sum(row_used),
+        "seq_wrong": jnp.sum(jnp.any(wrong, axis=-1) & row_used, dtype=jnp.float32),
+        "seqs": jnp.sum(row_used, dtype=jnp.float32),
     }
 
 
 def make_eval_step(logits_fn: LogitsFn) -> Callable[[Any, Mapping[str, jax.Array]], dict[str, jax.Array]]:
-    """eval_step(params, batch) -> batch_sums (not jitted; the caller jits with its shardings)."""
+    """eval_step(params, batch) -> compute_metrics sums (not jitted; the caller jits with its shardings)."""
 
     def eval_step(params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         logits = logits_fn(params, batch["inputs"])
-        return batch_sums(logits, batch["targets"], batch["weights"])
+        return compute_metrics(logits, batch["targets"], batch["weights"])
 
     return eval_step
 

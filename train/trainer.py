@@ -1,0 +1,112 @@
+"""The Trainer: one model on one mesh, its jitted train and eval steps with their shardings and its initial state;
+and the model and task that a TrainConfig names, with what the model leaves to the data filled in from the task.
+
+B batch, L length, V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpe.model import ModelConfig, TransformerLM
+from jaxpe.train import distributed, evaluate
+from jaxpe.train.config import TrainConfig
+from jaxpe.train.step import Batch, Metrics, StepFn, TrainState, make_optimizer, make_train_step, weighted_loss
+from jaxpe.train.tasks import Task, make_task
+
+
+def build_task(config: TrainConfig) -> Task:
+    """The jaxpe.train.tasks Task named in config.task."""
+    return make_task(config.task.name, **config.task.options)
+
+
+def longest_length(task: Task) -> int:
+    """The longest sequence the model will see (training or any evaluation split)."""
+    return max([task.seq_len, *(s.inputs.shape[1] for s in task.eval_splits().values())])
+
+
+def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
+    """jaxpe.TransformerLM for `model`, its vocab_size and max_len filled in where None (the task's vocabulary and
+    longest sequence); a vocab_size that is set must hold the task's `vocab_size` tokens."""
+    if model.vocab_size is not None and model.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the task's {vocab_size=}; "
+                         "leave it unset (none) to take the task's")
+    return TransformerLM(dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size,
+                                             max_len=model.max_len or max_len))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The jitted step functions, shardings and initial state for one model on one mesh."""
+
+    model: Any  # a flax linen module: apply({"params": p}, tokens [B, L], deterministic=, rngs=) -> [B, L, V]
+    config: TrainConfig
+    seq_len: int  # training length L (for init)
+    mesh: jax.sharding.Mesh = dataclasses.field(init=False)
+    state_sharding: Any = dataclasses.field(init=False)
+    train_step: StepFn = dataclasses.field(init=False)
+    eval_step: Callable[[Any, Batch], Metrics] = dataclasses.field(init=False)
+    init_state: Callable[[], TrainState] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        config, model = self.config, self.model
+        self.mesh = distributed.make_mesh(config.run.num_devices)
+        distributed.check_batch_size(config.optim.batch_size, self.mesh)
+        distributed.check_batch_size(config.optim.batch_size // config.optim.grad_accum, self.mesh,
+                                     "optim.batch_size / optim.grad_accum")
+        distributed.check_batch_size(config.run.eval_batch_size, self.mesh, "run.eval_batch_size")
+        tx = make_optimizer(config.optim, config.run.steps)
+
+        def logits_train(params: Any, inputs: jax.Array, key: jax.Array) -> jax.Array:
+            return model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": key})
+
+        def logits_eval(params: Any, inputs: jax.Array) -> jax.Array:
+            return model.apply({"params": params}, inputs, deterministic=True)
+
+        def init() -> TrainState:
+            root = jax.random.PRNGKey(config.run.seed)
+            tokens = jnp.zeros((1, self.seq_len), jnp.int32)
+            params = model.init(jax.random.fold_in(root, 0), tokens)["params"]
+            return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                              rng=jax.random.fold_in(root, 1))
+
+        self.state_sharding = distributed.state_shardings(jax.eval_shape(init), self.mesh, fsdp=config.run.fsdp)
+        replicated = distributed.replicated(self.mesh)
+        batch_sharding = distributed.batch_sharding(self.mesh)
+        self.init_state = jax.jit(init, out_shardings=self.state_sharding)
+        self.train_step = jax.jit(
+            make_train_step(weighted_loss(logits_train), tx, config.optim.grad_accum),
+            in_shardings=(self.state_sharding, batch_sharding),
+            out_shardings=(self.state_sharding, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            evaluate.make_eval_step(logits_eval),
+            in_shardings=(self.state_sharding.params, batch_sharding),
+            out_shardings=replicated,
+        )
+
+    def abstract_state(self) -> Any:
+        """ShapeDtypeStructs (with shardings) of the state, for restoring."""
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            jax.eval_shape(self.init_state),
+            self.state_sharding,
+        )
+
+    def put(self, batch: Batch) -> dict[str, jax.Array]:
+        return distributed.put_batch(batch, self.mesh)
+
+    def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+        """Metrics per split (see jaxpe.train.evaluate)."""
+        return {
+            name: evaluate.evaluate_split(
+                self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
+                put_batch=self.put, to_host=distributed.to_host,
+            )
+            for name, split in splits.items()
+        }
