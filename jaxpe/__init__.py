@@ -9,6 +9,7 @@ from jaxpe import learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_
 from jaxpe.alibi import alibi_bias, alibi_slopes
 from jaxpe.amspe import AMSPE
 from jaxpe.attention import Attention
+from jaxpe.attention_core import AttentionContext, AttentionCore
 from jaxpe.cope import cope_attention, cope_positions
 from jaxpe.corope import corope_attention, corope_mileage
 from jaxpe.model import ModelConfig, TransformerLM, generate, init_cache
@@ -19,7 +20,7 @@ from jaxpe.sinusoidal import sinusoidal_table
 PE_NAMES = pe_names()
 
 __all__ = [
-    "AMSPE", "Attention", "ModelConfig", "PEConfig", "PE_NAMES", "TransformerLM", "alibi_bias", "alibi_slopes",
-    "apply_rope", "cope_attention", "cope_positions", "corope_attention", "corope_mileage", "generate", "init_cache",
-    "pe_config", "pe_names", "register", "sinusoidal_table",
+    "AMSPE", "Attention", "AttentionContext", "AttentionCore", "ModelConfig", "PEConfig", "PE_NAMES", "TransformerLM",
+    "alibi_bias", "alibi_slopes", "apply_rope", "cope_attention", "cope_positions", "corope_attention",
+    "corope_mileage", "generate", "init_cache", "pe_config", "pe_names", "register", "sinusoidal_table",
 ]

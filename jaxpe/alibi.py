@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
 
@@ -33,10 +34,9 @@ def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int) -> jax.Array:
 class ALiBiCore(nn.Module):
     """Causal softmax attention with the ALiBi bias."""
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
-        bias = alibi_bias(q_pos, k.shape[1], q.shape[2])
-        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=mask, bias=bias)
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        bias = alibi_bias(ctx.q_pos, k.shape[1], q.shape[2])
+        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, bias=bias)
 
 
 @register("alibi")

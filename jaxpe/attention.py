@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig
 
@@ -60,6 +61,7 @@ class Attention(nn.Module):
                 index_var.value = index + length
         core = self.pe.core(layer_index=self.layer_index, head_dim=self.head_dim, max_len=self.max_len,
                             impl=self.impl).clone(parent=self, name="pe")
-        out = core(q, k, v, x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)  # [B, Lq, Hq, D]
+        ctx = AttentionContext(x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)
+        out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
         out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out")(out)
         return nn.Dropout(self.dropout)(out, deterministic=deterministic)

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels._common import interpolate
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
@@ -103,9 +104,9 @@ class CoPECore(nn.Module):
     impl: str = "auto"
 
     @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
+        pos_emb = ctx.pos_emb
         if pos_emb is None:
             shape = (hq, self.npos, d) if self.per_head else (self.npos, d)
             pos_emb = self.param("pos_emb", nn.initializers.normal(0.02), shape)
@@ -113,18 +114,18 @@ class CoPECore(nn.Module):
         if self.gates == "values":
             gate_k = v
         elif self.gates == "sep_keys":
-            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key")(x)
-            if decode:
-                gate_k = update_cache(self, "gate_keys", gate_k, q_pos[0, 0])
+            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key")(ctx.x)
+            if ctx.decode:
+                gate_k = update_cache(self, "gate_keys", gate_k, ctx.q_pos[0, 0])
         pos_emb = pos_emb.astype(q.dtype)
         sm_scale = d ** -0.5
-        if mask is None and not self.add_relative:
+        if ctx.mask is None and not self.add_relative:
             return cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, impl=self.impl)
         extra = None
         if self.add_relative:
             table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, d))
-            extra = relative_logits(q, table, q_pos, k.shape[1])
-        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask,
+            extra = relative_logits(q, table, ctx.q_pos, k.shape[1])
+        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.mask,
                                         extra_logits=extra)
 
 

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.kernels._common import interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
@@ -45,26 +46,25 @@ class GatedCoPECore(nn.Module):
     theta: float = 10000.0
 
     @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
-        gates = jax.nn.sigmoid(nn.Dense(hq, kernel_init=nn.initializers.normal(0.02), name="gate")(x)
+        gates = jax.nn.sigmoid(nn.Dense(hq, kernel_init=nn.initializers.normal(0.02), name="gate")(ctx.x)
                                .astype(jnp.float32))  # [B, Lq, H]
         steps = jnp.cumsum(gates, axis=1)
-        index = q_pos[0, 0]
-        if decode and self.has_variable("cache", "gate_positions"):
+        index = ctx.q_pos[0, 0]
+        if ctx.decode and self.has_variable("cache", "gate_positions"):
             cached = self.get_variable("cache", "gate_positions")  # [B, S, H]
             prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
             steps = steps + jnp.where(index > 0, prev, 0.0)[:, None]
-        key_positions = update_cache(self, "gate_positions", steps, index) if decode else steps
+        key_positions = update_cache(self, "gate_positions", steps, index) if ctx.decode else steps
         table = self.param("pos_table", nn.initializers.normal(0.02), (self.max_pos, d))
         q_proj = nn.DenseGeneral(d, use_bias=False, kernel_init=nn.initializers.normal(0.02), dtype=q.dtype,
                                  name="pos_query")(q)
         bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
         if self.rope:
-            q = apply_rope(q, q_pos, theta=self.theta)
+            q = apply_rope(q, ctx.q_pos, theta=self.theta)
             k = apply_rope(k, jnp.arange(k.shape[1]), theta=self.theta)
-        return attend(q, k, v, sm_scale=d ** -0.5, mask=mask, bias=bias)
+        return attend(q, k, v, sm_scale=d ** -0.5, mask=ctx.mask, bias=bias)
 
 
 @register("cope_gated")

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels._common import rotary_frequencies
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
@@ -106,11 +107,10 @@ class CoRoPECore(nn.Module):
     theta: float = 10000.0
     impl: str = "auto"
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
-        if mask is None:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        if ctx.mask is None:
             return corope_attention(q, k, v, theta=self.theta, impl=self.impl)
-        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5, mask=mask)
+        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
 
 
 @register("corope")

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxpe.amspe import AMSPE as LinenAMSPE
 from jaxpe.attention import Attention as LinenAttention
+from jaxpe.attention_core import AttentionContext
 from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
 from jaxpe.model import generate as linen_generate
@@ -87,21 +88,23 @@ class LinenLayer(nnx.Module):
             var[...] = jnp.asarray(value, var[...].dtype)
 
     def _init_cache(self, *sample: Any, **sample_kwargs: Any) -> None:
-        """Zero the cache for inputs shaped like `sample` (shapes from jax.eval_shape; nothing is computed)."""
-        shapes = jax.eval_shape(lambda: self.linen.init(jax.random.key(0), *sample, decode=True, **sample_kwargs))
+        """Zero the cache for a decoding call on inputs shaped like `sample` (shapes from jax.eval_shape; nothing is
+        computed)."""
+        shapes = jax.eval_shape(lambda: self.linen.init(jax.random.key(0), *sample, **sample_kwargs))
         self.cache = _variables(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("cache", {})),
                                 nnx.Cache)
 
-    def _apply(self, *args: Any, decode: bool = False, dropout: bool = False, **kwargs: Any) -> Any:
-        """Call the linen module; `decode` reads and updates the cache, `dropout` draws a key from `rngs.dropout`."""
+    def _apply(self, *args: Any, cache: bool = False, dropout: bool = False, **kwargs: Any) -> Any:
+        """Call the linen module; `cache` reads and updates the cache (a decoding call), `dropout` draws a key from
+        `rngs.dropout`."""
         variables = {"params": self.linen_params()}
         rngs = {"dropout": self.rngs.dropout()} if dropout else {}
-        if not decode:
+        if not cache:
             return self.linen.apply(variables, *args, rngs=rngs, **kwargs)
         if self.cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch_size, length) first")
         variables["cache"] = _values(self.cache)
-        out, updated = self.linen.apply(variables, *args, decode=True, rngs=rngs, mutable=["cache"], **kwargs)
+        out, updated = self.linen.apply(variables, *args, rngs=rngs, mutable=["cache"], **kwargs)
         for var, value in zip(jax.tree.leaves(self.cache, is_leaf=_is_variable), jax.tree.leaves(updated["cache"])):
             var[...] = value
         return out
@@ -146,14 +149,14 @@ class TransformerLM(_DropoutLayer):
 
     def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False) -> jax.Array:
         deterministic = self._deterministic(deterministic)
-        return self._apply(tokens, deterministic=deterministic, decode=decode, dropout=not deterministic)
+        return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
         _check_cache_size(batch_size, length)
         if length > self.config.max_len:
             raise ValueError(f"{length=} exceeds max_len={self.config.max_len}")
-        self._init_cache(jnp.zeros((batch_size, length), jnp.int32))
+        self._init_cache(jnp.zeros((batch_size, length), jnp.int32), decode=True)
 
 
 class Attention(_DropoutLayer):
@@ -186,13 +189,14 @@ class Attention(_DropoutLayer):
             raise ValueError(f"pos_emb is None, but pe={self.linen.pe} shares one table "
                              f"{self.shared_table_shape} across layers: pass it")
         deterministic = self._deterministic(deterministic)
-        return self._apply(x, deterministic=deterministic, decode=decode, dropout=not deterministic, pos_emb=pos_emb)
+        return self._apply(x, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic,
+                           pos_emb=pos_emb)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the key/value cache for `batch_size` sequences of up to `length` tokens."""
         _check_cache_size(batch_size, length)
         x, kwargs = self._sample(batch_size, length)
-        self._init_cache(x, **kwargs)
+        self._init_cache(x, decode=True, **kwargs)
 
 
 class AMSPE(LinenLayer):
@@ -219,39 +223,38 @@ class PositionEmbedding(LinenLayer):
 
 
 class AttentionCore(LinenLayer):
-    """An encoding's attention core, built by `core`: (q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D]) -> [B, Lq, Hq, D].
+    """An encoding's attention core, built by `core`: (q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D], ctx) -> [B, Lq, Hq, D].
 
-    Called as its linen twin (see jaxpe.registry): `x` [B, Lq, d_model] the layer input, `q_pos` [B, Lq] int32,
-    `mask` None (causal, Lq == Lk) or [B, Lq, Lk] bool, `pos_emb` a table shared by all layers or None; encodings that
-    cache while decoding (CoPE "sep_keys", the gate-network CoPE) need `init_cache` before `decode=True`.
+    Called as its linen twin (`jaxpe.attention_core.AttentionCore`), `ctx` a `jaxpe.attention_core.AttentionContext`;
+    encodings that cache while decoding (CoPE "sep_keys", the gate-network CoPE) need `init_cache` before a call with
+    `ctx.decode`.
     """
 
     def __init__(self, module: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int,
                  shared_table_shape: tuple[int, ...] | None, rngs: nnx.Rngs) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.d_model = num_heads, num_kv_heads, head_dim, d_model
         self.shared_table_shape = shared_table_shape
-        args, kwargs = self._sample(1, 1)
-        super().__init__(module, *args, rngs=rngs, **kwargs)
+        super().__init__(module, *self._sample(1, 1, decode=False), rngs=rngs)
 
-    def _sample(self, batch_size: int, length: int) -> tuple[tuple[jax.Array, ...], dict[str, Any]]:
+    def _sample(self, batch_size: int, length: int, *, decode: bool) -> tuple[Any, ...]:
+        """Zero inputs (q, k, v, ctx) for `batch_size` sequences of `length` tokens."""
         q = jnp.zeros((batch_size, length, self.num_heads, self.head_dim))
         kv = jnp.zeros((batch_size, length, self.num_kv_heads, self.head_dim))
         pos_emb = None if self.shared_table_shape is None else jnp.zeros(self.shared_table_shape)
-        return (q, kv, kv), dict(x=jnp.zeros((batch_size, length, self.d_model)), mask=None, pos_emb=pos_emb,
-                                 q_pos=jnp.zeros((batch_size, length), jnp.int32))
+        ctx = AttentionContext(x=jnp.zeros((batch_size, length, self.d_model)), decode=decode, pos_emb=pos_emb,
+                               q_pos=jnp.zeros((batch_size, length), jnp.int32))
+        return q, kv, kv, ctx
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
-        if pos_emb is None and self.shared_table_shape is not None:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        if ctx.pos_emb is None and self.shared_table_shape is not None:
             raise ValueError(f"pos_emb is None, but the encoding shares one table {self.shared_table_shape} "
                              f"across layers: pass it")
-        return self._apply(q, k, v, x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)
+        return self._apply(q, k, v, ctx, cache=ctx.decode)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the encoding's own decoding cache (if it has one) for `length` keys."""
         _check_cache_size(batch_size, length)
-        args, kwargs = self._sample(batch_size, length)
-        self._init_cache(*args, **kwargs)
+        self._init_cache(*self._sample(batch_size, length, decode=True))
 
 
 def embedding(pe: PEConfig, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:

@@ -2,11 +2,8 @@
 
 An encoding acts in one of two places:
 - on token embeddings (`embedding` returns a module called as `module(x, positions)`, x [B, L, d_model]);
-- inside attention (`core` returns a module called as
-  `core(q, k, v, *, x, q_pos, mask, decode, pos_emb)` -> [B, Lq, Hq, D], with q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D],
-  x [B, Lq, d_model] the layer input, q_pos [B, Lq] int32 absolute query positions, mask None for causal full-sequence
-  attention (Lq == Lk, the fast path) or [B, Lq, Lk] bool while decoding with a cache, and pos_emb a table shared by
-  all layers or None).
+- inside attention (`core` returns a linen module answering `jaxpe.attention_core.AttentionCore`:
+  `core(q, k, v, ctx)` -> [B, Lq, Hq, D], q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], ctx an `AttentionContext`).
 Adding an encoding is one file plus one `@register` line.
 """
 from __future__ import annotations
@@ -15,9 +12,8 @@ import dataclasses
 from typing import Any, Callable, ClassVar, TypeVar
 
 import flax.linen as nn
-import jax
 
-from jaxpe.softmax_attention import attend
+from jaxpe.attention_core import PlainCore
 
 _REGISTRY: dict[str, type["PEConfig"]] = {}
 C = TypeVar("C", bound=type["PEConfig"])
@@ -34,7 +30,7 @@ class PEConfig:
         return None
 
     def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        """The attention core of layer `layer_index` (plain softmax attention unless overridden)."""
+        """The attention core (an `AttentionCore`) of layer `layer_index`; plain softmax attention unless overridden."""
         return PlainCore()
 
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:
@@ -71,14 +67,6 @@ def pe_config(name: str, **options: Any) -> PEConfig:
             raise ValueError(f"unknown option {option!r} for pe={name!r}; valid options: {sorted(fields)}")
     return cls(**options)
 
-
-class PlainCore(nn.Module):
-    """Causal softmax attention with no positional term."""
-
-    @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
-        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=mask)
 
 
 @register("none")

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
 from jaxpe.validation import check_npos
@@ -31,12 +32,11 @@ class RelativeCore(nn.Module):
     npos: int
 
     @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, q.shape[-1]))
         sm_scale = q.shape[-1] ** -0.5
-        bias = sm_scale * relative_logits(q, table, q_pos, k.shape[1])
-        return attend(q, k, v, sm_scale=sm_scale, mask=mask, bias=bias)
+        bias = sm_scale * relative_logits(q, table, ctx.q_pos, k.shape[1])
+        return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias)
 
 
 @register("relative")

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpe.attention_core import AttentionContext
 from jaxpe.kernels._common import rotary_frequencies
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
@@ -42,11 +43,10 @@ class RoPECore(nn.Module):
 
     theta: float = 10000.0
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, x: jax.Array, q_pos: jax.Array,
-                 mask: jax.Array | None, decode: bool = False, pos_emb: jax.Array | None = None) -> jax.Array:
-        q = apply_rope(q, q_pos, theta=self.theta)
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        q = apply_rope(q, ctx.q_pos, theta=self.theta)
         k = apply_rope(k, jnp.arange(k.shape[1]), theta=self.theta)
-        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=mask)
+        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
 
 
 @register("rope")

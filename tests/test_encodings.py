@@ -60,10 +60,10 @@ def run_core(name: str, options: dict, q: np.ndarray, k: np.ndarray, v: np.ndarr
     b, length, _, d = q.shape
     core = jaxpe.pe_config(name, **options).core(layer_index=0, head_dim=d, max_len=length, impl="reference")
     q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-    shapes = jax.eval_shape(core.init, jax.random.PRNGKey(0), *args, x=jnp.asarray(x), q_pos=q_pos, mask=None)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jaxpe.AttentionContext(x=jnp.asarray(x), q_pos=q_pos))
+    shapes = jax.eval_shape(core.init, jax.random.PRNGKey(0), *args)
     params = randomized(shapes.get("params", {}), rng)
-    out = jax.jit(core.apply)({"params": params}, *args, x=jnp.asarray(x), q_pos=q_pos, mask=None)
+    out = jax.jit(core.apply)({"params": params}, *args)
     return np.asarray(out), jax.tree.map(f64, params)
 
 

@@ -222,12 +222,11 @@ def test_encoding_modules_equal_linen(pe):
     core = jaxpe.nnx.core(pe_config, num_heads=4, num_kv_heads=2, head_dim=8, d_model=32, max_len=16,
                           rngs=nnx.Rngs(0))
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, L, h, 8)) for i, h in ((2, 4), (3, 2), (4, 2)))
-    q_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    out = core(q, k, v, x=x, q_pos=q_pos, mask=None)
+    ctx = jaxpe.AttentionContext(x=x, q_pos=jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+    out = core(q, k, v, ctx)
     chex.assert_shape(out, (B, L, 4, 8))
     linen_core = pe_config.core(layer_index=0, head_dim=8, max_len=16, impl="auto")
-    np.testing.assert_array_equal(out, linen_core.apply({"params": core.linen_params()}, q, k, v, x=x, q_pos=q_pos,
-                                                        mask=None))
+    np.testing.assert_array_equal(out, linen_core.apply({"params": core.linen_params()}, q, k, v, ctx))
 
 
 def test_core_decode_with_its_own_cache_equals_full_forward():
@@ -237,14 +236,14 @@ def test_core_decode_with_its_own_cache_equals_full_forward():
     x = jax.random.normal(jax.random.PRNGKey(1), (B, L, 16))
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, L, 2, 8)) for i in (2, 3, 4))
     q_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    full = core(q, k, v, x=x, q_pos=q_pos, mask=None)
+    full = core(q, k, v, jaxpe.AttentionContext(x=x, q_pos=q_pos))
     core.init_cache(B, L)
     assert core.cache["gate_keys"][...].shape == (B, L, 2, 8)
     steps = []
     for start, stop in ((0, 5), *((i, i + 1) for i in range(5, L))):
         mask = jnp.arange(L)[None, None, :] <= q_pos[:, start:stop, None]  # [B, Lq, S]
-        steps.append(core(q[:, start:stop], k, v, x=x[:, start:stop], q_pos=q_pos[:, start:stop], mask=mask,
-                          decode=True))
+        ctx = jaxpe.AttentionContext(x=x[:, start:stop], q_pos=q_pos[:, start:stop], mask=mask, decode=True)
+        steps.append(core(q[:, start:stop], k, v, ctx))
     chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
 
 
