@@ -5,7 +5,7 @@ Shapes: B batch, L length, H heads (Hq query, Hkv key/value), D head dim.
 """
 # Imported in registry order (SPEC §2): none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated,
 # cope_rope, corope.
-from jaxpe import learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated, corope  # noqa: F401,I001
+from jaxpe import none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated, corope  # noqa: F401,I001
 from jaxpe.alibi import alibi_bias, alibi_slopes
 from jaxpe.amspe import AMSPE
 from jaxpe.attention import Attention

@@ -67,9 +67,3 @@ def pe_config(name: str, **options: Any) -> PEConfig:
             raise ValueError(f"unknown option {option!r} for pe={name!r}; valid options: {sorted(fields)}")
     return cls(**options)
 
-
-
-@register("none")
-@dataclasses.dataclass(frozen=True)
-class NoPEConfig(PEConfig):
-    """No positional information beyond the causal mask."""
