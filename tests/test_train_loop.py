@@ -16,9 +16,9 @@ import pytest
 
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.cli import compare_main, eval_main
-from jaxpe.train.config import OptimConfig, build_config
+from jaxpe.train.config import OptimConfig, build_config, to_dict
 from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
-from jaxpe.train.experiments import train_and_evaluate
+from jaxpe.train.experiments import check_same_run, train_and_evaluate
 from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.trainer import Trainer, build_model, build_task
@@ -251,6 +251,19 @@ def test_resuming_with_another_config_is_refused(tmp_path):
     fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
     assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 32
     assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {"name": "rope", "theta": 10000.0}
+
+
+def test_a_workdir_saved_before_new_config_fields_still_resumes(tmp_path):
+    """A config.json written before a field existed (here model.vocab_size, run.tensorboard) reads back with the
+    field's default: no difference for the workdir guard; a real difference still is one."""
+    config = tiny("run.checkpoint_every=4")
+    saved = to_dict(config)
+    del saved["model"]["vocab_size"], saved["run"]["tensorboard"]
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_same_run(tmp_path, config)
+    with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):
+        check_same_run(tmp_path, tiny("run.checkpoint_every=4", "model.d_model=32"))
 
 
 def test_bfloat16_compute_trains_like_float32(tmp_path):

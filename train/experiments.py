@@ -118,13 +118,14 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
     """ValueError when `config` would resume a checkpoint in `workdir` whose run (config.json) differs from it in
     anything but RESUMABLE_RUN_FIELDS: that would mix two experiments in one set of checkpoints and metrics.
-    Without a checkpoint to resume, the run starts afresh and replaces what is there."""
+    Without a checkpoint to resume, the run starts afresh and replaces what is there. The saved config is read back
+    first, so that a field added since it was written (with its default) is no difference."""
     path, saved_steps = workdir / "config.json", workdir / "checkpoints"
     resumes = config.run.checkpoint_every and saved_steps.is_dir() and any(
         p.name.isdigit() for p in saved_steps.iterdir())
     if not (resumes and path.is_file()):
         return
-    saved, new = _flat(json.loads(path.read_text())), _flat(to_dict(config))
+    saved, new = _flat(to_dict(load_config(path))), _flat(to_dict(config))
     allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
     changed = sorted(k for k in saved.keys() | new.keys() if k not in allowed and saved.get(k) != new.get(k))
     if changed:
