@@ -44,5 +44,5 @@ class ALiBiCore(nn.Module):
 class ALiBiConfig(PEConfig):
     """Attention with linear biases (no parameters)."""
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         return ALiBiCore()

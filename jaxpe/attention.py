@@ -28,7 +28,6 @@ class Attention(nn.Module):
     num_kv_heads: int
     head_dim: int
     pe: PEConfig
-    layer_index: int = 0
     max_len: int = 512
     dropout: float = 0.0
     impl: str = "auto"
@@ -59,8 +58,7 @@ class Attention(nn.Module):
                 q_pos = q_pos + index
                 mask = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, Lq, S]
                 index_var.value = index + length
-        core = self.pe.core(layer_index=self.layer_index, head_dim=self.head_dim, max_len=self.max_len,
-                            impl=self.impl).clone(parent=self, name="pe")
+        core = self.pe.core(head_dim=self.head_dim, max_len=self.max_len, impl=self.impl).clone(parent=self, name="pe")
         ctx = AttentionContext(x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)
         out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
         out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out")(out)

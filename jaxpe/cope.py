@@ -139,8 +139,8 @@ class CoPEConfig(PEConfig):
     per_head: bool = False  # one table per head [Hq, npos, D] instead of one shared by the heads [npos, D]
     shared_table: bool = False  # one table shared by all layers (owned by the model)
     add_relative: bool = False  # "cope+rel": add learned relative position logits
-    every: int = 1  # CoPE on layers 0, every, 2·every, ...; the other layers use `other_layers`
-    other_layers: str = "none"  # encoding name of the layers without CoPE
+    every: int = 1  # older form of ModelConfig.layer_pe (which it maps to): CoPE on layers 0, every, 2·every, ...
+    other_layers: str = "none"  # with `every`: encoding name of the layers without CoPE
 
     def __post_init__(self) -> None:
         if self.npos is not None:
@@ -156,10 +156,7 @@ class CoPEConfig(PEConfig):
     def _npos(self, max_len: int) -> int:
         return self.npos if self.npos is not None else max_len + 1
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        if layer_index % self.every:
-            return pe_config(self.other_layers).core(layer_index=layer_index, head_dim=head_dim, max_len=max_len,
-                                                     impl=impl)
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         return CoPECore(npos=self._npos(max_len), gates=self.gates, per_head=self.per_head,
                         add_relative=self.add_relative, impl=impl)
 

@@ -78,7 +78,7 @@ class GatedCoPEConfig(PEConfig):
         if self.max_pos is not None:
             check_npos(self.max_pos, "max_pos")
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         return GatedCoPECore(max_pos=self.max_pos or max_len + 1)
 
 
@@ -89,6 +89,6 @@ class GatedCoPERoPEConfig(GatedCoPEConfig):
 
     theta: float = 10000.0  # RoPE base
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
         return GatedCoPECore(max_pos=self.max_pos or max_len + 1, rope=True, theta=self.theta)

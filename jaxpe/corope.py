@@ -120,6 +120,6 @@ class CoRoPEConfig(PEConfig):
 
     theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
         return CoRoPECore(theta=self.theta, impl=impl)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention import Attention
-from jaxpe.registry import PEConfig, pe_config
+from jaxpe.cope import CoPEConfig
+from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.validation import check_impl
 
 NORMS = ("layernorm", "rmsnorm")
@@ -24,6 +25,13 @@ UNFILLED = ("vocab_size", "max_len")  # fields that may wait as None until the d
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of TransformerLM. `pe_options` may be given as a dict; it is stored as sorted pairs.
+
+    Which encoding each layer's attention uses is a per-layer pattern, `layer_pe`, cycled over the layers as gemma's
+    `attention_types`: ("cope", "none") puts CoPE on layers 0, 2, 4, ... and no positions on the others. The pattern
+    must name `pe`, which takes `pe_options` (and owns a table shared by all layers, CoPE's `shared_table`); the other
+    names take their defaults. Additive encodings act on the token embeddings whatever the pattern. Older configs
+    gave the pattern as CoPE's `every`/`other_layers` options; they still work and mean
+    `layer_pe=("cope",) + (other_layers,) * (every − 1)`.
 
     `vocab_size` and `max_len` may be None, "not known yet", in a config that an application completes from its data
     (as jaxpe.train does from its task); building a model from such a config is an error (`check_filled`).
@@ -43,12 +51,15 @@ class ModelConfig:
     tie_embeddings: bool = True  # output logits through the token embedding matrix
     pe: str = "rope"  # encoding name from the registry (jaxpe.PE_NAMES)
     pe_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()  # that encoding's config fields, e.g. {"npos": 64}
+    layer_pe: tuple[str, ...] = ()  # encoding of each layer's attention, cycled, e.g. ("cope", "none"); () = pe in all
     dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
 
     def __post_init__(self) -> None:
         if isinstance(self.pe_options, Mapping):
             object.__setattr__(self, "pe_options", tuple(sorted(self.pe_options.items())))
+        if isinstance(self.layer_pe, list):
+            object.__setattr__(self, "layer_pe", tuple(self.layer_pe))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
             value = getattr(self, name)
             if value is None and name in UNFILLED:
@@ -66,6 +77,23 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         check_impl(self.impl)
         self.pe_config  # validates the encoding name and its options
+        self._check_layer_pe()
+
+    def _check_layer_pe(self) -> None:
+        """ValueError unless `layer_pe` is () or registered names including `pe`, given once (not also as `every`)."""
+        if not isinstance(self.layer_pe, tuple) or not all(isinstance(name, str) for name in self.layer_pe):
+            raise ValueError(f"layer_pe={self.layer_pe!r} must be a tuple of encoding names")
+        if not self.layer_pe:
+            return
+        unknown = [name for name in self.layer_pe if name not in pe_names()]
+        if unknown:
+            raise ValueError(f"layer_pe={self.layer_pe!r}: unknown encoding(s) {unknown}; choose from {pe_names()}")
+        if self.pe not in self.layer_pe:
+            raise ValueError(f"layer_pe={self.layer_pe!r} must name pe={self.pe!r} (its layers take pe_options)")
+        pe = self.pe_config
+        if isinstance(pe, CoPEConfig) and pe.every != 1:
+            raise ValueError(f"layer_pe={self.layer_pe!r} and CoPE's every={pe.every} both give the per-layer "
+                             "pattern; give layer_pe only")
 
     def check_filled(self) -> None:
         """ValueError naming the fields still None (not known yet): a model needs them all."""
@@ -79,6 +107,21 @@ class ModelConfig:
     def pe_config(self) -> PEConfig:
         """The encoding's config object."""
         return pe_config(self.pe, **dict(self.pe_options))
+
+    @property
+    def layer_pattern(self) -> tuple[str, ...]:
+        """The encoding names cycled over the layers: `layer_pe`, else CoPE's `every`/`other_layers`, else (pe,)."""
+        if self.layer_pe:
+            return self.layer_pe
+        pe = self.pe_config
+        if isinstance(pe, CoPEConfig):
+            return (self.pe,) + (pe.other_layers,) * (pe.every - 1)
+        return (self.pe,)
+
+    def layer_pe_config(self, index: int) -> PEConfig:
+        """The encoding config of layer `index`'s attention: `pe` with `pe_options`, another name with its defaults."""
+        name = self.layer_pattern[index % len(self.layer_pattern)]
+        return self.pe_config if name == self.pe else pe_config(name)
 
     @property
     def kv_heads(self) -> int:
@@ -126,8 +169,8 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool, decode: bool,
                  pos_emb: jax.Array | None) -> jax.Array:
         c = self.config
-        attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim, pe=c.pe_config,
-                         layer_index=self.layer_index, max_len=c.max_len, dropout=c.dropout, impl=c.impl,
+        attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
+                         pe=c.layer_pe_config(self.layer_index), max_len=c.max_len, dropout=c.dropout, impl=c.impl,
                          dtype=c.compute_dtype, name="attn")
         mlp = MLP(c, name="mlp")
         norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")

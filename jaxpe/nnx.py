@@ -167,13 +167,13 @@ class Attention(_DropoutLayer):
     """
 
     def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig,
-                 layer_index: int = 0, max_len: int = 512, dropout: float = 0.0, impl: str = "auto",
-                 dtype: Any = jnp.float32, rngs: nnx.Rngs, deterministic: bool = False) -> None:
+                 max_len: int = 512, dropout: float = 0.0, impl: str = "auto", dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs, deterministic: bool = False) -> None:
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"{d_model=} must be a positive int")
         _check_pe(pe)
         module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
-                                layer_index=layer_index, max_len=max_len, dropout=dropout, impl=impl, dtype=dtype)
+                                max_len=max_len, dropout=dropout, impl=impl, dtype=dtype)
         self.d_model = d_model
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)
@@ -264,11 +264,11 @@ def embedding(pe: PEConfig, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> Po
     return None if module is None else PositionEmbedding(module, d_model=d_model, rngs=rngs)
 
 
-def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, layer_index: int = 0,
-         max_len: int = 512, impl: str = "auto", rngs: nnx.Rngs) -> AttentionCore:
-    """The NNX attention core of encoding `pe` in layer `layer_index` (plain softmax attention for additive ones)."""
+def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, max_len: int = 512,
+         impl: str = "auto", rngs: nnx.Rngs) -> AttentionCore:
+    """The NNX attention core of encoding `pe` (plain softmax attention for additive ones)."""
     _check_pe(pe)
-    module = pe.core(layer_index=layer_index, head_dim=head_dim, max_len=max_len, impl=impl)
+    module = pe.core(head_dim=head_dim, max_len=max_len, impl=impl)
     shared = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
     return AttentionCore(module, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, d_model=d_model,
                          shared_table_shape=shared, rngs=rngs)

@@ -29,8 +29,8 @@ class PEConfig:
         """The module added to token embeddings, or None when the encoding acts in attention."""
         return None
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        """The attention core (an `AttentionCore`) of layer `layer_index`; plain softmax attention unless overridden."""
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        """The attention core (an `AttentionCore`); plain softmax attention unless overridden."""
         return PlainCore()
 
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:

@@ -46,7 +46,7 @@ class RelativeConfig(PEConfig):
 
     npos: int | None = None  # table size; None means max_len + 1
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         npos = self.npos if self.npos is not None else max_len + 1
         check_npos(npos)
         return RelativeCore(npos=npos)

@@ -56,6 +56,6 @@ class RoPEConfig(PEConfig):
 
     theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
 
-    def core(self, *, layer_index: int, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
         return RoPECore(theta=self.theta)

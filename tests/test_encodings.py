@@ -58,7 +58,7 @@ def run_core(name: str, options: dict, q: np.ndarray, k: np.ndarray, v: np.ndarr
              rng: np.random.Generator) -> tuple[np.ndarray, dict]:
     """Build encoding `name`'s attention core through the registry, randomise its params, run it causally."""
     b, length, _, d = q.shape
-    core = jaxpe.pe_config(name, **options).core(layer_index=0, head_dim=d, max_len=length, impl="reference")
+    core = jaxpe.pe_config(name, **options).core(head_dim=d, max_len=length, impl="reference")
     q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jaxpe.AttentionContext(x=jnp.asarray(x), q_pos=q_pos))
     shapes = jax.eval_shape(core.init, jax.random.PRNGKey(0), *args)
@@ -514,7 +514,7 @@ def test_npos_below_two_raises():
     with pytest.raises(ValueError, match="npos=1 must be"):
         jaxpe.pe_config("cope", npos=1)
     with pytest.raises(ValueError, match="npos=1 must be"):
-        jaxpe.pe_config("relative", npos=1).core(layer_index=0, head_dim=4, max_len=8, impl="reference")
+        jaxpe.pe_config("relative", npos=1).core(head_dim=4, max_len=8, impl="reference")
     with pytest.raises(ValueError, match="max_pos=1 must be"):
         jaxpe.pe_config("cope_gated", max_pos=1)
 
@@ -527,7 +527,7 @@ def test_odd_head_dim_raises_for_rotary():
         jaxpe.corope_attention(x, x, x, impl="reference")
     for name in ("rope", "corope", "cope_rope"):
         with pytest.raises(ValueError, match="head dim D=5 must be even"):
-            jaxpe.pe_config(name).core(layer_index=0, head_dim=5, max_len=8, impl="reference")
+            jaxpe.pe_config(name).core(head_dim=5, max_len=8, impl="reference")
 
 
 @pytest.mark.parametrize("attention", ["cope", "corope"])

@@ -86,6 +86,23 @@ def test_cope_option_parameters(key):
     assert shapes({"add_relative": True})["block0"]["attn"]["pe"]["rel_table"] == (25, 8)
 
 
+def test_layer_pattern(key):
+    """layer_pe cycles encodings over the layers (gemma's attention_types); CoPE's older every/other_layers options
+    mean the same pattern: the same parameters, the same logits."""
+    toks = tokens(key)
+    pattern = tiny("cope", num_layers=4, layer_pe=["cope", "relative"], pe_options={"npos": 6})
+    older = tiny("cope", num_layers=4, pe_options={"npos": 6, "every": 2, "other_layers": "relative"})
+    assert pattern.layer_pe == pattern.layer_pattern == older.layer_pattern == ("cope", "relative")
+    assert tiny("rope").layer_pattern == ("rope",)
+    model, params = init(pattern, toks)
+    shapes = jax.tree_util.tree_map(jnp.shape, params)
+    assert shapes == jax.tree_util.tree_map(jnp.shape, init(older, toks)[1])
+    assert shapes["block2"]["attn"]["pe"]["pos_emb"] == (6, 8)
+    assert shapes["block3"]["attn"]["pe"]["rel_table"] == (25, 8)
+    np.testing.assert_array_equal(model.apply({"params": params}, toks),
+                                  jaxpe.TransformerLM(older).apply({"params": params}, toks))
+
+
 def repeat_kv_params(params, groups: int):
     """MHA parameters equivalent to GQA ones: every key/value (and gate-key) head repeated `groups` times."""
     def fix(path, leaf):
@@ -215,6 +232,12 @@ def test_model_config_errors():
         tiny("cope", pe_options={"nops": 3})
     with pytest.raises(ValueError, match="npos=1 must be an int >= 2"):
         tiny("cope", pe_options={"npos": 1})
+    with pytest.raises(ValueError, match=r"layer_pe=\('none',\) must name pe='rope'"):
+        tiny("rope", layer_pe=("none",))
+    with pytest.raises(ValueError, match=r"unknown encoding\(s\) \['cop'\]"):
+        tiny("rope", layer_pe=("rope", "cop"))
+    with pytest.raises(ValueError, match="CoPE's every=2 both give the per-layer pattern"):
+        tiny("cope", layer_pe=("cope", "none"), pe_options={"every": 2})
     with pytest.raises(ValueError, match="norm='batchnorm'"):
         tiny("rope", norm="batchnorm")
     with pytest.raises(ValueError, match="d_model=30 must be a multiple of num_heads=4"):

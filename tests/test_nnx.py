@@ -164,7 +164,7 @@ def test_training_with_nnx_optimizer_under_nnx_jit_reduces_the_loss():
 @pytest.mark.parametrize(("pe", "options"), ENCODINGS, ids=IDS)
 def test_attention_equals_linen(pe, options):
     pe_config = jaxpe.pe_config(pe, **options)
-    fields = dict(num_heads=4, num_kv_heads=2, head_dim=8, pe=pe_config, layer_index=1, max_len=16, dropout=0.5)
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=8, pe=pe_config, max_len=16, dropout=0.5)
     layer = jaxpe.nnx.Attention(32, **fields, rngs=nnx.Rngs(params=0, dropout=1))
     linen = jaxpe.Attention(**fields)
     x = jax.random.normal(jax.random.PRNGKey(1), (B, L, 32))
@@ -225,7 +225,7 @@ def test_encoding_modules_equal_linen(pe):
     ctx = jaxpe.AttentionContext(x=x, q_pos=jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
     out = core(q, k, v, ctx)
     chex.assert_shape(out, (B, L, 4, 8))
-    linen_core = pe_config.core(layer_index=0, head_dim=8, max_len=16, impl="auto")
+    linen_core = pe_config.core(head_dim=8, max_len=16, impl="auto")
     np.testing.assert_array_equal(out, linen_core.apply({"params": core.linen_params()}, q, k, v, ctx))
 
 
