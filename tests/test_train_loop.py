@@ -78,7 +78,7 @@ def test_eval_sums_and_metrics_match_numpy(key):
 def test_schedule_warmup_then_cosine():
     """With a constant gradient, Adam's bias-corrected step is exactly lr(t) per coordinate."""
     optim = OptimConfig(learning_rate=0.1, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0.0, clip_norm=1e9,
-                        eps=0.0)
+                        eps=1e-12)  # eps must be > 0; this small it changes no update beyond the tolerance
     total = 12
     tx = make_optimizer(optim, total)
     params = jnp.zeros(3)
@@ -246,10 +246,12 @@ def test_resuming_with_another_config_is_refused(tmp_path):
             train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=4", override, pe="cope"), tmp_path)
     result = train_and_evaluate(tiny("run.steps=8", "run.checkpoint_every=4", "run.log_every=2"), tmp_path)
     assert result["resumed_from"] == 4
-    # Without a checkpoint there is nothing to resume: another config starts afresh in the same workdir.
+    # Without checkpoints too, a workdir holds one run: another config is refused, the same one starts afresh.
     train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0"), tmp_path / "fresh")
-    fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
-    assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 32
+    with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):
+        train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
+    fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0"), tmp_path / "fresh")
+    assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 16
     assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {"name": "rope", "theta": 10000.0}
 
 

@@ -58,22 +58,26 @@ class Checkpoints:
         )
         return restored["state"], dict(restored["meta"])
 
-    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
-        """(state, meta, problems) from the newest readable checkpoint, or (None, {}, problems).
+    def restore_latest(self, abstract_state: Any, *, quarantine: bool = True, max_step: int | None = None
+                       ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+        """(state, meta, problems) from the newest readable checkpoint (at most `max_step`), or (None, {}, problems).
 
         An unreadable checkpoint (partial or corrupt) is reported in `problems`, logged, moved
         to `<directory>/../corrupt_checkpoints/<step>` (so that the run can save that step
-        again), and the previous one is tried.
+        again; only with `quarantine`, which a reader such as jaxpe-eval leaves off), and the
+        previous one is tried.
         """
         problems: list[dict[str, Any]] = []
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = [s for s in self.manager.all_steps() if max_step is None or s <= max_step]
+        for step in sorted(steps, reverse=True):
             try:
                 return (*self.restore(step, abstract_state), problems)
             except Exception as error:  # noqa: BLE001 -- any failure to read means "use the previous one"
                 message = f"checkpoint at step {step} in {self.directory} is unreadable ({type(error).__name__}: {error})"
                 log.warning("%s; falling back to the previous checkpoint", message)
                 problems.append({"step": step, "error": message})
-                self._quarantine(step)
+                if quarantine:
+                    self._quarantine(step)
         return None, {}, problems
 
     def _quarantine(self, step: int) -> None:

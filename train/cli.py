@@ -14,18 +14,20 @@ $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
 from jaxpe import PE_NAMES
 from jaxpe.train import distributed, evaluate, experiments
 from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
-from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.loop import NonFiniteLossError, TrainingInterrupted
 from jaxpe.train.tasks import TASK_NAMES
+from jaxpe.train.workdir import WorkdirBusyError
 
 PRECEDENCE = ("config precedence, later wins: the defaults (or the saved run of --config), --preset, --task and --pe "
               "(a task or encoding other than the one already set starts from its own default options, then the "
@@ -49,7 +51,12 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
+
+
 def _multihost_flags(parser: argparse.ArgumentParser) -> None:
+    _debug_flag(parser)
     group = parser.add_argument_group("multi-host", "not needed on TPU pods, under Slurm (srun) or Open MPI (mpirun), "
                                       "or with $JAX_COORDINATOR_ADDRESS set: those are detected")
     group.add_argument("--coordinator", help="host:port of process 0 (env JAXPE_COORDINATOR)")
@@ -63,7 +70,14 @@ def _pe_list(text: str) -> list[str]:
     unknown = [p for p in pes if p not in PE_NAMES]
     if not pes or unknown:
         raise argparse.ArgumentTypeError(f"unknown encoding(s) {unknown or text!r}; choose from {', '.join(PE_NAMES)}")
+    _no_repeats(pes, text)
     return pes
+
+
+def _no_repeats(values: Sequence[object], text: str) -> None:
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
 
 
 def _int_list(text: str) -> list[int]:
@@ -74,6 +88,7 @@ def _int_list(text: str) -> list[int]:
         values = []
     if not values:
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 0,1,2")
+    _no_repeats(values, text)
     return values
 
 
@@ -86,6 +101,8 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
                    for pe in pes]
         shown = [format_config(c) for c in configs] if args.show_config else []
     except ValueError as error:
+        if args.debug:
+            raise
         parser.error(str(error))
     if args.show_config:
         for config, text in zip(configs, shown):
@@ -98,8 +115,70 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
 
 
 def _start(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    """jaxpe's INFO lines on stderr, then the multi-host setup. absl installs a root handler when orbax is imported,
+    so a plain basicConfig would do nothing: force=True replaces it. The root level stays WARNING (the libraries'
+    INFO chatter stays off); the jaxpe loggers pass INFO."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("jaxpe").setLevel(logging.INFO)
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (itself, or in its chain of causes), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Callable[[], int]) -> int:
+    """Runs the command; a failure ends in one line on stderr (the traceback only with --debug):
+    a bad config, data or workdir `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or permission
+    problem exit 1; Ctrl-C exit 130."""
+    prog = parser.prog
+    try:
+        return body()
+    except TrainingInterrupted as interrupt:
+        if args.debug:
+            raise
+        print(f"{prog}: interrupted at step {interrupt.step}; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except ValueError as error:
+        if args.debug:
+            raise
+        if _os_error(error) is not None or "No space left on device" in str(error):
+            return _report_os_error(prog, error)
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    except (WorkdirBusyError, NonFiniteLossError) as error:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        if args.debug or _os_error(error) is None and "No space left on device" not in str(error):
+            raise
+        return _report_os_error(prog, error)
+
+
+def _report_os_error(prog: str, error: BaseException) -> int:
+    """One line for a full disk or a permission problem (from orbax or TensorStore as well), naming the path."""
+    os_error = _os_error(error)
+    if os_error is not None:
+        what = os_error.strerror or errno.errorcode.get(os_error.errno or 0, str(os_error))
+        path = os_error.filename or "?"
+        print(f"{prog}: error: {what}: {path}", file=sys.stderr)
+    else:
+        print(f"{prog}: error: no space left on device ({str(error).splitlines()[0][:300]})", file=sys.stderr)
+    return 1
 
 
 def _print_outputs(workdir: str | pathlib.Path, names: Sequence[str]) -> None:
@@ -120,35 +199,40 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser = _config_parser("jaxpe-train", "Train one model on one task (resumes from --workdir's checkpoints).")
     parser.add_argument("--pe", choices=PE_NAMES, metavar="PE", help=f"positional encoding: {', '.join(PE_NAMES)}")
     args = parser.parse_args(argv)
-    [config] = _resolve(parser, args, [args.pe])
-    _start(args)
-    try:
+
+    def body() -> int:
+        [config] = _resolve(parser, args, [args.pe])
+        _start(args)
         result = experiments.train_and_evaluate(config, args.workdir)
-    except NonFiniteLossError as error:
-        print(f"jaxpe-train: {error}", file=sys.stderr)
-        return 1
-    print(evaluate.results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
-                                    label_keys=("task", "pe", "seed")), end="")
-    _print_outputs(args.workdir, RUN_OUTPUTS)
-    return 0
+        print(evaluate.results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
+                                        label_keys=("task", "pe", "seed")), end="")
+        _print_outputs(args.workdir, RUN_OUTPUTS)
+        return 0
+
+    return _guarded(parser, args, body)
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    """jaxpe-eval: evaluates a run's latest (or --step) checkpoint on every split."""
+    """jaxpe-eval: evaluates a run's latest readable (or --step) checkpoint on every split."""
     parser = argparse.ArgumentParser(prog="jaxpe-eval",
                                      description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
     parser.add_argument("--workdir", required=True, help="a jaxpe-train workdir")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest readable one)")
     _multihost_flags(parser)
     args = parser.parse_args(argv)
-    _start(args)
-    try:
+
+    def body() -> int:
+        _start(args)
         result = experiments.evaluate_checkpoint(args.workdir, step=args.step)
-    except ValueError as error:
-        parser.error(str(error))
-    print(result["table"], end="")
-    _print_outputs(args.workdir, ("eval.json", "eval.md"))
-    return 0
+        print(result["table"], end="")
+        if result["unwritten"]:
+            sys.stdout.flush()
+            print(f"jaxpe-eval: {result['unwritten']}", file=sys.stderr)
+        else:
+            _print_outputs(args.workdir, ("eval.json", "eval.md"))
+        return 0
+
+    return _guarded(parser, args, body)
 
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
@@ -158,16 +242,16 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated encodings from: {', '.join(PE_NAMES)} (default: cope,rope,learned)")
     parser.add_argument("--seeds", type=_int_list, default="0", help="comma-separated model seeds (default: 0)")
     args = parser.parse_args(argv)
-    configs = _resolve(parser, args, args.pe)
-    _start(args)
-    try:
+
+    def body() -> int:
+        configs = _resolve(parser, args, args.pe)
+        _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir)
-    except NonFiniteLossError as error:
-        print(f"jaxpe-compare: {error}", file=sys.stderr)
-        return 1
-    seeds = ",".join(map(str, args.seeds))
-    label = evaluate.metric_label(comparison["metric"])
-    print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
-    print(comparison["table"], end="")
-    _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
-    return 0
+        seeds = ",".join(map(str, args.seeds))
+        label = evaluate.metric_label(comparison["metric"])
+        print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
+        print(comparison["table"], end="")
+        _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
+        return 0
+
+    return _guarded(parser, args, body)

@@ -18,6 +18,7 @@ import importlib.resources
 import inspect
 import io
 import json
+import math
 import os
 import pathlib
 import textwrap
@@ -58,6 +59,18 @@ class OptimConfig:
             raise ValueError(f"optim.{self.batch_size=} must be a positive multiple of optim.{self.grad_accum=}")
         if self.warmup_steps < 0 or self.learning_rate < 0 or self.clip_norm <= 0:
             raise ValueError(f"optim: {self.warmup_steps=}, {self.learning_rate=} must be >= 0, {self.clip_norm=} > 0")
+        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"optim.{name}={getattr(self, name)!r} must be a finite number")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1] (a fraction of learning_rate)")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1)")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps!r} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay!r} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,14 +2,16 @@
 
 `train_and_evaluate(config, workdir)` wires task, model, mesh, checkpoints, hooks and evaluation (the CLI and the
 notebooks call it); `restore_run(workdir, step=None)` reads a finished or interrupted run back, for
-`evaluate_checkpoint` and the notebooks alike. A workdir that holds checkpoints belongs to one experiment:
-`check_same_run` refuses to resume it with another config.
+`evaluate_checkpoint` and the notebooks alike. A workdir belongs to one run (jaxpe.train.workdir): a lock is held
+while a run writes there, and `check_same_run` refuses another config. Everything is checked (`validate_config`)
+before anything is written.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,18 +21,16 @@ import jax
 from jaxpe.model import TransformerLM
 from jaxpe.train import distributed, evaluate, plots
 from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.registry import pe_config
 from jaxpe.train.config import TrainConfig, from_dict, load_config, to_dict
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer, build_model, build_task, longest_length
+from jaxpe.train.workdir import (RESUMABLE_RUN_FIELDS, WorkdirLock, check_same_run, check_workdir,  # noqa: F401
+                                 config_differences)
 
 log = logging.getLogger(__name__)
-
-# Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
-RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
-                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard")
-
 
 def train_and_evaluate(
     config: TrainConfig, workdir: str | pathlib.Path, *, task: Task | None = None, model: Any = None
@@ -46,12 +46,46 @@ def train_and_evaluate(
     """
     workdir = pathlib.Path(workdir).absolute()
     is_main = jax.process_index() == 0
+    task = task if task is not None else validate_config(config)
+    model = model if model is not None else build_model(config.model, task.vocab_size, longest_length(task))
     check_same_run(workdir, config)
+    lock = WorkdirLock(workdir) if is_main else None
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
-        evaluate.write_json(workdir / "config.json", to_dict(config))
-    task = task if task is not None else build_task(config)
-    model = model if model is not None else build_model(config.model, task.vocab_size, longest_length(task))
+        lock.acquire()
+    try:
+        check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
+        if is_main:
+            evaluate.write_json(workdir / "config.json", to_dict(config))
+        return _train_and_evaluate(config, workdir, task, model, is_main)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def validate_config(config: TrainConfig) -> Task:
+    """Checks what TrainConfig's own checks cannot see alone (the task's options and data, its splits named in
+    run.eval_splits, the encoding's options, the model against the task); returns the task. ValueError names the key."""
+    task = build_task(config)
+    splits = list(task.eval_splits())
+    unknown = [name for name in config.run.eval_splits if name not in splits]
+    if unknown:
+        raise ValueError(f"run.eval_splits: unknown split(s) {unknown} for task {config.task.name!r}; "
+                         f"choose from {', '.join(splits)}")
+    try:
+        options = pe_config(config.model.pe, **dict(config.model.pe_options))
+    except TypeError as error:
+        raise ValueError(f"model.pe_options for {config.model.pe!r}: {error}") from None
+    theta = getattr(options, "theta", None)
+    if theta is not None and not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"model.pe_options.theta={theta!r} must be a finite number > 0 for {config.model.pe!r}")
+    build_model(config.model, task.vocab_size, longest_length(task))
+    return task
+
+
+def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, model: Any,
+                        is_main: bool) -> dict[str, Any]:
+    """train_and_evaluate once the workdir is checked, locked and holds config.json."""
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     run = config.run
     splits = task.eval_splits()
@@ -63,11 +97,15 @@ def train_and_evaluate(
                                   async_save=run.async_checkpoints)
         state, _, problems = checkpoints.restore_latest(trainer.abstract_state())
     resumed_from = None if state is None else int(distributed.to_host(state.step))
+    if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
+        checkpoints.close()
+        raise ValueError(f"run.steps={run.steps} is below the checkpoint at step {resumed_from} in "
+                         f"{str(checkpoints.directory)!r}; set run.steps >= {resumed_from} to resume it")
     if state is None:
         state = trainer.init_state()
     start = resumed_from or 0
     if resumed_from is not None:
-        log.info("resuming from the checkpoint at step %d in %s", start, workdir)
+        log.info("resumed from step %d (checkpoint in %s)", start, checkpoints.directory)
 
     metrics_log = MetricsLog(workdir, resume_step=start, enabled=is_main, tensorboard=run.tensorboard)
     progress = progress_bar(run, start, enabled=is_main)
@@ -105,35 +143,6 @@ def train_and_evaluate(
     return result
 
 
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
-    """ValueError when `config` would resume a checkpoint in `workdir` whose run (config.json) differs from it in
-    anything but RESUMABLE_RUN_FIELDS: that would mix two experiments in one set of checkpoints and metrics.
-    Without a checkpoint to resume, the run starts afresh and replaces what is there. The saved config is read back
-    first, so that a field added since it was written (with its default) is no difference."""
-    path, saved_steps = workdir / "config.json", workdir / "checkpoints"
-    resumes = config.run.checkpoint_every and saved_steps.is_dir() and any(
-        p.name.isdigit() for p in saved_steps.iterdir())
-    if not (resumes and path.is_file()):
-        return
-    saved, new = _flat(to_dict(load_config(path))), _flat(to_dict(config))
-    allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
-    changed = sorted(k for k in saved.keys() | new.keys() if k not in allowed and saved.get(k) != new.get(k))
-    if changed:
-        diff = ", ".join(f"{k}: {saved.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in changed)
-        raise ValueError(f"workdir={str(workdir)!r} holds a run with another config ({diff}); "
-                         "use a new workdir, or the saved config to resume it")
-
-
 def _resolved_encoding(model: Any) -> dict[str, Any] | None:
     """The encoding's config with every default filled in (None for a model without a jaxpe ModelConfig)."""
     pe_config = getattr(getattr(model, "config", None), "pe_config", None)
@@ -154,13 +163,15 @@ class Run:
 
 
 def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
-    """The run in `workdir` (its config.json) at its latest checkpoint, or at checkpoint `step`."""
+    """The run in `workdir` (its config.json) at its latest readable checkpoint (an unreadable one is logged and the
+    previous one used, as training does, but left in place), or at checkpoint `step`."""
     workdir = pathlib.Path(workdir).absolute()
+    check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
     config = load_config(config_path)
-    task = build_task(config)
+    task = validate_config(config)
     model = build_model(config.model, task.vocab_size, longest_length(task))
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
@@ -168,14 +179,22 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
         steps = checkpoints.all_steps()
         if not steps or (step is not None and step not in steps):
             raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
-        state, _ = checkpoints.restore(step if step is not None else steps[-1], trainer.abstract_state())
+        if step is not None:
+            state, _ = checkpoints.restore(step, trainer.abstract_state())
+        else:
+            state, _, problems = checkpoints.restore_latest(trainer.abstract_state(), quarantine=False)
+            if state is None:
+                raise ValueError(f"no readable checkpoint in {workdir / 'checkpoints'}: "
+                                 f"{'; '.join(p['error'] for p in problems)}")
     finally:
         checkpoints.close()
     return Run(config=config, task=task, model=model, trainer=trainer, state=state)
 
 
 def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
-    """Evaluates a run's checkpoint (the latest, or `step`) on every split; writes eval.json and eval.md."""
+    """Evaluates a run's checkpoint (the latest readable one, or `step`) on every split; writes eval.json and eval.md.
+
+    The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
     run = restore_run(workdir, step)
     splits = run.trainer.evaluate(run.state.params, run.task.eval_splits())
@@ -183,10 +202,14 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None)
               "metric": run.task.metric, "step": int(distributed.to_host(run.state.step)), "splits": splits}
     table = evaluate.results_markdown([result], metric=run.task.metric, splits=list(splits),
                                       label_keys=("task", "pe", "seed", "step"))
+    unwritten = None
     if jax.process_index() == 0:
-        evaluate.write_json(workdir / "eval.json", result)
-        (workdir / "eval.md").write_text(table)
-    return {**result, "table": table}
+        try:
+            evaluate.write_json(workdir / "eval.json", result)
+            (workdir / "eval.md").write_text(table)
+        except OSError as error:
+            unwritten = f"could not write eval.json, eval.md in {workdir}: {error.strerror or error}"
+    return {**result, "table": table, "unwritten": unwritten}
 
 
 def compare_encodings(
@@ -202,20 +225,51 @@ def compare_encodings(
         raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
     if any(c.task != configs[0].task for c in configs):
         raise ValueError(f"configs must share one task config, got {[c.task for c in configs]}")
+    pes = [c.model.pe for c in configs]
+    for what, values in (("--pe encodings", pes), ("--seeds", list(seeds))):
+        repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if repeated:
+            raise ValueError(f"{what} repeat {repeated}: each must appear once")
     workdir = pathlib.Path(workdir).absolute()
-    results = []
+    check_workdir(workdir)
+    # Every run checked before any trains: its config (once per encoding: the seed changes nothing checked there)
+    # and its workdir (a run directory holding another config is refused now, not after the runs before it).
+    runs = []
     for config in configs:
+        task = validate_config(config)
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
             finished = _finished_result(run_dir, run_config)
-            if finished is not None:
-                log.info("%s seed %d finished before with this config: reusing %s", config.model.pe, seed,
-                         run_dir / "result.json")
-                results.append(finished)
-                continue
-            log.info("training %s seed %d", config.model.pe, seed)
-            results.append(train_and_evaluate(run_config, run_dir))
+            if finished is None:
+                check_same_run(run_dir, run_config)
+            runs.append((run_config, run_dir, task, finished))
+    is_main = jax.process_index() == 0
+    lock = WorkdirLock(workdir) if is_main else None
+    if is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
+        return _compare(configs, seeds, workdir, runs)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: pathlib.Path,
+             runs: Sequence[tuple[TrainConfig, pathlib.Path, Task, dict[str, Any] | None]]) -> dict[str, Any]:
+    """compare_encodings once every run is checked and the workdir locked."""
+    results = []
+    reused = [run_dir for _, run_dir, _, finished in runs if finished is not None]
+    if reused:
+        log.info("reused %d finished run(s) with the same config: %s", len(reused),
+                 ", ".join(str(d.relative_to(workdir)) for d in reused))
+    for run_config, run_dir, task, finished in runs:
+        if finished is not None:
+            results.append(finished)
+            continue
+        log.info("training %s seed %d in %s", run_config.model.pe, run_config.run.seed, run_dir)
+        results.append(train_and_evaluate(run_config, run_dir, task=task))
     metric = results[0]["metric"]
     splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
     rows = evaluate.summarize_seeds(results)

@@ -32,6 +32,14 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm became NaN/inf; the run stopped."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during the loop; `step` is the last step completed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
 class MetricsLog:
     """The run's metrics in the workdir, written by process 0: metrics.jsonl, and TensorBoard event files in tb/ when
     `tensorboard` is set and tensorboardX is installed (scalars `<split>/<metric>`, e.g. train/loss, valid/token_error).
@@ -194,16 +202,24 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
     """Steps start + 1 .. run.steps on the task's training batches; after each, the due hooks in order.
 
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
+    Ctrl-C raises TrainingInterrupted with the last step completed.
     """
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
-    for step in range(start + 1, last_step + 1):
-        state, metrics = trainer.train_step(state, trainer.put(task.train_batch(step - 1, batch_size)))
-        train_log.add(metrics)
-        due = [hook for hook in hooks if hook.due(step, last_step)]
-        for hook in due:
-            hook(step, state)
-        if due:
-            train_log.restart_clock(step)
-        if progress is not None:
-            progress.update(1)
+    done = start
+    try:
+        for step in range(start + 1, last_step + 1):
+            state, metrics = trainer.train_step(state, trainer.put(task.train_batch(step - 1, batch_size)))
+            train_log.add(metrics)
+            due = [hook for hook in hooks if hook.due(step, last_step)]
+            for hook in due:
+                hook(step, state)
+            if due:
+                train_log.restart_clock(step)
+            if progress is not None:
+                progress.update(1)
+            done = step
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, TrainingInterrupted):
+            raise
+        raise TrainingInterrupted(done) from None
     return state

@@ -1,0 +1,218 @@
+"""Training runs that cannot go silently wrong (issue 11): one run per workdir, everything validated before anything
+is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
+import errno
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxpe.train import cli, evaluate
+from jaxpe.train.config import build_config
+from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
+from jaxpe.train.tasks import read_jsonl
+from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
+TINY = [
+    "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
+    "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "optim.learning_rate=3e-3",
+    "run.log_every=1", "run.eval_every=0", "run.checkpoint_every=0", "run.eval_batch_size=16",
+    "run.progress=false", "run.num_devices=1",
+]
+
+
+def tiny(*overrides: str, pe: str = "rope") -> object:
+    return build_config(task="flipflop", pe=pe, overrides=[*TINY, *overrides])
+
+
+def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-c", CLI, "--task", "flipflop", "--pe", "rope", "--workdir", str(workdir),
+            *TINY, *overrides]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{what} did not happen"
+        time.sleep(0.05)
+
+
+# 1. One run per workdir.
+
+def test_a_second_process_on_a_workdir_is_refused_at_once_and_a_killed_holder_does_not_block(tmp_path):
+    first = subprocess.Popen(cli_command(tmp_path, "run.steps=100000"), env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        lock = tmp_path / LOCK_NAME
+        wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid), first, "the first run's lock")
+        start = time.monotonic()
+        second = subprocess.run(cli_command(tmp_path, "run.steps=100000"), env=env(), capture_output=True,
+                                text=True, timeout=120)
+        assert second.returncode == 1, second.stderr
+        assert f"workdir {str(tmp_path)!r} is in use by another run (pid {first.pid})" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert time.monotonic() - start < 60  # refused at once: before any compile or step
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.communicate()
+    with WorkdirLock(tmp_path):  # the kernel dropped the dead holder's lock: a restart is not blocked
+        pass
+
+
+def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
+    first = train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=4", "run.async_checkpoints=false"), tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    # another config without checkpoints: refused before writing anything (it would leave the first run's
+    # checkpoints beside its own result, and jaxpe-eval would score them under its config)
+    with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):
+        train_and_evaluate(tiny("run.steps=4", "model.d_model=32"), tmp_path)
+    # fewer steps than the saved checkpoint: refused, no result.json whose steps disagree with the model
+    with pytest.raises(ValueError, match=r"run\.steps=2 is below the checkpoint at step 4"):
+        train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=2"), tmp_path)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    assert cli.eval_main(["--workdir", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["step"] == 4 == first["steps"]
+    # a jaxpe-compare run directory holding another config is refused before any run trains
+    (tmp_path / "cmp" / "alibi").mkdir(parents=True)
+    shutil.copytree(tmp_path, tmp_path / "cmp" / "alibi" / "seed0", ignore=shutil.ignore_patterns("cmp"))
+    with pytest.raises(ValueError, match=re.escape("model.pe: 'rope' -> 'alibi'")):
+        compare_encodings([tiny("run.steps=2"), tiny("run.steps=2", pe="alibi")], [0], tmp_path / "cmp")
+    assert not (tmp_path / "cmp" / "rope").exists()
+
+
+# 2. Validate first, write later.
+
+@pytest.mark.parametrize("main, argv, message", [
+    (cli.train_main, ["optim.min_lr_ratio=-0.5"], "optim.min_lr_ratio=-0.5 must be in [0, 1]"),
+    (cli.train_main, ["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio=1.5 must be in [0, 1]"),
+    (cli.train_main, ["optim.b1=2"], "optim.b1=2.0 must be in [0, 1)"),
+    (cli.train_main, ["optim.b2=1"], "optim.b2=1.0 must be in [0, 1)"),
+    (cli.train_main, ["optim.eps=0"], "optim.eps=0.0 must be > 0"),
+    (cli.train_main, ["optim.learning_rate=nan"], "optim.learning_rate=nan must be a finite number"),
+    (cli.train_main, ["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
+    (cli.train_main, ["run.eval_splits=valid,bogus"], "run.eval_splits: unknown split(s) ['bogus'] for task "
+                                                      "'flipflop'; choose from valid, ood_sparse, ood_dense"),
+    (cli.train_main, ["model.pe_options.theta=0"], "model.pe_options.theta=0 must be a finite number > 0"),
+    (cli.train_main, ["task.nvars=3"], "unknown option 'nvars' for task 'flipflop'"),
+    (cli.compare_main, ["--pe", "rope,bogus"], "unknown encoding(s) ['bogus']"),
+    (cli.compare_main, ["--pe", "rope,alibi,rope"], "'rope,alibi,rope' repeats rope"),
+    (cli.compare_main, ["--seeds", "0,1,0"], "'0,1,0' repeats 0"),
+    (cli.compare_main, ["--pe", "rope,corope", "model.pe_options.theta=-1"], "theta=-1 must be a finite number > 0"),
+    (cli.compare_main, ["--pe", "rope,cope", "model.pe_options.theta=100"], "unknown option 'theta' for pe='cope'"),
+    (cli.train_main, ["--pe", "rope", "model.pe_options.npos=3"], "unknown option 'npos' for pe='rope'"),
+])
+def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, message, tmp_path, capsys, monkeypatch):
+    workdir = tmp_path / "run"
+    for trains in ("_train_and_evaluate", "_compare"):  # a call would fail with a TypeError
+        monkeypatch.setattr(cli.experiments, trains, None)
+    flags, overrides = (argv[:2], argv[2:]) if argv[0].startswith("--") else ([], argv)
+    status = exit_status(main, [*flags, "--task", "flipflop", "--workdir", str(workdir), *TINY, *overrides])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err and f"{main.__name__.split('_')[0]}: error:" in err and "Traceback" not in err
+    assert not workdir.exists()
+
+
+def exit_status(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="run.eval_splits"):
+        cli.train_main(["--debug", "--task", "flipflop", "--workdir", str(tmp_path), *TINY, "run.eval_splits=x"])
+    with pytest.raises(ValueError, match="optim.b1"):
+        cli.train_main(["--debug", "--task", "flipflop", "--workdir", str(tmp_path), "optim.b1=2"])
+
+
+# 3. Data.
+
+def test_counting_data_with_an_empty_answer_is_an_error_naming_file_and_line(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = {"context": "a = 1 ;", "question": "print a", "answer": "1"}
+    (data / "train.jsonl").write_text(json.dumps(good) + "\n")
+    (data / "valid.jsonl").write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "answer": " "}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'valid.jsonl'}:3: key 'answer' is empty")):
+        read_jsonl(data / "valid.jsonl")
+    status = exit_status(cli.train_main, ["--task", "counting", "--workdir", str(tmp_path / "run"),
+                                          f"task.data_dir={data}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "valid.jsonl:3: key 'answer' is empty" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+# 4. Evaluation and outputs.
+
+def test_eval_falls_back_past_a_corrupt_checkpoint_and_reports_an_unwritable_workdir(tmp_path, capsys, monkeypatch):
+    train_and_evaluate(tiny("run.steps=4", "run.checkpoint_every=2", "run.keep=3", "run.async_checkpoints=false"),
+                       tmp_path)
+    for path in (tmp_path / "checkpoints" / "4").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "state" in path.parts:
+            path.write_bytes(b"\0" * path.stat().st_size)  # every state file of the latest checkpoint zeroed
+    result = evaluate_checkpoint(tmp_path)
+    assert result["step"] == 2 and result["unwritten"] is None
+    assert (tmp_path / "checkpoints" / "4").is_dir()  # a reader leaves the directory as it is
+
+    def read_only(path, data):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(evaluate, "write_json", read_only)
+    capsys.readouterr()
+    assert cli.eval_main(["--workdir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "| flipflop | rope | 0 | 2 |" in out
+    assert f"jaxpe-eval: could not write eval.json, eval.md in {tmp_path}: Permission denied" in err
+    assert "Traceback" not in err
+
+
+# 5. Messages.
+
+def test_resume_is_logged_and_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    argv = ["--task", "flipflop", "--pe", "rope", "--workdir", str(tmp_path), *TINY, "run.checkpoint_every=2",
+            "run.async_checkpoints=false"]
+    assert cli.train_main([*argv, "run.steps=2"]) == 0
+    assert cli.train_main([*argv, "run.steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert f"INFO jaxpe.train.experiments: resumed from step 2 (checkpoint in {tmp_path / 'checkpoints'})" in err
+    assert f"outputs in {tmp_path}" in err
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(evaluate, "write_json", full)
+    assert cli.train_main([*argv, "run.steps=6"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"jaxpe-train: error: No space left on device: {tmp_path / 'config.json'}"
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
+    process = subprocess.Popen(cli_command(tmp_path, "run.steps=100000", "run.checkpoint_every=5"), env=env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "checkpoints" / "5").is_dir(), process, "a checkpoint")
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert re.fullmatch(r"jaxpe-train: interrupted at step \d+; rerun the same command to resume",
+                        err.strip().splitlines()[-1]), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err

@@ -1,0 +1,121 @@
+"""One run per workdir: a lock held for the whole run, and the guard that keeps two runs' state apart.
+
+`WorkdirLock(workdir)` holds an exclusive `fcntl.flock` on `workdir/.jaxpe.lock` (the holder's pid written in it) for
+as long as a run writes there; a second writer is refused at once. The kernel drops the lock when its holder dies, so
+a killed run never blocks its restart. `check_same_run(workdir, config)` refuses a config that differs from the one
+saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
+whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
+saved config.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from jaxpe.train.config import TrainConfig, load_config, to_dict
+
+LOCK_NAME = ".jaxpe.lock"
+
+# Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
+RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
+                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard")
+
+# What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
+RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
+
+
+class WorkdirBusyError(RuntimeError):
+    """Another live process holds the workdir's lock."""
+
+
+class WorkdirLock:
+    """An exclusive lock on `workdir` for one run (a context manager); WorkdirBusyError names the holder's pid."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.workdir = pathlib.Path(workdir).absolute()
+        self.path = self.workdir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkdirBusyError(f"workdir {str(self.workdir)!r} is in use by another run (pid {holder}); "
+                                   "wait for it to end or use another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock; the file stays (it holds no state)
+            self._fd = None
+
+    def __enter__(self) -> WorkdirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(saved: TrainConfig, new: TrainConfig) -> list[str]:
+    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ."""
+    old, now = _flat(to_dict(saved)), _flat(to_dict(new))
+    allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
+    changed = sorted(k for k in old.keys() | now.keys() if k not in allowed and old.get(k) != now.get(k))
+    return [f"{k}: {old.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in changed]
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    """The steps of the checkpoint directories in workdir/checkpoints (readable or not), ascending."""
+    directory = workdir / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def check_workdir(workdir: pathlib.Path) -> None:
+    """ValueError when `workdir` exists but is not a directory."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory; give a directory (new or a run's)")
+
+
+def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
+    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` in anything
+    but RESUMABLE_RUN_FIELDS, or run state without a config.json, or a checkpoint past `config.run.steps` that the
+    run would resume. The saved config is read back first, so that a field added since it was written (with its
+    default) is no difference."""
+    check_workdir(workdir)
+    path = workdir / "config.json"
+    if not path.is_file():
+        present = [name for name in RUN_STATE if (workdir / name).exists()]
+        if present:
+            raise ValueError(f"workdir {str(workdir)!r} holds {', '.join(present)} but no config.json: state of an "
+                             "unknown run; use a new workdir")
+        return
+    differences = config_differences(load_config(path), config)
+    if differences:
+        raise ValueError(f"workdir {str(workdir)!r} holds a run with another config ({', '.join(differences)}); "
+                         "use a new workdir, or the saved config (--config <workdir>/config.json) to resume it")
+    steps = checkpoint_steps(workdir)
+    if config.run.checkpoint_every and steps and steps[-1] > config.run.steps:
+        raise ValueError(f"run.steps={config.run.steps} is below the checkpoint at step {steps[-1]} in "
+                         f"{str(workdir / 'checkpoints')!r}; set run.steps >= {steps[-1]} to resume it, or use a "
+                         "new workdir")
