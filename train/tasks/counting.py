@@ -130,8 +130,8 @@ def tokenize(text: str) -> list[str]:
 def read_jsonl(path: str | os.PathLike) -> list[Sample]:
     """Samples from an official counting .jsonl file (one JSON object per line).
 
-    A line that is not a JSON object with string `context`, `question` and
-    `answer` is a ValueError naming the file and the line number. A list
+    A line that is not a JSON object with non-empty string `context`, `question`
+    and `answer` is a ValueError naming the file and the line number. A list
     `context` is joined with spaces, as the official loader does; blank lines
     are skipped.
     """
@@ -151,6 +151,8 @@ def read_jsonl(path: str | os.PathLike) -> list[Sample]:
             for key in SAMPLE_KEYS:
                 if not isinstance(obj.get(key), str):
                     raise ValueError(f"{path}:{lineno}: key {key!r} missing or not a string")
+                if not tokenize(obj[key]):  # an empty answer would be scored on no token: 0 % error
+                    raise ValueError(f"{path}:{lineno}: key {key!r} is empty")
             samples.append({key: obj[key] for key in SAMPLE_KEYS})
     return samples
 

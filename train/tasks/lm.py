@@ -166,6 +166,9 @@ def _hf_documents(config: LMConfig) -> tuple[Documents, str]:
         total, row = 0, 0
         for batch in dataset.iter(batch_size=1024):
             for text in batch[config.text_field]:
+                if not isinstance(text, str):
+                    raise ValueError(f"{config.source} ({part} split), row {row}: text_field={config.text_field!r} "
+                                     f"holds {type(text).__name__}, not a string")
                 content = text.encode("utf-8")
                 if total + len(content) > config.max_bytes:
                     break
