@@ -14,7 +14,8 @@ import flax.linen as nn
 import jax
 
 from jaxpe.registry import PEConfig, register
-from jaxpe.sinusoidal import gather_positions, sinusoidal_table
+from jaxpe.learned import gather_positions
+from jaxpe.sinusoidal import sinusoidal_table
 from jaxpe.validation import check_positive
 
 

@@ -1,13 +1,30 @@
-"""Learned absolute positions: a trained table [max_len, d_model] added to token embeddings."""
+"""Learned absolute positions: a trained table [max_len, d_model] added to token embeddings, and the row lookup
+every additive table (learned, sinusoidal, AM-SPE) uses."""
 from __future__ import annotations
 
 import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
-from jaxpe.sinusoidal import gather_positions
+
+
+def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
+    """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
+
+    Raises when a static length exceeds the table; traced positions beyond it give NaN rows.
+    """
+    max_len = table.shape[0]
+    if positions is None:
+        if length > max_len:
+            raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
+        return table[None, :length]
+    positions = jnp.asarray(positions)
+    if positions.ndim == 1:
+        positions = positions[None]
+    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class LearnedPE(nn.Module):

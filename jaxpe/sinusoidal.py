@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpe.learned import gather_positions
 from jaxpe.registry import PEConfig, register
 from jaxpe.validation import check_positive
 
@@ -31,22 +32,6 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
     angles = scale * jnp.arange(length, dtype=jnp.float32)[:, None] * freqs[None, :]  # [L, half]
     table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
     return table[:, :dim]
-
-
-def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
-    """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
-
-    Raises when a static length exceeds the table; traced positions beyond it give NaN rows.
-    """
-    max_len = table.shape[0]
-    if positions is None:
-        if length > max_len:
-            raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
-        return table[None, :length]
-    positions = jnp.asarray(positions)
-    if positions.ndim == 1:
-        positions = positions[None]
-    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class SinusoidalPE(nn.Module):

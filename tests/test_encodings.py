@@ -613,9 +613,9 @@ def test_table_helpers_reject_bad_sizes():
         jaxpe.alibi_slopes(0)
 
 
-def test_every_registry_name_exists():
-    assert set(jaxpe.PE_NAMES) == {"none", "learned", "sinusoidal", "amspe", "rope", "alibi", "relative", "cope",
-                                   "cope_gated", "cope_rope", "corope"}
+def test_every_registry_name_exists_in_spec_order():
+    assert jaxpe.PE_NAMES == ("none", "learned", "sinusoidal", "amspe", "rope", "alibi", "relative", "cope",
+                              "cope_gated", "cope_rope", "corope")
 
 
 def test_cope_positions_validates_inputs():
