@@ -14,7 +14,7 @@ import time
 import pytest
 
 from jaxpe.train import cli, evaluate
-from jaxpe.train.config import build_config
+from jaxpe.train.config import build_config, to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
 from jaxpe.train.tasks import read_jsonl
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
@@ -92,6 +92,14 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     with pytest.raises(ValueError, match=re.escape("model.pe: 'rope' -> 'alibi'")):
         compare_encodings([tiny("run.steps=2"), tiny("run.steps=2", pe="alibi")], [0], tmp_path / "cmp")
     assert not (tmp_path / "cmp" / "rope").exists()
+    # a workdir mixed before this guard existed (config.json of another run beside the checkpoints): each checkpoint
+    # carries its run's config, so jaxpe-eval and a resume refuse it
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.learning_rate=0.5"))))
+    with pytest.raises(ValueError, match=re.escape("written by a run with another config (optim.learning_rate: "
+                                                   "0.003 -> 0.5)")):
+        evaluate_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=re.escape("optim.learning_rate: 0.003 -> 0.5")):
+        train_and_evaluate(tiny("run.steps=6", "run.checkpoint_every=2", "optim.learning_rate=0.5"), tmp_path)
 
 
 # 2. Validate first, write later.

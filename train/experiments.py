@@ -95,7 +95,9 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
     if run.checkpoint_every:
         checkpoints = Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
                                   async_save=run.async_checkpoints)
-        state, _, problems = checkpoints.restore_latest(trainer.abstract_state())
+        state, meta, problems = checkpoints.restore_latest(trainer.abstract_state())
+        if state is not None:
+            _check_checkpoint_config(meta, config, checkpoints.directory, checkpoints.close)
     resumed_from = None if state is None else int(distributed.to_host(state.step))
     if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
         checkpoints.close()
@@ -112,7 +114,7 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
     evaluation = Evaluation(trainer, splits, run.eval_splits, metrics_log, every=run.eval_every, metric=task.metric,
                             best_split=best_split)
     checkpointing = None if checkpoints is None else Checkpointing(checkpoints, evaluation, every=run.checkpoint_every,
-                                                                   last_saved=resumed_from)
+                                                                   last_saved=resumed_from, config=to_dict(config))
     train_log = TrainLog(metrics_log, periods=(run.log_every, run.checkpoint_every),
                          tokens_per_step=config.optim.batch_size * task.seq_len, start=start,
                          checkpointing=checkpointing, progress=progress)
@@ -141,6 +143,20 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
                                                                      label_keys=("task", "pe", "seed")))
         plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
     return result
+
+
+def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, directory: pathlib.Path,
+                             on_error: Any = None) -> None:
+    """ValueError when a checkpoint's meta names a config that differs from `config` (a checkpoint written before
+    checkpoints carried their config passes: config.json is all there is to compare)."""
+    if "config" not in meta:
+        return
+    differences = config_differences(from_dict(meta["config"]), config)
+    if differences:
+        if on_error is not None:
+            on_error()
+        raise ValueError(f"the checkpoint at step {meta.get('step')} in {str(directory)!r} was written by a run with "
+                         f"another config ({', '.join(differences)}); use a new workdir")
 
 
 def _resolved_encoding(model: Any) -> dict[str, Any] | None:
@@ -180,12 +196,13 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
         if not steps or (step is not None and step not in steps):
             raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
         if step is not None:
-            state, _ = checkpoints.restore(step, trainer.abstract_state())
+            state, meta = checkpoints.restore(step, trainer.abstract_state())
         else:
-            state, _, problems = checkpoints.restore_latest(trainer.abstract_state(), quarantine=False)
+            state, meta, problems = checkpoints.restore_latest(trainer.abstract_state(), quarantine=False)
             if state is None:
                 raise ValueError(f"no readable checkpoint in {workdir / 'checkpoints'}: "
                                  f"{'; '.join(p['error'] for p in problems)}")
+        _check_checkpoint_config(meta, config, checkpoints.directory)
     finally:
         checkpoints.close()
     return Run(config=config, task=task, model=model, trainer=trainer, state=state)

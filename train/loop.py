@@ -145,13 +145,17 @@ class Evaluation(Hook):
 
 class Checkpointing(Hook):
     """Saves the state every `every` steps, ranked by the evaluation of the same step; `last_saved` is the newest
-    good checkpoint's step (the resumed one at first)."""
+    good checkpoint's step (the resumed one at first). `config` (the run's, as a dict) goes into every checkpoint's
+    meta, so that a reader can tell which run wrote it."""
 
-    def __init__(self, checkpoints: Checkpoints, evaluation: Evaluation, *, every: int, last_saved: int | None):
+    def __init__(self, checkpoints: Checkpoints, evaluation: Evaluation, *, every: int, last_saved: int | None,
+                 config: Mapping[str, Any] | None = None):
         self.checkpoints, self.evaluation, self.periods, self.last_saved = checkpoints, evaluation, (every,), last_saved
+        self.config = config
 
     def __call__(self, step: int, state: TrainState) -> None:
-        self.checkpoints.save(step, state, {"step": step, "data_position": step}, self.evaluation.best_metric(step))
+        meta = {"step": step, "data_position": step, **({"config": self.config} if self.config is not None else {})}
+        self.checkpoints.save(step, state, meta, self.evaluation.best_metric(step))
         self.last_saved = step
 
     def last_good(self) -> str:
