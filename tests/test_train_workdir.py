@@ -225,3 +225,13 @@ def test_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
     assert len(ours) == 1, err
     assert re.fullmatch(r"jaxpe-train: interrupted at step \d+; rerun the same command to resume", ours[0]), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def test_compare_says_how_many_finished_runs_it_reused(tmp_path, capsys):
+    argv = ["--task", "flipflop", "--pe", "rope", "--seeds", "0", "--workdir", str(tmp_path), *TINY, "run.steps=2"]
+    assert cli.compare_main(argv) == 0
+    assert "reused" not in capsys.readouterr().err
+    assert cli.compare_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "INFO jaxpe.train.experiments: reused 1 finished run(s) with the same config: rope/seed0" in err
+    assert f"outputs in {tmp_path}: compare.json" in err
