@@ -17,6 +17,7 @@ from jaxpe.train import cli, evaluate
 from jaxpe.train.config import build_config, to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
 from jaxpe.train.tasks import read_jsonl
+from jaxpe.train.trainer import build_task
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -163,6 +164,16 @@ def test_counting_data_with_an_empty_answer_is_an_error_naming_file_and_line(tmp
                                           f"task.data_dir={data}"])
     err = capsys.readouterr().err
     assert status == 2 and "valid.jsonl:3: key 'answer' is empty" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_run(tmp_path):
+    config = tiny("run.steps=2")
+    task = build_task(config)
+    task.vocab_size = 2  # fewer tokens than the splits use: inside jit, NaN logits
+    with pytest.raises(ValueError, match=r"task 'flipflop': split 'valid' holds token ids in \[0, \d+\], outside "
+                                         r"the vocabulary \[0, 2\)"):
+        train_and_evaluate(config, tmp_path / "run", task=task)
     assert not (tmp_path / "run").exists()
 
 

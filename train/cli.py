@@ -7,7 +7,9 @@
   jaxpe-compare --task flipflop --pe cope,rope,learned --seeds 0,1 --preset cpu-small --workdir runs/cmp
 
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
-checkpoints resumes. Multi-host: see jaxpe.train.distributed.initialize (TPU pods, Slurm, Open MPI
+checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
+...`: exit status 2 for a bad config, data or workdir, 1 for a busy workdir, a NaN loss, a full disk or a permission
+problem; Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU pods, Slurm, Open MPI
 and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly).
 """
@@ -51,12 +53,9 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _debug_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
-
-
 def _multihost_flags(parser: argparse.ArgumentParser) -> None:
-    _debug_flag(parser)
+    """--debug, and the multi-host flags (every entry point has both)."""
+    parser.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
     group = parser.add_argument_group("multi-host", "not needed on TPU pods, under Slurm (srun) or Open MPI (mpirun), "
                                       "or with $JAX_COORDINATOR_ADDRESS set: those are detected")
     group.add_argument("--coordinator", help="host:port of process 0 (env JAXPE_COORDINATOR)")
@@ -174,8 +173,8 @@ def _report_os_error(prog: str, error: BaseException) -> int:
     os_error = _os_error(error)
     if os_error is not None:
         what = os_error.strerror or errno.errorcode.get(os_error.errno or 0, str(os_error))
-        path = os_error.filename or "?"
-        print(f"{prog}: error: {what}: {path}", file=sys.stderr)
+        where = os_error.filename if os_error.filename else f"({str(error).splitlines()[0][:300]})"
+        print(f"{prog}: error: {what}: {where}", file=sys.stderr)
     else:
         print(f"{prog}: error: no space left on device ({str(error).splitlines()[0][:300]})", file=sys.stderr)
     return 1

@@ -48,6 +48,7 @@ def train_and_evaluate(
     is_main = jax.process_index() == 0
     task = task if task is not None else validate_config(config)
     model = model if model is not None else build_model(config.model, task.vocab_size, longest_length(task))
+    check_tokens(task, config.optim.batch_size)
     check_same_run(workdir, config)
     lock = WorkdirLock(workdir) if is_main else None
     if is_main:
@@ -81,6 +82,20 @@ def validate_config(config: TrainConfig) -> Task:
         raise ValueError(f"model.pe_options.theta={theta!r} must be a finite number > 0 for {config.model.pe!r}")
     build_model(config.model, task.vocab_size, longest_length(task))
     return task
+
+
+def check_tokens(task: Task, batch_size: int) -> None:
+    """ValueError when the task's evaluation splits or its first training batch hold a token id outside
+    [0, task.vocab_size). Inside jit such an id is no error (flax's Embed looks ids up with jnp.take, which fills an
+    out-of-range row with NaN: NaN logits), so it is caught here, where the data enters from the host."""
+    arrays = {f"split {name!r}": split.inputs for name, split in task.eval_splits().items()}
+    arrays |= {f"split {name!r} targets": split.targets for name, split in task.eval_splits().items()}
+    batch = task.train_batch(0, batch_size)
+    arrays |= {"the first training batch": batch["inputs"], "the first training batch's targets": batch["targets"]}
+    for what, ids in arrays.items():
+        if ids.size and (ids.min() < 0 or ids.max() >= task.vocab_size):
+            raise ValueError(f"task {task.name!r}: {what} holds token ids in [{ids.min()}, {ids.max()}], outside "
+                             f"the vocabulary [0, {task.vocab_size})")
 
 
 def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, model: Any,
