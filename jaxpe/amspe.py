@@ -19,6 +19,14 @@ from jaxpe.sinusoidal import sinusoidal_table
 from jaxpe.validation import check_positive
 
 
+def check_detail_level(detail_level: float | jax.Array) -> None:
+    """A concrete detail level must lie in [0, 1] (a traced one is used as given)."""
+    if isinstance(detail_level, jax.core.Tracer):
+        return
+    if not 0.0 <= float(detail_level) <= 1.0:
+        raise ValueError(f"{detail_level=} must be in [0, 1]")
+
+
 class AMSPE(nn.Module):
     """x [B, L, d_model] -> x + adaptive PE; param "alpha" of shape (1,)."""
 
@@ -32,6 +40,7 @@ class AMSPE(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
         check_positive("amplitude", self.amplitude)
+        check_detail_level(detail_level)
         alpha = jax.nn.sigmoid(self.param("alpha", nn.initializers.zeros, (1,)))[0]
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
@@ -50,6 +59,7 @@ class AMSPEConfig(PEConfig):
 
     def __post_init__(self) -> None:
         check_positive("amplitude", self.amplitude)
+        check_detail_level(self.detail_level)
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
         return _AMSPEAtLevel(d_model=d_model, max_len=max_len, coarse_scale=self.coarse_scale,

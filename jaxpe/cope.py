@@ -83,6 +83,8 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     if not causal:
         raise ValueError("causal=False is not supported: CoPE counts gates from key j up to query i, "
                          "which only exists under a causal mask")
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":

@@ -91,6 +91,8 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     if not causal:
         raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
                          "defined under a causal mask only (this first version is causal)")
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":

@@ -26,9 +26,9 @@ def check_rank(name: str, x: jax.Array, rank: int, dims: str) -> None:
 
 
 def check_positive(name: str, value: float) -> None:
-    """Raise ValueError unless `value` > 0."""
-    if not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0")
+    """Raise ValueError unless `value` > 0 and finite."""
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={value!r} must be > 0 and finite")
 
 
 def check_positive_int(name: str, value: int) -> None:
@@ -61,6 +61,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int]:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
     hq, hkv = q.shape[2], k.shape[2]
+    if hq < 1 or hkv < 1 or q.shape[3] < 1:
+        raise ValueError(f"heads and head dim must be >= 1, got Hq={hq}, Hkv={hkv}, D={q.shape[3]}")
     if hq % hkv:
         raise ValueError(f"query heads must be a multiple of key/value heads, got Hq={hq}, Hkv={hkv}")
     return hkv, hq // hkv

@@ -111,8 +111,10 @@ class Interpolation(NamedTuple):
 
     @property
     def value(self) -> jax.Array:
-        """(1 − w)·at_lo + w·at_hi."""
-        return (1.0 - self.w) * self.at_lo + self.w * self.at_hi
+        """(1 − w)·at_lo + w·at_hi. At w = 0 a non-finite at_hi adds nothing (its row is out of reach), and the
+        derivative in w stays at_hi − at_lo wherever at_hi is finite (w < 1 always, so at_lo is always used)."""
+        at_hi = jnp.where((self.w > 0.0) | jnp.isfinite(self.at_hi), self.at_hi, 0.0)
+        return (1.0 - self.w) * self.at_lo + self.w * at_hi
 
 
 def interpolate(take: Callable[[jax.Array], jax.Array], positions: jax.Array, size: int) -> Interpolation:

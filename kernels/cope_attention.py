@@ -108,7 +108,8 @@ def _interpolate(column, p: jax.Array, lo: jax.Array, hi: jax.Array, *, slope: b
     def body(c, acc):
         z_c = column(c)
         x = p - c.astype(jnp.float32)
-        pos = acc[0] + jnp.maximum(0.0, 1.0 - jnp.abs(x)) * z_c
+        weight = 1.0 - jnp.abs(x)
+        pos = acc[0] + jnp.where(weight > 0.0, weight * z_c, 0.0)  # rows out of reach add nothing, even NaN
         if not slope:
             return (pos,)
         d = jnp.where((x >= 0.0) & (x < 1.0), -z_c, jnp.where((x >= -1.0) & (x < 0.0), z_c, 0.0))
@@ -437,6 +438,8 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     config = _config(q, pos_emb, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages)
     return _cope_pallas_jit(q, k, v, k if gate_k is None else gate_k, pos_emb, config)

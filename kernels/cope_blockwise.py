@@ -291,5 +291,7 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_positive_int("block_k", block_k)
     check_positive_int("block_q", block_q)
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     kg = k if gate_k is None else gate_k
     return _cope_blockwise_jit(q, k, v, kg, pos_emb, _Config(float(sm_scale), block_k, block_q))

@@ -418,6 +418,8 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     check_kernel_dtype(q)
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     config = _config(q, k, theta=theta, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages)
     return _corope_pallas_jit(q, k, v, config)

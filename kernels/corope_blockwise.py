@@ -225,4 +225,6 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_kernel_dtype(q)
     check_positive_int("block_k", block_k)
+    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+        return jnp.zeros(q.shape, q.dtype)
     return _corope_blockwise_jit(q, k, v, _Config(float(theta), float(sm_scale), min(block_k, q.shape[1])))

@@ -1,0 +1,95 @@
+"""Edge inputs of the library behave the same in every impl: empty sequences, degenerate shapes and scales, AM-SPE's
+detail level, and a NaN row of the CoPE position table reaching only the queries that use it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpe
+
+IMPLS = ("reference", "blockwise", "pallas")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["cope", "corope"])
+def test_empty_sequence_gives_an_empty_output_like_dot_product_attention(op, impl):
+    q = jnp.zeros((2, 0, 4, 16))
+    k = jnp.zeros((2, 0, 2, 16))
+    want = jax.nn.dot_product_attention(q, k, k, is_causal=True)
+    if op == "cope":
+        got = jaxpe.cope_attention(q, k, k, jnp.zeros((8, 16)), impl=impl)
+    else:
+        got = jaxpe.corope_attention(q, k, k, impl=impl)
+    assert got.shape == want.shape == (2, 0, 4, 16) and got.dtype == q.dtype
+
+
+@pytest.mark.parametrize("op", ["cope", "corope"])
+@pytest.mark.parametrize("shape", [(1, 8, 0, 16), (1, 8, 2, 0)])
+def test_zero_heads_or_head_dim_is_a_clear_error(op, shape):
+    x = jnp.zeros(shape)
+    with pytest.raises(ValueError, match=f"heads and head dim must be >= 1, got Hq={shape[2]}, Hkv={shape[2]}, "
+                                         f"D={shape[3]}"):
+        if op == "cope":
+            jaxpe.cope_attention(x, x, x, jnp.zeros((4, max(shape[3], 1))))
+        else:
+            jaxpe.corope_attention(x, x, x)
+
+
+@pytest.mark.parametrize("op", ["cope", "corope"])
+@pytest.mark.parametrize("sm_scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_sm_scale_must_be_positive_and_finite(op, sm_scale):
+    x = jnp.ones((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="sm_scale=.* must be > 0 and finite"):
+        if op == "cope":
+            jaxpe.cope_attention(x, x, x, jnp.zeros((4, 16)), sm_scale=sm_scale)
+        else:
+            jaxpe.corope_attention(x, x, x, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("detail_level", [-0.1, 1.5, float("nan")])
+def test_amspe_detail_level_out_of_range_is_an_error(detail_level):
+    x = jnp.zeros((1, 4, 8))
+    module = jaxpe.AMSPE(8, max_len=16)
+    params = module.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="detail_level=.* must be in \\[0, 1\\]"):
+        module.apply(params, x, detail_level=detail_level)
+    with pytest.raises(ValueError, match="detail_level=.* must be in \\[0, 1\\]"):
+        jaxpe.pe_config("amspe", detail_level=detail_level)
+
+
+def test_amspe_detail_level_bounds_are_allowed():
+    x = jnp.zeros((1, 4, 8))
+    module = jaxpe.AMSPE(8, max_len=16)
+    params = module.init(jax.random.PRNGKey(0), x)
+    for level in (0.0, 1.0):
+        assert np.isfinite(np.asarray(module.apply(params, x, detail_level=level))).all()
+
+
+def used_rows(q, k, npos: int) -> np.ndarray:
+    """[L, npos] bool: table rows that query i interpolates with nonzero weight for some visible key, from the
+    positions alone (independent of how any impl evaluates the logits)."""
+    p = np.asarray(jaxpe.cope_positions(q, k, npos=npos, sm_scale=q.shape[-1] ** -0.5))[0, 0]  # [L, L] head 0
+    length = p.shape[0]
+    visible = np.tril(np.ones((length, length), bool))
+    rows = np.zeros((length, npos), bool)
+    for r in range(npos):
+        rows[:, r] = ((np.abs(p - r) < 1.0) & visible).any(axis=1)
+    return rows
+
+
+@pytest.mark.parametrize("row", [3, 5, 8])  # row 0 serves every query (its own key)
+def test_a_nan_row_of_the_position_table_reaches_only_the_queries_that_use_it(row):
+    kq, kk, ke = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(kq, (1, 40, 1, 16))
+    k = jax.random.normal(kk, (1, 40, 1, 16))
+    pos_emb = jax.random.normal(ke, (9, 16))
+    poisoned = pos_emb.at[row].set(jnp.nan)
+    users = used_rows(q, k, 9)[:, row]
+    assert users.any() and not users.all()  # the case separates the two kinds of query
+    for impl in IMPLS:
+        clean = np.asarray(jaxpe.cope_attention(q, k, k, pos_emb, impl=impl))[0, :, 0]
+        got = np.asarray(jaxpe.cope_attention(q, k, k, poisoned, impl=impl))[0, :, 0]
+        np.testing.assert_array_equal(np.isnan(got).any(axis=-1), users, err_msg=impl)
+        np.testing.assert_allclose(got[~users], clean[~users], rtol=1e-5, atol=1e-6, err_msg=impl)
