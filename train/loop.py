@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -201,27 +203,56 @@ class TrainLog(Hook):
                                       tok_s=f"{record['tokens_per_s']:.0f}")
 
 
+class _SigintAtStepEnd:
+    """While the loop runs (in the main thread), the first Ctrl-C only sets `requested`, and the loop stops at the
+    end of the step: a KeyboardInterrupt raised in the middle of a checkpoint save or a jax call could leave orbax's
+    threads waiting. A second Ctrl-C interrupts at once, as usual."""
+
+    def __init__(self):
+        self.requested, self.installed, self.previous = False, False, signal.default_int_handler
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def __enter__(self) -> _SigintAtStepEnd:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            self.previous = signal.default_int_handler if previous is None else previous
+            signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, train_log: TrainLog,
                hooks: Sequence[Hook], progress: Any = None) -> TrainState:
     """Steps start + 1 .. run.steps on the task's training batches; after each, the due hooks in order.
 
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
-    Ctrl-C raises TrainingInterrupted with the last step completed.
+    Ctrl-C stops the loop at the end of the step (a second one at once): TrainingInterrupted with the last step
+    completed.
     """
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
     done = start
     try:
-        for step in range(start + 1, last_step + 1):
-            state, metrics = trainer.train_step(state, trainer.put(task.train_batch(step - 1, batch_size)))
-            train_log.add(metrics)
-            due = [hook for hook in hooks if hook.due(step, last_step)]
-            for hook in due:
-                hook(step, state)
-            if due:
-                train_log.restart_clock(step)
-            if progress is not None:
-                progress.update(1)
-            done = step
+        with _SigintAtStepEnd() as sigint:
+            for step in range(start + 1, last_step + 1):
+                state, metrics = trainer.train_step(state, trainer.put(task.train_batch(step - 1, batch_size)))
+                train_log.add(metrics)
+                due = [hook for hook in hooks if hook.due(step, last_step)]
+                for hook in due:
+                    hook(step, state)
+                if due:
+                    train_log.restart_clock(step)
+                if progress is not None:
+                    progress.update(1)
+                done = step
+                if sigint.requested:
+                    raise TrainingInterrupted(step)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, TrainingInterrupted):
             raise
