@@ -78,6 +78,7 @@ class ModelConfig:
         check_impl(self.impl)
         self.pe_config  # validates the encoding name and its options
         self._check_layer_pe()
+        self._check_pattern_attends()
 
     def _check_layer_pe(self) -> None:
         """ValueError unless `layer_pe` is () or registered names including `pe`, given once (not also as `every`)."""
@@ -94,6 +95,16 @@ class ModelConfig:
         if isinstance(pe, CoPEConfig) and pe.every != 1:
             raise ValueError(f"layer_pe={self.layer_pe!r} and CoPE's every={pe.every} both give the per-layer "
                              "pattern; give layer_pe only")
+
+    def _check_pattern_attends(self) -> None:
+        """ValueError when the per-layer pattern names an additive encoding besides `pe`: additive tables act once on
+        the token embeddings, so those layers would silently get no positions."""
+        additive = sorted({name for name in self.layer_pattern if name != self.pe
+                           and pe_config(name).embedding(d_model=self.d_model, max_len=1) is not None})
+        if additive:
+            raise ValueError(f"the per-layer pattern {self.layer_pattern!r} names additive encoding(s) {additive}, "
+                             "which act on the token embeddings, not inside a layer; use 'none' for layers without "
+                             "positions")
 
     def check_filled(self) -> None:
         """ValueError naming the fields still None (not known yet): a model needs them all."""

@@ -262,3 +262,11 @@ def test_vocab_size_and_max_len_may_wait_for_the_data():
     assert filled == tiny("cope") and jaxpe.ModelConfig(VOCAB).max_len == 512
     with pytest.raises(ValueError, match="max_len=0 must be a positive int"):
         tiny("rope", max_len=0)
+
+
+@pytest.mark.parametrize("options", [dict(pe="cope", pe_options={"every": 2, "other_layers": "learned"}),
+                                     dict(pe="rope", layer_pe=("rope", "amspe"))])
+def test_a_layer_pattern_naming_an_additive_encoding_is_refused(options):
+    """Additive tables act once on the embeddings; a pattern naming one would leave those layers without positions."""
+    with pytest.raises(ValueError, match="names additive encoding"):
+        jaxpe.ModelConfig(vocab_size=16, **options)
