@@ -19,7 +19,7 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import check_even_head_dim, check_npos
+from jaxpe.validation import check_even_head_dim, check_npos, check_positive
 
 
 def interpolate_table(table: jax.Array, positions: jax.Array) -> jax.Array:
@@ -88,6 +88,10 @@ class GatedCoPERoPEConfig(GatedCoPEConfig):
     """RoPE on q and k plus the gate-network CoPE bias."""
 
     theta: float = 10000.0  # RoPE base
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("theta", self.theta)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)

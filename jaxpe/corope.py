@@ -22,7 +22,7 @@ from jaxpe.kernels._common import rotary_frequencies
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
-from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_qkv
+from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive, check_qkv
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
@@ -121,6 +121,9 @@ class CoRoPEConfig(PEConfig):
     """Contextual rotary positions (leader-head mileage)."""
 
     theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
+
+    def __post_init__(self) -> None:
+        check_positive("theta", self.theta)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)

@@ -252,6 +252,11 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
         raise ValueError(f"{max_new_tokens=} must be a positive int")
     if temperature < 0 or (temperature > 0 and rng is None):
         raise ValueError(f"{temperature=} must be >= 0, and > 0 needs an rng")
+    if not isinstance(prompt, jax.core.Tracer) and prompt.size:
+        low, high = int(jnp.min(prompt)), int(jnp.max(prompt))
+        if low < 0 or high >= model.config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={model.config.vocab_size}), got ids from "
+                             f"{low} to {high} (inside jit an out-of-range id embeds as NaN)")
     b, p = prompt.shape
     total = p + max_new_tokens
     if total > model.config.max_len:

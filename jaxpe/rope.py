@@ -56,6 +56,9 @@ class RoPEConfig(PEConfig):
 
     theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
 
+    def __post_init__(self) -> None:
+        check_positive("theta", self.theta)
+
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
         return RoPECore(theta=self.theta)

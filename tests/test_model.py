@@ -270,3 +270,20 @@ def test_a_layer_pattern_naming_an_additive_encoding_is_refused(options):
     """Additive tables act once on the embeddings; a pattern naming one would leave those layers without positions."""
     with pytest.raises(ValueError, match="names additive encoding"):
         jaxpe.ModelConfig(vocab_size=16, **options)
+
+
+@pytest.mark.parametrize("bad", [-1, 16])
+def test_generate_refuses_token_ids_outside_the_vocabulary(bad):
+    config = jaxpe.ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=2, max_len=16, dropout=0.0)
+    model = jaxpe.TransformerLM(config)
+    prompt = jnp.array([[1, 2, bad]], jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 3), jnp.int32))["params"]
+    with pytest.raises(ValueError, match=f"token ids must be in \\[0, vocab_size=16\\), got ids from {min(bad, 1)}"):
+        jaxpe.generate(model, params, prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["rope", "corope", "cope_rope"])
+@pytest.mark.parametrize("theta", [0.0, -1.0, float("nan"), float("inf")])
+def test_rotary_configs_refuse_a_non_positive_theta(name, theta):
+    with pytest.raises(ValueError, match="theta=.* must be > 0 and finite"):
+        jaxpe.pe_config(name, theta=theta)
