@@ -16,24 +16,14 @@ import pytest
 
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.cli import compare_main, eval_main
-from jaxpe.train.config import OptimConfig, build_config, to_dict
+from jaxpe.train.config import OptimConfig, to_dict
 from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
 from jaxpe.train.experiments import check_same_run, train_and_evaluate
 from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.trainer import Trainer, build_model, build_task
 
-# A tiny real jaxpe model on short flip-flop sequences: compiles in seconds on a CPU.
-TINY = [
-    "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
-    "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "optim.learning_rate=3e-3",
-    "run.log_every=1", "run.eval_every=0", "run.checkpoint_every=0", "run.eval_batch_size=16",
-    "run.progress=false", "run.num_devices=1",
-]
-
-
-def tiny(*overrides: str, pe: str = "rope") -> object:
-    return build_config(task="flipflop", pe=pe, overrides=[*TINY, *overrides])
+from tiny_config import TINY, tiny
 
 
 def train_losses(workdir: pathlib.Path) -> np.ndarray:

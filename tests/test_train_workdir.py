@@ -14,24 +14,16 @@ import time
 import pytest
 
 from jaxpe.train import cli, evaluate
-from jaxpe.train.config import build_config, to_dict
+from jaxpe.train.config import to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
 from jaxpe.train.tasks import read_jsonl
 from jaxpe.train.trainer import build_task
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
 
+from tiny_config import TINY, tiny
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
-TINY = [
-    "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
-    "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "optim.learning_rate=3e-3",
-    "run.log_every=1", "run.eval_every=0", "run.checkpoint_every=0", "run.eval_batch_size=16",
-    "run.progress=false", "run.num_devices=1",
-]
-
-
-def tiny(*overrides: str, pe: str = "rope") -> object:
-    return build_config(task="flipflop", pe=pe, overrides=[*TINY, *overrides])
 
 
 def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
