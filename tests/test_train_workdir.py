@@ -107,12 +107,12 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     (cli.train_main, ["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
     (cli.train_main, ["run.eval_splits=valid,bogus"], "run.eval_splits: unknown split(s) ['bogus'] for task "
                                                       "'flipflop'; choose from valid, ood_sparse, ood_dense"),
-    (cli.train_main, ["model.pe_options.theta=0"], "model.pe_options.theta=0 must be a finite number > 0"),
+    (cli.train_main, ["model.pe_options.theta=0"], "theta=0 must be > 0 and finite"),
     (cli.train_main, ["task.nvars=3"], "unknown option 'nvars' for task 'flipflop'"),
     (cli.compare_main, ["--pe", "rope,bogus"], "unknown encoding(s) ['bogus']"),
     (cli.compare_main, ["--pe", "rope,alibi,rope"], "'rope,alibi,rope' repeats rope"),
     (cli.compare_main, ["--seeds", "0,1,0"], "'0,1,0' repeats 0"),
-    (cli.compare_main, ["--pe", "rope,corope", "model.pe_options.theta=-1"], "theta=-1 must be a finite number > 0"),
+    (cli.compare_main, ["--pe", "rope,corope", "model.pe_options.theta=-1"], "theta=-1 must be > 0 and finite"),
     (cli.compare_main, ["--pe", "rope,cope", "model.pe_options.theta=100"], "unknown option 'theta' for pe='cope'"),
     (cli.train_main, ["--pe", "rope", "model.pe_options.npos=3"], "unknown option 'npos' for pe='rope'"),
 ])

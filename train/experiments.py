@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,13 +72,10 @@ def validate_config(config: TrainConfig) -> Task:
     if unknown:
         raise ValueError(f"run.eval_splits: unknown split(s) {unknown} for task {config.task.name!r}; "
                          f"choose from {', '.join(splits)}")
-    try:
-        options = pe_config(config.model.pe, **dict(config.model.pe_options))
+    try:  # the encoding checks its own options (ValueError naming them, e.g. theta > 0 for rotary ones)
+        pe_config(config.model.pe, **dict(config.model.pe_options))
     except TypeError as error:
         raise ValueError(f"model.pe_options for {config.model.pe!r}: {error}") from None
-    theta = getattr(options, "theta", None)
-    if theta is not None and not (math.isfinite(theta) and theta > 0):
-        raise ValueError(f"model.pe_options.theta={theta!r} must be a finite number > 0 for {config.model.pe!r}")
     build_model(config.model, task.vocab_size, longest_length(task))
     return task
 
