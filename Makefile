@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-wheel test-newest bench clean
+.PHONY: demo test test-wheel test-newest test-compile compile-report bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,28 @@ test: .venv
 test-wheel:
 	.ci/wheel_smoke $(PY)
 
+# The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to
+# the installed jaxlib; jax 0.10 is the last whose plugin exposes it) and ptxas, in their own venv, so that the main
+# suite never sees the plugin (it makes jax try CUDA first).
+COMPILE_VENV := .venv-compile
+NVCC ?= nvidia-cuda-nvcc
+
+$(COMPILE_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(COMPILE_VENV)
+	$(COMPILE_VENV)/bin/pip install -q --upgrade pip
+	$(COMPILE_VENV)/bin/pip install -q -e ".[test]" "jax>=0.10,<0.11"
+	$(COMPILE_VENV)/bin/pip install -q "jax-cuda13-plugin==$$($(COMPILE_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
+	$(COMPILE_VENV)/bin/pip install -q --no-deps "$(NVCC)"
+	touch $@
+
+COMPILE_TESTS ?= -m "not slow"  # `make test-compile COMPILE_TESTS=` also compiles Co-RoPE (hours on 2 cores)
+
+test-compile: $(COMPILE_VENV)/.installed
+	JAX_PLATFORMS=cpu $(COMPILE_VENV)/bin/python -m pytest -q $(COMPILE_TESTS) tests/test_compile_report.py
+
+compile-report: $(COMPILE_VENV)/.installed
+	JAX_PLATFORMS=cpu $(COMPILE_VENV)/bin/python -m jaxpe.kernels.compile_report
+
 test-newest:
 	.ci/newest_jax
 
@@ -31,4 +53,4 @@ bench: .venv
 	$(BIN)/python benchmarks/attention.py --quick
 
 clean:
-	rm -rf $(VENV) .venv-newest
+	rm -rf $(VENV) .venv-newest $(COMPILE_VENV)

@@ -1,0 +1,672 @@
+"""Compile every fused kernel for an H100 (sm_90a) on a machine without a GPU, and report what it costs.
+
+    python -m jaxpe.kernels.compile_report            # the full grid; JSON and Markdown into results/compile/
+    python -m jaxpe.kernels.compile_report --quick    # D 64, GQA, npos 64 only
+
+How (no GPU needed): each op and its gradient are lowered for CUDA
+(`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`); every `stablehlo.custom_call` to
+`__gpu$xla.gpu.triton` carries the Pallas kernel as Triton MLIR bytecode (`mhlo.backend_config`: name, ir,
+num_warps, num_stages). XLA's own Triton compiler, shipped in the CUDA plugin of jax (`jax-cuda13-plugin`, the
+version of the installed jaxlib), turns it into PTX for compute capability 9.0 (`.target sm_90a`) and gives the
+shared memory; `ptxas -v --gpu-name=sm_90a` (from the `nvidia-cuda-nvcc` wheel) gives registers and spills. A bad
+setting can abort the Triton compiler, so each kernel compiles in its own subprocess. Shared memory over the limit
+compiles without complaint; the report checks it against SMEM_LIMIT_BYTES itself. ptxas needs minutes and GBs on
+Co-RoPE's megabytes of PTX: it is skipped over --max-ptx-mib and capped at --ptxas-memory-gib (the row says so).
+Works with jax 0.10 only: from 0.11 on, jax's CUDA plugin no longer hands XLA's Triton compiler to Python.
+
+Letters: B batch, L length, N query heads, K key/value heads, D head dim, P = npos (CoPE's table rows).
+Kernels per op: "forward" (inference), "forward_train" (the forward that saves residuals for the gradient, when it
+differs), "dq" and "dkv" (the two backward kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxpe.kernels import cope_attention, corope_attention
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+GPU_NAME = "sm_90a"  # ptxas target: H100/H200 with the Hopper-only instructions Triton emits (wgmma)
+TRITON_ARCH = "9.0"  # compute capability as XLA's Triton compiler takes it
+LOWERED_FOR = "NVIDIA H100"  # the abstract device jax >= 0.12 reads the GPU generation from
+SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
+# The budgets of issue 12, in spilled bytes per thread (stores and loads each): none in forward kernels.
+SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "dq": 512, "dkv": 512}
+PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
+OPS = ("cope", "corope")
+DTYPES = ("float32", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+HEADS = ((8, 2), (8, 8))  # (N, K): GQA with groups of 4, and MHA
+NPOS = (64, 513)  # CoPE table rows: a small table, and block 512 + 1 (the layer's default)
+LENGTH = 1024
+# ptxas on Co-RoPE's PTX: 4.6 MiB (D 64) took 45 s and 2.2 GB, 9.5 MiB (D 128) 2.7 min and 6.9 GB, 13-19 MiB
+# (D 256) over 10 minutes and past 10 GB. Larger PTX is not given to ptxas, and ptxas no more memory than this.
+MAX_PTX_MIB = 12.0
+PTXAS_MEMORY_GIB = 8.0
+OUTPUT_DIR = pathlib.Path("results/compile")
+_RESULT_PREFIX = "@@compile_report "
+
+
+class ToolchainMissing(RuntimeError):
+    """The CUDA plugin of jax (XLA's Triton compiler) or ptxas is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """What compiles the kernels: the plugin's distribution name and version, and a ptxas."""
+
+    plugin: str
+    plugin_version: str
+    ptxas: str
+    ptxas_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One configuration of an op: inputs q [B, L, N, D], k/v [B, L, K, D] (and a CoPE table [P, D])."""
+
+    op: str  # "cope" or "corope"
+    dtype: str  # "float32" or "bfloat16"
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    npos: int | None = None  # CoPE only
+    length: int = LENGTH
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op={self.op!r} must be one of {OPS}")
+        if (self.op == "cope") != (self.npos is not None):
+            raise ValueError(f"npos={self.npos} must be given for cope and only for cope (op={self.op!r})")
+        jnp.dtype(self.dtype)  # raises on an unknown name
+
+    @property
+    def id(self) -> str:
+        npos = f"-P{self.npos}" if self.npos is not None else ""
+        return f"{self.op}-{_short_dtype(self.dtype)}-D{self.head_dim}-N{self.q_heads}K{self.kv_heads}{npos}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One Triton call of a case, lowered for the GPU: the kernel's role, its Triton name and settings, its IR."""
+
+    case: Case
+    role: str  # "forward", "forward_train", "dq", "dkv" (or the Triton name when it says none of these)
+    name: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    ir: bytes = dataclasses.field(repr=False)  # Triton MLIR bytecode
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """What compiling one kernel gave: ptxas's registers and spills (bytes per thread), Triton's shared memory."""
+
+    op: str
+    dtype: str
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    npos: int | None
+    length: int
+    batch: int
+    kernel: str
+    name: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack_frame: int | None = None
+    smem_bytes: int | None = None
+    ptx_bytes: int | None = None
+    triton_seconds: float | None = None
+    ptxas_seconds: float | None = None
+    error: str | None = None  # lowering, Triton or ptxas failure; the numbers above are then partly missing
+
+    @property
+    def case_id(self) -> str:
+        return Case(self.op, self.dtype, self.head_dim, self.q_heads, self.kv_heads, self.npos, self.length,
+                    self.batch).id
+
+    def problems(self) -> list[str]:
+        """How this kernel misses issue 12's budgets: failed, shared memory over the limit, spills over budget."""
+        if self.error is not None:
+            return [f"failed: {self.error}"]
+        found = []
+        if self.smem_bytes is not None and self.smem_bytes > SMEM_LIMIT_BYTES:
+            found.append(f"shared memory {self.smem_bytes} > {SMEM_LIMIT_BYTES} bytes")
+        budget = SPILL_BUDGET_BYTES.get(self.kernel)
+        spilled = max(self.spill_stores or 0, self.spill_loads or 0)
+        if budget is not None and spilled > budget:
+            found.append(f"spills {self.spill_stores}/{self.spill_loads} bytes (store/load) > {budget}")
+        return found
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+
+
+def default_cases(ops: Sequence[str] = OPS, dtypes: Sequence[str] = DTYPES, head_dims: Sequence[int] = HEAD_DIMS,
+                  heads: Sequence[tuple[int, int]] = HEADS, npos: Sequence[int] = NPOS,
+                  length: int = LENGTH) -> list[Case]:
+    """Every combination (npos for CoPE only), in op, dtype, D, heads, npos order."""
+    cases = []
+    for op in ops:
+        for dtype in dtypes:
+            for head_dim in head_dims:
+                for n, k in heads:
+                    for p in (npos if op == "cope" else (None,)):
+                        cases.append(Case(op, dtype, head_dim, n, k, p, length))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------- toolchain
+
+
+def find_toolchain(ptxas: str | None = None) -> Toolchain:
+    """The installed CUDA plugin (same version as jaxlib) and a ptxas that knows sm_90a, or ToolchainMissing.
+
+    ptxas: a path; else $PTXAS, the nvidia-cuda-nvcc wheel (nvidia/cu13/bin, nvidia/cuda_nvcc/bin), then PATH."""
+    jaxlib_version = importlib.metadata.version("jaxlib")
+    install = (f"install them with:\n    pip install 'jax-cuda13-plugin=={jaxlib_version}'\n"
+               f"    pip install --no-deps nvidia-cuda-nvcc\n"
+               "(or run `make test-compile`, which makes .venv-compile with both). In a venv without a GPU, set "
+               "JAX_PLATFORMS=cpu so that jax does not try to start CUDA.")
+    plugin = plugin_version = None
+    for name in PLUGINS:
+        try:
+            plugin, plugin_version = name, importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if plugin is None:
+        raise ToolchainMissing("the compile report needs XLA's Triton compiler from jax's CUDA plugin "
+                               f"(jax-cuda13-plugin=={jaxlib_version}) and ptxas (nvidia-cuda-nvcc); {install}")
+    if plugin_version != jaxlib_version:
+        raise ToolchainMissing(f"{plugin}=={plugin_version} does not match jaxlib=={jaxlib_version}; {install}")
+    from jax._src.lib import triton  # jax has no public API for XLA's Triton compiler
+
+    if not hasattr(triton, "compile"):
+        raise ToolchainMissing(f"jax {jax.__version__} no longer exposes XLA's Triton compiler to Python (the CUDA "
+                               "plugin registers it up to jax 0.10; from 0.11 on, XLA compiles Triton calls only "
+                               "inside its own GPU compile): run the report with jax 0.10, as .venv-compile does "
+                               "(make test-compile)")
+    path = _find_ptxas(ptxas)
+    if path is None:
+        raise ToolchainMissing(f"ptxas not found (looked at $PTXAS, the nvidia-cuda-nvcc wheel and PATH); {install}")
+    out = subprocess.run([path, "--version"], capture_output=True, text=True)
+    version = re.search(r"V(\d+\.\d+\.\d+)", out.stdout)
+    if out.returncode != 0 or version is None:
+        raise ToolchainMissing(f"{path} --version failed: {out.stderr.strip() or out.stdout.strip()}")
+    return Toolchain(plugin, plugin_version, path, version.group(1))
+
+
+def _find_ptxas(explicit: str | None) -> str | None:
+    if explicit or os.environ.get("PTXAS"):
+        path = explicit or os.environ["PTXAS"]
+        return path if os.access(path, os.X_OK) else None
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13/bin/ptxas", "cuda_nvcc/bin/ptxas"):
+            path = os.path.join(root, sub)
+            if os.access(path, os.X_OK):
+                return path
+    return shutil.which("ptxas")
+
+
+# ----------------------------------------------------------------------------------------------------- lowering
+
+
+def _attention(case: Case) -> tuple[Callable[..., jax.Array], tuple[jax.ShapeDtypeStruct, ...]]:
+    """The op with its default block sizes and warps, and the abstract inputs of the case."""
+    dtype = jnp.dtype(case.dtype)
+    q = jax.ShapeDtypeStruct((case.batch, case.length, case.q_heads, case.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((case.batch, case.length, case.kv_heads, case.head_dim), dtype)
+    sm_scale = case.head_dim ** -0.5
+    if case.op == "cope":
+        fn = functools.partial(cope_attention.cope_attention_pallas, sm_scale=sm_scale, interpret=False)
+        return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.npos, case.head_dim), dtype))
+    fn = functools.partial(corope_attention.corope_attention_pallas, theta=10000.0, sm_scale=sm_scale,
+                           interpret=False)
+    return fn, (q, kv, kv)
+
+
+def _lowered_for_gpu(fn: Callable, args: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
+    """The StableHLO module of `fn` lowered for CUDA. jax >= 0.12 reads the GPU generation from the abstract mesh's
+    device when no GPU is present (earlier versions do not ask)."""
+    h100 = jax.sharding.AbstractDevice(device_kind=LOWERED_FOR, num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+
+
+def _triton_calls(module: Any) -> list[dict[str, Any]]:
+    """The backend configs of every Triton custom call in the module, in program order."""
+    found = []
+
+    def walk(operation: Any) -> None:
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    attrs = op.operation.attributes
+                    if (op.operation.name == "stablehlo.custom_call"
+                            and attrs["call_target_name"].value == TRITON_CALL):
+                        config = attrs["mhlo.backend_config"]
+                        found.append({"name": config["name"].value, "ir": config["ir"].value_bytes,
+                                      "num_warps": config["num_warps"].value,
+                                      "num_stages": config["num_stages"].value,
+                                      "grid": tuple(config[f"grid_{a}"].value for a in "xyz")})
+                    walk(op.operation)
+
+    walk(module.operation)
+    return found
+
+
+def _role(name: str, training: bool) -> str:
+    if re.search(r"dk_?dv|dkv", name):
+        return "dkv"
+    if re.search(r"(^|_)dq($|_)", name):
+        return "dq"
+    if "forward" in name or "fwd" in name:
+        return "forward_train" if training else "forward"
+    return name
+
+
+def lower_kernels(case: Case) -> list[Kernel]:
+    """The case's kernels for the GPU: the inference forward, then those of the gradient (forward with residuals,
+    dq, dk/dv), each distinct IR once."""
+    fn, args = _attention(case)
+    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=tuple(range(len(args))))
+    kernels, seen = [], set()
+    for training, f in ((False, fn), (True, grad)):
+        for call in _triton_calls(_lowered_for_gpu(f, args)):
+            if call["ir"] in seen:
+                continue
+            seen.add(call["ir"])
+            kernels.append(Kernel(case, _role(call["name"], training), call["name"], call["num_warps"],
+                                  call["num_stages"], call["grid"], call["ir"]))
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------------- compiling
+
+
+def _row(kernel: Kernel, **numbers: Any) -> Row:
+    c = kernel.case
+    return Row(c.op, c.dtype, c.head_dim, c.q_heads, c.kv_heads, c.npos, c.length, c.batch, kernel.role, kernel.name,
+               kernel.num_warps, kernel.num_stages, kernel.grid, **numbers)
+
+
+def parse_ptxas(text: str) -> dict[str, int]:
+    """Registers, spill stores/loads and stack frame (bytes per thread) from `ptxas -v` output (one kernel)."""
+    numbers = {}
+    if m := re.search(r"Used (\d+) registers", text):
+        numbers["registers"] = int(m.group(1))
+    if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):
+        numbers["stack_frame"], numbers["spill_stores"], numbers["spill_loads"] = map(int, m.groups())
+    return numbers
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+class _Processes:
+    """The compile subprocesses running now, so that an interrupted report ends them instead of orphaning them."""
+
+    def __init__(self) -> None:
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.stopping = False
+
+    def run(self, command: list[str], timeout: float | None, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """subprocess.run, tracked; raises subprocess.TimeoutExpired after killing the process."""
+        with self._lock:
+            if self.stopping:
+                raise KeyboardInterrupt
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            self._live.add(process)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+        finally:
+            with self._lock:
+                self._live.discard(process)
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            self.stopping = True
+            for process in self._live:
+                process.kill()
+
+
+class _Once:
+    """Results by key, each computed once even when threads ask at the same time (ptxas per distinct PTX: the forward
+    that saves residuals often compiles to the very same PTX as the inference forward)."""
+
+    def __init__(self) -> None:
+        self._results: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            future = self._results.get(key)
+            owner = future is None
+            if owner:
+                future = self._results[key] = concurrent.futures.Future()
+        if owner:
+            try:
+                future.set_result(compute())
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+
+def _run_ptxas(ptxas: str, ptx_path: pathlib.Path, *, timeout: float | None, memory_gib: float | None,
+               processes: _Processes) -> dict[str, Any]:
+    """ptxas -v on one PTX file: its numbers and seconds, or an error."""
+    command = [ptxas, "-v", f"--gpu-name={GPU_NAME}", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))]
+    if memory_gib is not None:  # a cap on its address space: ptxas then fails cleanly instead of swamping the host
+        command = ["sh", "-c", f'ulimit -v {int(memory_gib * 2 ** 20)} && exec "$0" "$@"', *command]
+    start = time.perf_counter()
+    try:
+        out = processes.run(command, timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ptxas timed out after {timeout} s"}
+    result: dict[str, Any] = {"ptxas_seconds": round(time.perf_counter() - start, 2),
+                              **parse_ptxas(out.stdout + out.stderr)}
+    if "Memory allocation failure" in out.stderr + out.stdout:
+        result["error"] = f"ptxas ran out of memory: over its cap of {memory_gib} GiB (--ptxas-memory-gib)"
+    elif out.returncode != 0 or "registers" not in result:
+        result["error"] = f"ptxas exited {out.returncode}: {_tail(out.stderr + out.stdout)}"
+    return result
+
+
+def compile_kernel(kernel: Kernel, toolchain: Toolchain, *, timeout: float | None = 1800.0,
+                   max_ptx_mib: float | None = MAX_PTX_MIB, ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB,
+                   ptx_dir: pathlib.Path | None = None, processes: _Processes | None = None,
+                   ptxas_results: _Once | None = None) -> Row:
+    """Triton -> PTX in a subprocess (a bad setting aborts the compiler), then ptxas -v; failures become row.error.
+
+    ptxas is not run on PTX over max_ptx_mib and is stopped at ptxas_memory_gib (None: no limit; see MAX_PTX_MIB).
+    """
+    processes = processes or _Processes()
+    ptxas_results = ptxas_results or _Once()
+    with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
+        ir_path, ptx_path = pathlib.Path(tmp, "kernel.mlirbc"), pathlib.Path(tmp, "kernel.ptx")
+        ir_path.write_bytes(kernel.ir)
+        command = [sys.executable, "-m", "jaxpe.kernels.compile_report", "--compile-one", str(ir_path),
+                   str(ptx_path), "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
+        try:
+            out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        except subprocess.TimeoutExpired:
+            return _row(kernel, error=f"Triton compile timed out after {timeout} s")
+        results = [line for line in out.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+        if out.returncode != 0 or not results:
+            return _row(kernel, error=f"Triton compile exited {out.returncode}: {_tail(out.stderr + out.stdout)}")
+        triton = json.loads(results[-1][len(_RESULT_PREFIX):])
+        ptx = ptx_path.read_bytes()
+        if ptx_dir is not None:
+            ptx_dir.mkdir(parents=True, exist_ok=True)
+            (ptx_dir / f"{kernel.case.id}-{kernel.role}.ptx").write_bytes(ptx)
+        from_triton = dict(smem_bytes=triton["smem_bytes"], ptx_bytes=len(ptx),
+                           triton_seconds=round(triton["seconds"], 2))
+        if max_ptx_mib is not None and len(ptx) > max_ptx_mib * 2 ** 20:
+            return _row(kernel, **from_triton,
+                        error=f"ptxas not run: {len(ptx) / 2 ** 20:.1f} MiB of PTX > {max_ptx_mib} MiB (--max-ptx-mib)")
+        from_ptxas = ptxas_results.get(
+            hashlib.sha256(ptx).hexdigest(),
+            lambda: _run_ptxas(toolchain.ptxas, ptx_path, timeout=timeout, memory_gib=ptxas_memory_gib,
+                               processes=processes))
+        return _row(kernel, **from_triton, **from_ptxas)
+
+
+def _compile_one(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
+    """Subprocess side: XLA's Triton compiler (registered by the CUDA plugin when jax starts its backends)."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.devices()  # loads the plugin, which registers its Triton compiler
+    from jax._src.lib import triton  # the only way in: jax has no public API for XLA's Triton compiler
+
+    if not triton.has_compilation_handler("cuda"):
+        sys.exit("jax's CUDA plugin did not register a Triton compiler (is it the version of jaxlib?)")
+    start = time.perf_counter()
+    result = triton.compile("cuda", pathlib.Path(ir_path).read_bytes(), TRITON_ARCH, num_warps=num_warps,
+                            num_ctas=1, num_stages=num_stages)
+    seconds = time.perf_counter() - start
+    pathlib.Path(ptx_path).write_text(result.asm)
+    print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(result.smem_bytes), "seconds": seconds}), flush=True)
+
+
+def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1, timeout: float | None = 1800.0,
+                  max_ptx_mib: float | None = MAX_PTX_MIB, ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB,
+                  ptx_dir: pathlib.Path | None = None, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Every kernel of every case, `jobs` compiles at a time; rows in case order.
+
+    Cases lower one after the other here while their kernels compile in subprocesses, the likely longest first
+    (Co-RoPE, large D, float32), so that the short ones fill in at the end. Each ptxas of a Co-RoPE kernel can take
+    several GB of memory (up to ptxas_memory_gib each): mind `jobs`."""
+    cases = list(cases)
+    longest_first = sorted(range(len(cases)), key=lambda i: (cases[i].op != "corope", -cases[i].head_dim,
+                                                             cases[i].dtype != "float32"))
+    rows: dict[tuple[int, int], Row] = {}
+    processes, ptxas_results = _Processes(), _Once()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        try:
+            futures = {}
+            for i in longest_first:
+                try:
+                    kernels = lower_kernels(cases[i])
+                except Exception as e:  # noqa: BLE001  a kernel that does not lower is a result, not a crash
+                    failed = Kernel(cases[i], "lowering", "", 0, 0, (0, 0, 0), b"")
+                    rows[i, 0] = row = _row(failed, error=f"lowering failed: {type(e).__name__}: {e}")
+                    if progress is not None:
+                        progress(row)
+                    continue
+                for j, kernel in enumerate(kernels):
+                    futures[pool.submit(compile_kernel, kernel, toolchain, timeout=timeout, max_ptx_mib=max_ptx_mib,
+                                        ptxas_memory_gib=ptxas_memory_gib, ptx_dir=ptx_dir, processes=processes,
+                                        ptxas_results=ptxas_results)] = i, j
+            for future in concurrent.futures.as_completed(futures):
+                rows[futures[future]] = row = future.result()
+                if progress is not None:
+                    progress(row)
+        except BaseException:  # interrupted: end the compilers rather than leave them running
+            processes.kill_all()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return [rows[key] for key in sorted(rows)]
+
+
+# ------------------------------------------------------------------------------------------------------ reports
+
+
+def _kernel_sources_sha256() -> str:
+    """A fingerprint of the kernel sources the numbers belong to."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(cope_attention.__file__).parent.glob("*.py")):
+        if path.name != "compile_report.py":
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def report(rows: Sequence[Row], toolchain: Toolchain, *, seconds: float | None = None,
+           settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON report: target, versions, date, the kernel sources' fingerprint, the run's settings and the rows."""
+    return {
+        "target": {"gpu_name": GPU_NAME, "triton_arch": TRITON_ARCH, "lowered_for": LOWERED_FOR,
+                   "smem_limit_bytes": SMEM_LIMIT_BYTES, "spill_budget_bytes": SPILL_BUDGET_BYTES},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": importlib.metadata.version("jaxlib"), toolchain.plugin: toolchain.plugin_version,
+                     "ptxas": toolchain.ptxas_version},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
+        "kernel_sources_sha256": _kernel_sources_sha256(),
+        "settings": settings or {},
+        "wall_seconds": None if seconds is None else round(seconds, 1),
+        "rows": [dataclasses.asdict(row) for row in rows],
+    }
+
+
+def _cell(value: Any, fmt: str = "{}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The report as a Markdown table, one row per kernel, with the budget verdict."""
+    v = data["versions"]
+    lines = [
+        f"# Fused kernels compiled for {data['target']['gpu_name']} without a GPU",
+        "",
+        f"`python -m jaxpe.kernels.compile_report`, {data['date']}: "
+        + ", ".join(f"{k} {val}" for k, val in v.items())
+        + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
+        f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
+        f"{data['target']['smem_limit_bytes']} bytes). Budget (issue 12): no spills in forward kernels, ≤ 512 bytes "
+        "in backward kernels.",
+        "",
+        "| op | dtype | D | N/K | npos | L | kernel | warps/stages | registers | spill store/load B | smem B | PTX KiB "
+        "| Triton s | ptxas s | budget |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        row = Row(**{**r, "grid": tuple(r["grid"])})
+        problems = row.problems()
+        verdict = "ok" if not problems else "; ".join(problems)
+        spills = "—" if row.spill_stores is None else f"{row.spill_stores} / {row.spill_loads}"
+        lines.append(
+            f"| {row.op} | {_short_dtype(row.dtype)} | {row.head_dim} | {row.q_heads}/{row.kv_heads} "
+            f"| {_cell(row.npos)} | {row.length} | {row.kernel} | {row.num_warps}/{row.num_stages} "
+            f"| {_cell(row.registers)} | {spills} | {_cell(row.smem_bytes)} "
+            f"| {_cell(None if row.ptx_bytes is None else row.ptx_bytes / 1024, '{:.0f}')} "
+            f"| {_cell(row.triton_seconds, '{:.1f}')} | {_cell(row.ptxas_seconds, '{:.1f}')} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
+    return lambda text: tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+
+
+def _dtype(name: str) -> str:
+    return {"f32": "float32", "bf16": "bfloat16"}.get(name, name)
+
+
+def _heads(text: str) -> tuple[int, int]:
+    n, _, k = text.partition("/")
+    return int(n), int(k or n)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxpe.kernels.compile_report", description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", type=_csv(str), default=OPS, help="cope,corope")
+    parser.add_argument("--dtypes", type=_csv(_dtype), default=DTYPES, help="float32,bfloat16 (or f32,bf16)")
+    parser.add_argument("--head-dims", type=_csv(int), default=HEAD_DIMS, help="64,128,256")
+    parser.add_argument("--heads", type=_csv(_heads), default=HEADS, help="query/kv heads: 8/2,8/8")
+    parser.add_argument("--npos", type=_csv(int), default=NPOS, help="CoPE table rows: 64,513")
+    parser.add_argument("--length", type=int, default=LENGTH)
+    parser.add_argument("--quick", action="store_true", help="D 64, heads 8/2, npos 64 only")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="compiles at a time (default: half the CPUs)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile step")
+    parser.add_argument("--max-ptx-mib", type=float, default=MAX_PTX_MIB,
+                        help="skip ptxas on larger PTX, which takes GBs of memory (0: no limit)")
+    parser.add_argument("--ptxas-memory-gib", type=float, default=PTXAS_MEMORY_GIB,
+                        help="memory cap of each ptxas (0: none); jobs × this must fit the machine")
+    parser.add_argument("--ptxas", help="path to ptxas (default: $PTXAS, the nvidia-cuda-nvcc wheel, PATH)")
+    parser.add_argument("--output-dir", type=pathlib.Path, default=OUTPUT_DIR)
+    parser.add_argument("--name", help="file stem (default: sm90a for the full grid, sm90a-quick, sm90a-subset)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--ptx-dir", type=pathlib.Path, help="also keep each kernel's PTX there")
+    parser.add_argument("--compile-one", nargs=2, metavar=("IR", "PTX"), help=argparse.SUPPRESS)
+    parser.add_argument("--num-warps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--num-stages", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for op in args.ops:
+        if op not in OPS:
+            parser.error(f"--ops: {op!r} is not one of {OPS}")
+    full = (args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length) == (
+        OPS, DTYPES, HEAD_DIMS, HEADS, NPOS, LENGTH)
+    if args.quick:
+        args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
+    args.name = args.name or ("sm90a-quick" if args.quick else "sm90a" if full else "sm90a-subset")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compile_one:
+        _compile_one(*args.compile_one, num_warps=args.num_warps, num_stages=args.num_stages)
+        return 0
+    try:
+        toolchain = find_toolchain(args.ptxas)
+    except ToolchainMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    jax.config.update("jax_platforms", "cpu")  # lowering for CUDA needs no GPU; do not start CUDA here
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the compilers too (KeyboardInterrupt)
+    cases = default_cases(args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length)
+    print(f"compiling {len(cases)} configurations for {GPU_NAME} with {toolchain.plugin} {toolchain.plugin_version}, "
+          f"ptxas {toolchain.ptxas_version}, {args.jobs} at a time", file=sys.stderr)
+    start = time.perf_counter()
+
+    def progress(row: Row) -> None:
+        what = (f"{row.registers} registers, spills {row.spill_stores}/{row.spill_loads} B, smem {row.smem_bytes} B, "
+                f"{(row.triton_seconds or 0) + (row.ptxas_seconds or 0):.1f} s") if row.error is None else row.error
+        print(f"[{time.perf_counter() - start:6.0f} s] {row.case_id} {row.kernel}: {what}", file=sys.stderr,
+              flush=True)
+
+    try:
+        rows = compile_cases(cases, toolchain, jobs=args.jobs, timeout=args.timeout,
+                             max_ptx_mib=args.max_ptx_mib or None, ptxas_memory_gib=args.ptxas_memory_gib or None,
+                             ptx_dir=args.ptx_dir, progress=progress)
+    except KeyboardInterrupt:
+        print("interrupted: the compilers were stopped, nothing written", file=sys.stderr)
+        return 130
+    settings = {"jobs": args.jobs, "timeout_s": args.timeout, "max_ptx_mib": args.max_ptx_mib or None,
+                "ptxas_memory_gib": args.ptxas_memory_gib or None}
+    data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings)
+    text = markdown(data)
+    print(text)
+    if not args.no_write:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        (args.output_dir / f"{args.name}.md").write_text(text)
+        print(f"wrote {args.output_dir / args.name}.json and .md", file=sys.stderr)
+    return 1 if any(row.error for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
