@@ -154,18 +154,32 @@ class Row:
         return Case(self.op, self.dtype, self.head_dim, self.q_heads, self.kv_heads, self.npos, self.length,
                     self.batch).id
 
-    def problems(self) -> list[str]:
-        """How this kernel misses issue 12's budgets: failed, shared memory over the limit, spills over budget."""
-        if self.error is not None:
-            return [f"failed: {self.error}"]
-        found = []
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Row:
+        """A row read back from the JSON report."""
+        return cls(**{**row, "grid": tuple(row["grid"])})
+
+    def launch_problems(self) -> list[str]:
+        """Why this kernel would not run on an H100: it did not compile, or its shared memory is over the limit."""
+        found = [f"failed: {self.error}"] if self.error is not None else []
         if self.smem_bytes is not None and self.smem_bytes > SMEM_LIMIT_BYTES:
             found.append(f"shared memory {self.smem_bytes} > {SMEM_LIMIT_BYTES} bytes")
-        budget = SPILL_BUDGET_BYTES.get(self.kernel)
-        spilled = max(self.spill_stores or 0, self.spill_loads or 0)
-        if budget is not None and spilled > budget:
-            found.append(f"spills {self.spill_stores}/{self.spill_loads} bytes (store/load) > {budget}")
         return found
+
+    def spill_problems(self) -> list[str]:
+        """Spills over issue 12's budget for this kernel's role (unknown when ptxas did not finish)."""
+        budget = SPILL_BUDGET_BYTES.get(self.kernel)
+        if budget is None:
+            return []
+        if self.spill_stores is None or self.spill_loads is None:
+            return ["spills unknown: ptxas did not finish"]
+        if max(self.spill_stores, self.spill_loads) > budget:
+            return [f"spills {self.spill_stores}/{self.spill_loads} bytes (store/load) > {budget}"]
+        return []
+
+    def problems(self) -> list[str]:
+        """Every way this kernel misses issue 12's budgets (an empty list: within all of them)."""
+        return self.launch_problems() + (self.spill_problems() if self.error is None else [])
 
 
 def _short_dtype(dtype: str) -> str:
@@ -184,6 +198,16 @@ def default_cases(ops: Sequence[str] = OPS, dtypes: Sequence[str] = DTYPES, head
                     for p in (npos if op == "cope" else (None,)):
                         cases.append(Case(op, dtype, head_dim, n, k, p, length))
     return cases
+
+
+def default_jobs() -> int:
+    """Compiles at a time: one per CPU, with room for a ptxas at its memory cap (plus 2 GB) beside each."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        return max(1, cpus // 2)
+    return max(1, min(cpus, int(memory_gib // (PTXAS_MEMORY_GIB + 2))))
 
 
 # ---------------------------------------------------------------------------------------------------- toolchain
@@ -542,6 +566,18 @@ def _cell(value: Any, fmt: str = "{}") -> str:
     return "—" if value is None else fmt.format(value)
 
 
+def _settings_sentence(data: dict[str, Any]) -> str:
+    settings, seconds = data.get("settings") or {}, data.get("wall_seconds")
+    parts = []
+    if seconds is not None:
+        parts.append(f"The whole run took {seconds / 60:.0f} min with {settings.get('jobs', '?')} compiles at a time")
+    if settings.get("max_ptx_mib"):
+        parts.append(f"ptxas was not run on PTX over {settings['max_ptx_mib']:g} MiB")
+    if settings.get("ptxas_memory_gib"):
+        parts.append(f"nor allowed over {settings['ptxas_memory_gib']:g} GiB of memory")
+    return (" " + "; ".join(parts) + ".") if parts else ""
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The report as a Markdown table, one row per kernel, with the budget verdict."""
     v = data["versions"]
@@ -553,14 +589,15 @@ def markdown(data: dict[str, Any]) -> str:
         + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
         f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
         f"{data['target']['smem_limit_bytes']} bytes). Budget (issue 12): no spills in forward kernels, ≤ 512 bytes "
-        "in backward kernels.",
+        "in backward kernels."
+        + _settings_sentence(data),
         "",
         "| op | dtype | D | N/K | npos | L | kernel | warps/stages | registers | spill store/load B | smem B | PTX KiB "
         "| Triton s | ptxas s | budget |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
-        row = Row(**{**r, "grid": tuple(r["grid"])})
+        row = Row.from_dict(r)
         problems = row.problems()
         verdict = "ok" if not problems else "; ".join(problems)
         spills = "—" if row.spill_stores is None else f"{row.spill_stores} / {row.spill_loads}"
@@ -598,8 +635,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--npos", type=_csv(int), default=NPOS, help="CoPE table rows: 64,513")
     parser.add_argument("--length", type=int, default=LENGTH)
     parser.add_argument("--quick", action="store_true", help="D 64, heads 8/2, npos 64 only")
-    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="compiles at a time (default: half the CPUs)")
+    parser.add_argument("--jobs", type=int, default=default_jobs(),
+                        help="compiles at a time (default: a CPU and 10 GB of memory each)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile step")
     parser.add_argument("--max-ptx-mib", type=float, default=MAX_PTX_MIB,
                         help="skip ptxas on larger PTX, which takes GBs of memory (0: no limit)")
