@@ -12,7 +12,7 @@ from typing import Protocol
 import flax.linen as nn
 import jax
 
-from jaxpe.softmax_attention import attend
+from jaxpe.softmax_attention import attend, visibility_mask
 
 
 @jax.tree_util.register_dataclass
@@ -21,10 +21,26 @@ class AttentionContext:
     """What a core may read besides q, k, v; a pytree (arrays are leaves, `decode` is static)."""
 
     x: jax.Array  # [B, Lq, d_model] the layer input (gate networks, separate gate keys)
-    q_pos: jax.Array  # [B, Lq] int32 absolute query positions
-    mask: jax.Array | None = None  # None: causal over the full sequence (Lq == Lk, the fast path); [B, Lq, Lk] bool
+    q_pos: jax.Array  # [B, Lq] int32 query positions (the caller's, else 0, 1, ... continuing the cache)
+    k_pos: jax.Array  # [B, Lk] int32 key positions (equal to q_pos without a cache)
+    mask: jax.Array | None = None  # [B, Lq, Lk] bool, everything included (decoding); None: see segment_ids, window
+    segment_ids: jax.Array | None = None  # [B, L] int32 document ids, padding folded in (PAD_SEGMENT); None: one
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # sliding window, None: all
     decode: bool = dataclasses.field(default=False, metadata=dict(static=True))  # keys come from the KV cache
+    cache_index: jax.Array | None = None  # int32 scalar: where this call's keys are written in the cache (decoding)
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
+
+    @property
+    def plain_causal(self) -> bool:
+        """True when key j is visible to query i exactly when j <= i (Lq == Lk): no mask, documents or window."""
+        return self.mask is None and self.segment_ids is None and self.window is None
+
+    def dense_mask(self, lq: int, lk: int) -> jax.Array:
+        """[B|1, Lq, Lk] bool: key j visible to query i. Without `mask` (self-attention, Lq == Lk): causal, same
+        document, and i − j < window."""
+        if self.mask is not None:
+            return self.mask
+        return visibility_mask(lq, lk, segment_ids=self.segment_ids, window=self.window)
 
 
 class AttentionCore(Protocol):
@@ -37,4 +53,5 @@ class PlainCore(nn.Module):
     """Causal softmax attention with no positional term (NoPE, and the additive encodings inside attention)."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
+        return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, segment_ids=ctx.segment_ids,
+                      window=ctx.window)

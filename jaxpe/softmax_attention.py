@@ -21,6 +21,36 @@ def causal_mask(lq: int, lk: int) -> jax.Array:
     return (j <= i)[None]
 
 
+PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # the document id of padding: padded keys are invisible to real tokens
+
+
+def fold_padding(segment_ids: jax.Array | None, padding_mask: jax.Array | None) -> jax.Array | None:
+    """Document ids [B, L] int32 with padded tokens (padding_mask False) moved to PAD_SEGMENT; None when neither is
+    given. A padded query then sees only padded keys, so its (ignored) output stays finite."""
+    if padding_mask is None:
+        return None if segment_ids is None else segment_ids.astype(jnp.int32)
+    ids = jnp.zeros(padding_mask.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return jnp.where(padding_mask, ids, PAD_SEGMENT)
+
+
+def visibility_mask(lq: int, lk: int, *, segment_ids: jax.Array | None = None, window: int | None = None,
+                    q_index: jax.Array | None = None, q_segments: jax.Array | None = None) -> jax.Array:
+    """[B|1, Lq, Lk] bool, key j visible to query i: j <= i, same document, i − j < window.
+
+    Queries sit at cache indices q_index [B|1, Lq] (default: the last Lq of Lk); segment_ids [B, Lk] are the keys'
+    document ids and q_segments [B, Lq] the queries' (default: the last Lq of segment_ids).
+    """
+    i = (jnp.arange(lq) + (lk - lq))[None] if q_index is None else q_index  # [B|1, Lq]
+    j = jnp.arange(lk)[None, None, :]
+    mask = j <= i[:, :, None]
+    if window is not None:
+        mask &= i[:, :, None] - j < window
+    if segment_ids is not None:
+        q_segments = segment_ids[:, lk - lq:] if q_segments is None else q_segments
+        mask &= q_segments[:, :, None] == segment_ids[:, None, :]
+    return mask
+
+
 def qk_logits(q: jax.Array, k: jax.Array) -> jax.Array:
     """q [B, Lq, Hq, D], k [B, Lk, Hkv, D] -> float32 q·k [B, Hq, Lq, Lk]."""
     k = repeat_kv(k, q.shape[2] // k.shape[2])
@@ -49,14 +79,19 @@ def reverse_cumsum(x: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: jax.Array | None,
-           bias: jax.Array | None = None) -> jax.Array:
+           bias: jax.Array | None = None, segment_ids: jax.Array | None = None, window: int | None = None
+           ) -> jax.Array:
     """Softmax attention through `jax.nn.dot_product_attention` (cuDNN on GPU where it applies).
 
-    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask None means causal with Lq == Lk, else [B|1, Lq, Lk] bool;
-    bias [B|1, Hq, Lq, Lk] is added to the scaled logits. Returns [B, Lq, Hq, D].
+    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, or None: causal with Lq == Lk, restricted to
+    the same document (segment_ids [B, L]) and the last `window` keys; bias [B|1, Hq, Lq, Lk] is added to the scaled
+    logits. Returns [B, Lq, Hq, D].
     """
-    if mask is not None:
-        mask = mask[:, None]
+    if mask is None and segment_ids is not None:
+        mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     if bias is not None:
         bias = bias.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=sm_scale, is_causal=mask is None)
+    if mask is not None:
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask[:, None], scale=sm_scale)
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=sm_scale, is_causal=True, local_window_size=local)

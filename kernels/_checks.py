@@ -131,3 +131,21 @@ def check_kernel_dtype(q: jax.Array) -> None:
     """The Co-RoPE kernels take float32 or bfloat16 (q, k, v share q's dtype, see check_qkv)."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"q must be float32 or bfloat16 for the Co-RoPE kernels, got q.dtype={q.dtype}")
+
+
+def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> None:
+    """Packed documents: None, or integer ids [B, L]; keys attend only to queries with the same id."""
+    if segment_ids is None:
+        return
+    dtype = jnp.asarray(segment_ids).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array [B, L], got segment_ids.dtype={dtype}")
+    if segment_ids.shape != (batch, length):
+        raise ValueError(f"segment_ids must have shape [B={batch}, L={length}], "
+                         f"got segment_ids.shape={tuple(segment_ids.shape)}")
+
+
+def check_window(window: int | None) -> None:
+    """Sliding window: None (the whole causal prefix) or an int >= 1, the query itself and window − 1 keys before."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
