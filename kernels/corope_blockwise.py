@@ -1,4 +1,5 @@
-"""Co-RoPE attention, blockwise in pure JAX: causal, GQA, forward and fused backward, any backend.
+"""Co-RoPE attention, blockwise in pure JAX: causal, GQA, packed documents, sliding windows, caller-given rotary
+frequencies, forward and fused backward, any backend.
 
 Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
 dim, Dh = D/2 rotary pairs, BK block size (queries and keys). Einsum subscripts are the lower-case letters, with t for
@@ -10,9 +11,15 @@ The maths (SPEC §3): z_ij = sigmoid(sm_scale·q^leader_i·k_j) for j ≤ i, Δ_
 kc = k1 cos φ + k2 sin φ and ks = k2 cos φ − k1 sin φ (shared by the G heads of a group, [BK, BK, Dh] per tile),
 score = sm_scale·Σ_d (q1·kc + q2·ks), and ∂kc/∂φ = ks, ∂ks/∂φ = −kc.
 
+Visibility (one definition in every implementation): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
+segment_ids[b, j] (packed documents, padding as its own id; documents need not be contiguous) and i − j < window.
+Gates of invisible keys are 0, so Δ counts only keys of the same document inside the window. ω_d = θ^(−2d/D) unless
+the caller passes `inv_freq` (scaled RoPE frequencies; zeros for pairs that do not rotate, partial rotary).
+
 Loop structure: query blocks in sequence; for each, key blocks walked in reverse from the diagonal carrying the
-running suffix sum of z per row (one pass, causal early exit). Memory per step is O(B·N·BK²·Dh); nothing of
-size L×L is ever built, forward or backward.
+running suffix sum of z per row (one pass, causal early exit). With a window the walk stops at the first key block
+that reaches into the window of the block's first row, so the work is O(L·window), not O(L²); documents are masked
+per tile. Memory per step is O(B·N·BK²·Dh); nothing of size L×L is ever built, forward or backward.
 
 Backward, per query block (reverse key walk again): with dS the softmax gradient of the scores,
 dΔ_ij = sm_scale·Σ_d ω_d·Σ_h dS^h_ij (q1^h ks − q2^h kc), and the gate gradient dz_it = Σ_{j<t} dΔ_ij
@@ -26,32 +33,76 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxpe.kernels._checks import check_corope_inputs, check_kernel_dtype, check_positive_int
+from jaxpe.kernels._checks import (check_corope_inputs, check_kernel_dtype, check_positive_int, check_segment_ids,
+                                   check_window)
 from jaxpe.kernels._common import MASK_VALUE, rotary_frequencies
+
+
+def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
+    """Caller-given rotary frequencies: None, or a floating array [D/2] (finite, checked where it is concrete)."""
+    if inv_freq is None:
+        return
+    dtype = jnp.asarray(inv_freq).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"inv_freq must be a floating-point array [D/2], got inv_freq.dtype={dtype}")
+    shape = tuple(jnp.shape(inv_freq))
+    if shape != (head_dim // 2,):
+        raise ValueError(f"inv_freq must have shape [D/2={head_dim // 2}], got inv_freq.shape={shape}")
+    try:
+        values = np.asarray(inv_freq, np.float32)
+    except jax.errors.TracerArrayConversionError:  # traced under jit: checked by the caller's caller, if anyone
+        return
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"inv_freq must be finite, got inv_freq={values.tolist()}")
+
+
+def corope_frequencies(head_dim: int, theta: float, inv_freq: jax.Array | None = None) -> jax.Array:
+    """ω [D/2] float32: θ^(−2d/D), or the caller's `inv_freq` (a constant: no gradient flows into it)."""
+    if inv_freq is None:
+        return rotary_frequencies(head_dim, theta)
+    return lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
+
+
+def effective_window(window: int | None, length: int) -> int | None:
+    """The window that restricts anything at this length: None when it covers every causal key."""
+    return None if window is None or window >= length else window
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static settings of one call (hashable: the jit static argument and the custom_vjp's non-differentiable one)."""
 
-    theta: float
     sm_scale: float
     block: int  # BK, query rows and keys per block (at most L)
+    window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
 
 
-def _frequencies(head_dim: int, theta: float) -> jax.Array:
-    """ω [1, 1, 1, 1, Dh] float32, broadcasting against [B, K, BK, BK, Dh] tiles."""
-    return rotary_frequencies(head_dim, theta).reshape(1, 1, 1, 1, -1)
+def _first_key_block(qb: jax.Array, config: _Config) -> jax.Array | int:
+    """The first key block the walk of query block qb must visit: the one holding key qb·BK − window + 1."""
+    if config.window is None:
+        return 0
+    return jnp.maximum(qb * config.block - config.window + 1, 0) // config.block
 
 
-def _gates(q_lead: jax.Array, k: jax.Array, rows: jax.Array, cols: jax.Array, sm_scale: float
-           ) -> tuple[jax.Array, jax.Array]:
-    """Causal gates and mask: q_lead [B, K, BK, D], k [B, K, BK, D] -> z [B, K, BK, BK], mask [1, 1, BK, BK]."""
-    mask = (cols[None, :] <= rows[:, None])[None, None]
+def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
+             window: int | None) -> jax.Array:
+    """Mask [B|1, 1, BK, BK]: causal, inside the window, same document (seg_rows/seg_cols [B, BK] or None)."""
+    mask = cols[None, :] <= rows[:, None]
+    if window is not None:
+        mask = mask & (rows[:, None] - cols[None, :] < window)
+    mask = mask[None, None]
+    if seg_rows is not None:
+        mask = mask & (seg_rows[:, :, None] == seg_cols[:, None, :])[:, None]
+    return mask
+
+
+def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
+    """Gates q_lead [B, K, BK, D], k [B, K, BK, D] -> z [B, K, BK, BK], 0 where `mask` [B|1, 1, BK, BK] is False."""
     z = jax.nn.sigmoid(sm_scale * jnp.einsum("bktd,bksd->bkts", q_lead, k))
-    return jnp.where(mask, z, 0.0), mask
+    return jnp.where(mask, z, 0.0)
 
 
 def _rotated_keys(delta: jax.Array, k: jax.Array, omega: jax.Array
@@ -73,6 +124,13 @@ def _block(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
+def _padded_segments(segment_ids: jax.Array | None, block: int) -> jax.Array | None:
+    """[B, L] -> int32 [B, Lp] (padded rows see only their own, causally unreachable, keys)."""
+    if segment_ids is None:
+        return None
+    return jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, -segment_ids.shape[1] % block)])
+
+
 def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, block: int
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[B, L, N|K, D] inputs -> float32 q [B, K, G, Lp, D], k/v [B, K, Lp, D], Lp = L rounded up to `block`."""
@@ -90,22 +148,26 @@ def _ungrouped(x: jax.Array, length: int) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(b, -1, num_kv * g, d)[:, :length]
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> tuple[jax.Array, jax.Array]:
-    """Grouped float32 q, k, v -> o [B, K, G, Lp, D], lse [B, K, G, Lp]."""
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, config: _Config
+             ) -> tuple[jax.Array, jax.Array]:
+    """Grouped float32 q, k, v, segment ids [B, Lp] or None, ω [Dh] -> o [B, K, G, Lp, D], lse [B, K, G, Lp]."""
     b, num_kv, g, length, d = q.shape
     block, sm_scale = config.block, config.sm_scale
-    omega = _frequencies(d, config.theta)
+    omega = omega.reshape(1, 1, 1, 1, -1)  # against [B, K, BK, BK, Dh] tiles
 
     def query_block(qb, outputs):
         o, lse = outputs
         q_blk = _block(q, qb, block, 3)  # [B, K, G, BK, D]
         rows = qb * block + jnp.arange(block)
+        seg_rows = None if seg is None else _block(seg, qb, block, 1)  # [B, BK]
 
         def key_block(step, carry):
             z_suffix, m, l, acc = carry  # [B, K, BK], [B, K, G, BK] x2, [B, K, G, BK, D]
             kb = qb - step
             k_blk, v_blk = _block(k, kb, block, 2), _block(v, kb, block, 2)
-            z, mask = _gates(q_blk[:, :, 0], k_blk, rows, kb * block + jnp.arange(block), sm_scale)
+            seg_cols = None if seg is None else _block(seg, kb, block, 1)
+            mask = _visible(rows, kb * block + jnp.arange(block), seg_rows, seg_cols, config.window)
+            z = _gates(q_blk[:, :, 0], k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
             _, _, kc, ks = _rotated_keys(delta, k_blk, omega)
             s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
@@ -117,7 +179,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> tuple
 
         init = (jnp.zeros((b, num_kv, block)), jnp.full((b, num_kv, g, block), -jnp.inf),
                 jnp.zeros((b, num_kv, g, block)), jnp.zeros((b, num_kv, g, block, d)))
-        _, m, l, acc = lax.fori_loop(0, qb + 1, key_block, init)
+        _, m, l, acc = lax.fori_loop(0, qb + 1 - _first_key_block(qb, config), key_block, init)
         o = lax.dynamic_update_slice_in_dim(o, acc / l[..., None], qb * block, axis=3)
         lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), qb * block, axis=3)
         return o, lse
@@ -126,12 +188,12 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> tuple
     return lax.fori_loop(0, length // block, query_block, init)
 
 
-def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array,
-              config: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, o: jax.Array,
+              lse: jax.Array, do: jax.Array, config: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Grouped float32 residuals and output cotangent do [B, K, G, Lp, D] -> grouped dq, dk, dv."""
     b, num_kv, g, length, d = q.shape
     block, sm_scale = config.block, config.sm_scale
-    omega = _frequencies(d, config.theta)
+    omega = omega.reshape(1, 1, 1, 1, -1)
     row_dot = jnp.sum(do * o, axis=-1)  # [B, K, G, Lp], Σ_j P dP per row
 
     def query_block(qb, grads):
@@ -141,12 +203,19 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
         q_lead = q_blk[:, :, 0]  # [B, K, BK, D]
         q1, q2 = jnp.split(q_blk, 2, axis=-1)
         rows = qb * block + jnp.arange(block)
+        seg_rows = None if seg is None else _block(seg, qb, block, 1)
+        first_kb = _first_key_block(qb, config)
+
+        def mask_of(kb):
+            seg_cols = None if seg is None else _block(seg, kb, block, 1)
+            return _visible(rows, kb * block + jnp.arange(block), seg_rows, seg_cols, config.window)
 
         def key_block(step, carry):
             z_suffix, dd_suffix, dq_blk, dk, dv = carry
             kb = qb - step
             k_blk, v_blk = _block(k, kb, block, 2), _block(v, kb, block, 2)
-            z, mask = _gates(q_lead, k_blk, rows, kb * block + jnp.arange(block), sm_scale)
+            mask = mask_of(kb)
+            z = _gates(q_lead, k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
             cos, sin, kc, ks = _rotated_keys(delta, k_blk, omega)
             s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
@@ -171,60 +240,72 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
 
         zeros_row = jnp.zeros((b, num_kv, block))
         _, d_delta_total, dq_blk, dk, dv = lax.fori_loop(
-            0, qb + 1, key_block, (zeros_row, zeros_row, jnp.zeros_like(q_blk), dk, dv))
+            0, qb + 1 - first_kb, key_block, (zeros_row, zeros_row, jnp.zeros_like(q_blk), dk, dv))
 
         def total_part(kb, carry):  # the +Tot_i part of dz_it, gates only
             dq_lead, dk = carry
             k_blk = _block(k, kb, block, 2)
-            z, _ = _gates(q_lead, k_blk, rows, kb * block + jnp.arange(block), sm_scale)
+            z = _gates(q_lead, k_blk, mask_of(kb), sm_scale)
             d_logit = sm_scale * d_delta_total[..., None] * z * (1.0 - z)
             dk_blk = _block(dk, kb, block, 2) + jnp.einsum("bkts,bktd->bksd", d_logit, q_lead)
             dq_lead = dq_lead + jnp.einsum("bkts,bksd->bktd", d_logit, k_blk)
             return dq_lead, lax.dynamic_update_slice_in_dim(dk, dk_blk, kb * block, axis=2)
 
-        dq_lead, dk = lax.fori_loop(0, qb + 1, total_part, (dq_blk[:, :, 0], dk))
+        dq_lead, dk = lax.fori_loop(first_kb, qb + 1, total_part, (dq_blk[:, :, 0], dk))
         dq_blk = dq_blk.at[:, :, 0].set(dq_lead)
         return lax.dynamic_update_slice_in_dim(dq, dq_blk, qb * block, axis=3), dk, dv
 
     return lax.fori_loop(0, length // block, query_block, (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)))
 
 
-def _corope_blockwise_fwd(q, k, v, config: _Config):
-    o, lse = _forward(*_grouped(q, k, v, config.block), config)
-    return _ungrouped(o, q.shape[1]).astype(q.dtype), (q, k, v, o, lse)
+def _corope_blockwise_fwd(q, k, v, segment_ids, omega, config: _Config):
+    seg = _padded_segments(segment_ids, config.block)
+    o, lse = _forward(*_grouped(q, k, v, config.block), seg, omega, config)
+    return _ungrouped(o, q.shape[1]).astype(q.dtype), (q, k, v, seg, omega, o, lse)
 
 
 def _corope_blockwise_bwd(config: _Config, residuals, do):
-    q, k, v, o, lse = residuals
+    q, k, v, seg, omega, o, lse = residuals
     gq, gk, gv = _grouped(q, k, v, config.block)
     gdo = _grouped(do, k, v, config.block)[0]
-    dq, dk, dv = _backward(gq, gk, gv, o, lse, gdo, config)
+    dq, dk, dv = _backward(gq, gk, gv, seg, omega, o, lse, gdo, config)
     length = q.shape[1]
     return (_ungrouped(dq, length).astype(q.dtype),
             dk.transpose(0, 2, 1, 3)[:, :length].astype(k.dtype),
-            dv.transpose(0, 2, 1, 3)[:, :length].astype(v.dtype))
+            dv.transpose(0, 2, 1, 3)[:, :length].astype(v.dtype),
+            None, None)  # segment ids are integers; ω is a constant (see corope_frequencies)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, config: _Config) -> jax.Array:
-    return _corope_blockwise_fwd(q, k, v, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
+                      config: _Config) -> jax.Array:
+    return _corope_blockwise_fwd(q, k, v, segment_ids, omega, config)[0]
 
 
 _corope_blockwise.defvjp(_corope_blockwise_fwd, _corope_blockwise_bwd)
-_corope_blockwise_jit = jax.jit(_corope_blockwise, static_argnums=(3,))
+_corope_blockwise_jit = jax.jit(_corope_blockwise, static_argnums=(5,))
 
 
 def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
-                               block_k: int = 128) -> jax.Array:
+                               block_k: int = 128, segment_ids: jax.Array | None = None, window: int | None = None,
+                               inv_freq: jax.Array | None = None) -> jax.Array:
     """Causal Co-RoPE attention in query/key blocks of `block_k`. q [B, L, N, D], k/v [B, L, K, D] (float32 or
     bfloat16) -> [B, L, N, D] in q's dtype.
 
-    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype; differentiable (custom VJP,
-    O(L·block_k·D) memory per step).
+    segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
+    window: int >= 1, query i sees keys i − window < j ≤ i (key blocks outside it are never visited), None: all.
+    inv_freq: float [D/2] rotary frequencies replacing θ^(−2d/D) (`theta` is then unused); a constant, not
+    differentiated (its gradient is zero).
+    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype; differentiable in q, k, v (custom
+    VJP, O(L·block_k·D) memory per step).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_kernel_dtype(q)
     check_positive_int("block_k", block_k)
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
+    check_inv_freq(inv_freq, q.shape[3])
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    return _corope_blockwise_jit(q, k, v, _Config(float(theta), float(sm_scale), min(block_k, q.shape[1])))
+    config = _Config(float(sm_scale), min(block_k, q.shape[1]), effective_window(window, q.shape[1]))
+    return _corope_blockwise_jit(q, k, v, segment_ids, corope_frequencies(q.shape[3], theta, inv_freq), config)
