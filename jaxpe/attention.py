@@ -4,6 +4,7 @@ B batch, L length (Lq new tokens, S cache length), Hq query heads, Hkv key/value
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -13,6 +14,8 @@ import jax.numpy as jnp
 from jaxpe.attention_core import AttentionContext
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig
+from jaxpe.softmax_attention import fold_padding, visibility_mask
+from jaxpe.validation import check_segment_ids, check_window
 
 
 class Attention(nn.Module):
@@ -32,34 +35,97 @@ class Attention(nn.Module):
     dropout: float = 0.0
     impl: str = "auto"
     dtype: Any = jnp.float32
+    window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True, decode: bool = False,
-                 pos_emb: jax.Array | None = None) -> jax.Array:
+                 pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
+        """x [B, L, d_model]; positions [B, L] int (default: the index within each run of equal document ids, or
+        0, 1, ... continuing the cache while decoding) feed the index-based encodings; segment_ids [B, L] int (packed documents: no attention across ids); padding_mask
+        [B, L] bool (False: padding, a key no real token sees)."""
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        check_window(self.window)
         b, length, d_model = x.shape
+        check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         proj = lambda heads, name: nn.DenseGeneral((heads, self.head_dim), use_bias=False, dtype=self.dtype,
                                                    name=name)(x)
         q = proj(self.num_heads, "query")  # [B, L, Hq, D]
         k = proj(self.num_kv_heads, "key")  # [B, L, Hkv, D]
         v = proj(self.num_kv_heads, "value")
-        q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-        mask = None
+        segments = fold_padding(segment_ids, padding_mask)
+        q_pos = default_positions(positions, segments, b)
+        ctx = AttentionContext(x=x, q_pos=q_pos, k_pos=q_pos, segment_ids=segments, window=self.window,
+                               decode=decode, pos_emb=pos_emb)
         if decode:
-            initialised = self.has_variable("cache", "cache_index")
-            index_var = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-            index = index_var.value
-            k = update_cache(self, "cached_key", k, index)  # [B, S, Hkv, D]
-            v = update_cache(self, "cached_value", v, index)
-            if initialised:
-                q_pos = q_pos + index
-                mask = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, Lq, S]
-                index_var.value = index + length
+            k, v, ctx = self._with_cache(k, v, ctx)
+        elif q_pos is None:
+            q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+            ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=q_pos)
         core = self.pe.core(head_dim=self.head_dim, max_len=self.max_len, impl=self.impl).clone(parent=self, name="pe")
-        ctx = AttentionContext(x=x, q_pos=q_pos, mask=mask, decode=decode, pos_emb=pos_emb)
         out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
         out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out")(out)
         return nn.Dropout(self.dropout)(out, deterministic=deterministic)
+
+    def _with_cache(self, k: jax.Array, v: jax.Array, ctx: AttentionContext
+                    ) -> tuple[jax.Array, jax.Array, AttentionContext]:
+        """Write this call's keys, values, positions and document ids at the cache index; return the cached k, v
+        [B, S, Hkv, D] and a context whose dense mask covers the cache. The initialising call (full length S) is
+        ordinary self-attention."""
+        b, length = k.shape[:2]
+        initialised = self.has_variable("cache", "cache_index")
+        index_var = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        index = index_var.value
+        steps = index + jnp.arange(length, dtype=jnp.int32)
+        q_pos = jnp.broadcast_to(steps, (b, length)) if ctx.q_pos is None else ctx.q_pos
+        segments = jnp.zeros((b, length), jnp.int32) if ctx.segment_ids is None else ctx.segment_ids
+        k = update_cache(self, "cached_key", k, index)  # [B, S, Hkv, D]
+        v = update_cache(self, "cached_value", v, index)
+        k_pos = update_cache(self, "cached_positions", q_pos, index)  # [B, S]
+        k_segments = update_cache(self, "cached_segment_ids", segments, index)
+        ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=k_pos, cache_index=index)
+        if not initialised:
+            return k, v, ctx
+        index_var.value = index + length
+        mask = visibility_mask(length, k.shape[1], segment_ids=k_segments, window=self.window, q_index=steps[None],
+                               q_segments=segments)  # [B, Lq, S]
+        return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None)
+
+
+def default_positions(positions: jax.Array | None, segment_ids: jax.Array | None, batch: int) -> jax.Array | None:
+    """Token positions int32 [B, L]: the caller's ([B, L] or [L]); else, with document ids [B, L], each token's
+    index within its run of equal ids (packed documents and left padding start at 0); else None (0, 1, ...)."""
+    if positions is not None:
+        positions = jnp.asarray(positions, jnp.int32)
+        return jnp.broadcast_to(positions, (batch, positions.shape[-1]))
+    if segment_ids is None:
+        return None
+    index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                             axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def check_token_inputs(batch: int, length: int, *, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> None:
+    """ValueError/TypeError unless positions ([B, L] or [L], integer), segment_ids ([B, L] integer) and padding_mask
+    ([B, L] bool) fit a batch of B sequences of L tokens."""
+    check_segment_ids(segment_ids, batch, length)
+    if positions is not None:
+        positions = jnp.asarray(positions)
+        if not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise TypeError(f"positions must be an integer array [B, L], got positions.dtype={positions.dtype}")
+        if positions.shape not in ((batch, length), (length,)):
+            raise ValueError(f"positions must have shape [B={batch}, L={length}] or [L], "
+                             f"got positions.shape={tuple(positions.shape)}")
+    if padding_mask is not None:
+        padding_mask = jnp.asarray(padding_mask)
+        if padding_mask.dtype != jnp.bool_:
+            raise TypeError(f"padding_mask must be a bool array [B, L] (True: a real token), "
+                            f"got padding_mask.dtype={padding_mask.dtype}")
+        if padding_mask.shape != (batch, length):
+            raise ValueError(f"padding_mask must have shape [B={batch}, L={length}], "
+                             f"got padding_mask.shape={tuple(padding_mask.shape)}")

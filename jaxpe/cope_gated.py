@@ -2,7 +2,7 @@
 
 B batch, L length, H heads, D head dim, d_model width, max_pos table rows.
 Gates come from the token embeddings, not from q·k: g_j = sigmoid(x_j W_g + b_g) per head; absolute soft positions
-p_j = Σ_{t≤j} g_t, clamped to [0, max_pos − 1]; e(p_j) interpolated from a table [max_pos, D];
+p_j = Σ_{t≤j} g_t (over j's document when documents are packed), clamped to [0, max_pos − 1]; e(p_j) interpolated from a table [max_pos, D];
 bias_ij = (W_q q_i)·e(p_j)/√D added to the scaled logits. `cope_rope` also rotates q and k (RoPE).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jaxpe.kernels._common import interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope
-from jaxpe.softmax_attention import attend
+from jaxpe.softmax_attention import attend, visibility_mask
 from jaxpe.validation import check_even_head_dim, check_npos, check_positive
 
 
@@ -37,6 +37,14 @@ def gated_cope_bias(q_pos_proj: jax.Array, key_emb: jax.Array) -> jax.Array:
     return jnp.einsum("bqhd,bkhd->bhqk", q_pos_proj.astype(jnp.float32), key_emb) * d ** -0.5
 
 
+def _soft_positions(gates: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """gates [B, L, H] -> p_j = Σ_{t≤j} g_t [B, L, H], summing only tokens of j's document (segment_ids [B, L])."""
+    if segment_ids is None:
+        return jnp.cumsum(gates, axis=1)
+    same = visibility_mask(gates.shape[1], gates.shape[1], segment_ids=segment_ids)  # [B, L, L]: t ≤ j, same id
+    return jnp.einsum("bjt,bth->bjh", same.astype(gates.dtype), gates)
+
+
 class GatedCoPECore(nn.Module):
     """Attention with the gate-network CoPE bias; params "gate" (Dense d_model -> H), "pos_table" [max_pos, D],
     "pos_query" (D -> D, no bias). While decoding, the keys' soft positions are cached."""
@@ -50,8 +58,8 @@ class GatedCoPECore(nn.Module):
         hq, d = q.shape[2], q.shape[3]
         gates = jax.nn.sigmoid(nn.Dense(hq, kernel_init=nn.initializers.normal(0.02), name="gate")(ctx.x)
                                .astype(jnp.float32))  # [B, Lq, H]
-        steps = jnp.cumsum(gates, axis=1)
-        index = ctx.q_pos[0, 0]
+        steps = _soft_positions(gates, ctx.segment_ids)
+        index = ctx.cache_index
         if ctx.decode and self.has_variable("cache", "gate_positions"):
             cached = self.get_variable("cache", "gate_positions")  # [B, S, H]
             prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
@@ -63,8 +71,9 @@ class GatedCoPECore(nn.Module):
         bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
         if self.rope:
             q = apply_rope(q, ctx.q_pos, theta=self.theta)
-            k = apply_rope(k, jnp.arange(k.shape[1]), theta=self.theta)
-        return attend(q, k, v, sm_scale=d ** -0.5, mask=ctx.mask, bias=bias)
+            k = apply_rope(k, ctx.k_pos, theta=self.theta)
+        return attend(q, k, v, sm_scale=d ** -0.5, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
+                      window=ctx.window)
 
 
 @register("cope_gated")

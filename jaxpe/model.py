@@ -11,10 +11,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpe.attention import Attention
+from jaxpe.attention import Attention, check_token_inputs, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.registry import PEConfig, pe_config, pe_names
-from jaxpe.validation import check_impl
+from jaxpe.softmax_attention import fold_padding
+from jaxpe.validation import check_impl, check_window
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -54,6 +55,7 @@ class ModelConfig:
     layer_pe: tuple[str, ...] = ()  # encoding of each layer's attention, cycled, e.g. ("cope", "none"); () = pe in all
     dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
+    window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
 
     def __post_init__(self) -> None:
         if isinstance(self.pe_options, Mapping):
@@ -76,6 +78,7 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         check_impl(self.impl)
+        check_window(self.window)
         self.pe_config  # validates the encoding name and its options
         self._check_layer_pe()
         self._check_pattern_attends()
@@ -177,46 +180,66 @@ class Block(nn.Module):
     layer_index: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, deterministic: bool, decode: bool,
-                 pos_emb: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool, decode: bool, pos_emb: jax.Array | None,
+                 tokens: TokenInfo) -> jax.Array:
         c = self.config
         attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
                          pe=c.layer_pe_config(self.layer_index), max_len=c.max_len, dropout=c.dropout, impl=c.impl,
-                         dtype=c.compute_dtype, name="attn")
+                         dtype=c.compute_dtype, window=c.window, name="attn")
         mlp = MLP(c, name="mlp")
         norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")
         kw = dict(deterministic=deterministic)
+        attend = lambda h: attn(h, decode=decode, pos_emb=pos_emb, positions=tokens.positions,
+                                segment_ids=tokens.segment_ids, padding_mask=tokens.padding_mask, **kw)
         if c.prenorm:
-            x = x + attn(norm1(x), decode=decode, pos_emb=pos_emb, **kw)
+            x = x + attend(norm1(x))
             return x + mlp(norm2(x), **kw)
-        x = norm1(x + attn(x, decode=decode, pos_emb=pos_emb, **kw))
+        x = norm1(x + attend(x))
         return norm2(x + mlp(x, **kw))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenInfo:
+    """What the caller says about each token, [B, L] each or None: positions (int), segment_ids (int, packed
+    documents), padding_mask (bool, False on padding)."""
+
+    positions: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    padding_mask: jax.Array | None = None
 
 
 class TransformerLM(nn.Module):
     """tokens [B, L] int -> logits [B, L, V] float32.
 
-    `decode=True` runs with the KV cache (see `generate`): initialise the cache with an input of the full length.
+    Optional, [B, L] each: `positions` (int; default: the index within each document, continuing the cache while
+    decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention across documents, and
+    CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded tokens are keys no real
+    token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see `generate`): initialise
+    the cache with an input of the full length.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False,
+                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 padding_mask: jax.Array | None = None) -> jax.Array:
         c = self.config
         c.check_filled()
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be an int array [B, L], got shape={tuple(tokens.shape)} dtype={tokens.dtype}")
         b, length = tokens.shape
+        check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
+        positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)
         pe = c.pe_config
         embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
         x = embed(tokens).astype(c.compute_dtype)
-        positions = None
-        if decode:
+        if decode and positions is None:
             initialised = self.has_variable("cache", "position")
             pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
             if initialised:
-                positions = pos_var.value + jnp.arange(length, dtype=jnp.int32)
+                positions = jnp.broadcast_to(pos_var.value + jnp.arange(length, dtype=jnp.int32), (b, length))
                 pos_var.value = pos_var.value + length
         additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
         if additive is not None:
@@ -225,7 +248,8 @@ class TransformerLM(nn.Module):
         shape = pe.shared_table_shape(head_dim=c.head_dim, num_heads=c.num_heads, max_len=c.max_len)
         shared = None if shape is None else self.param("shared_pos_emb", nn.initializers.normal(0.02), shape)
         for i in range(c.num_layers):
-            x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared)
+            x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared,
+                                              tokens=TokenInfo(positions, segment_ids, padding_mask))
         if c.prenorm:
             x = _norm(c, "final_norm")(x)
         if c.tie_embeddings:
@@ -243,41 +267,55 @@ def init_cache(model: TransformerLM, batch_size: int, length: int) -> Any:
 
 
 def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_tokens: int,
-             rng: jax.Array | None = None, temperature: float = 0.0) -> jax.Array:
+             rng: jax.Array | None = None, temperature: float = 0.0, padding_mask: jax.Array | None = None
+             ) -> jax.Array:
     """prompt [B, P] int32 -> [B, P + max_new_tokens]: prefill the cache with the prompt, then decode one token at a
-    time (greedy when temperature == 0, else sampled with `rng`)."""
+    time (greedy when temperature == 0, else sampled with `rng`).
+
+    A batch of prompts of different lengths is left-padded: padding_mask [B, P] bool is False on the padding at the
+    start of each row; each row then decodes as if it had been given alone (positions start at its first token).
+    """
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be a positive int")
     if temperature < 0 or (temperature > 0 and rng is None):
         raise ValueError(f"{temperature=} must be >= 0, and > 0 needs an rng")
+    b, p = prompt.shape
+    check_token_inputs(b, p, padding_mask=padding_mask)
     if not isinstance(prompt, jax.core.Tracer) and prompt.size:
         low, high = int(jnp.min(prompt)), int(jnp.max(prompt))
         if low < 0 or high >= model.config.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={model.config.vocab_size}), got ids from "
                              f"{low} to {high} (inside jit an out-of-range id embeds as NaN)")
-    b, p = prompt.shape
+    if padding_mask is not None and not isinstance(padding_mask, jax.core.Tracer) and p:
+        if not bool(jnp.all(padding_mask[:, -1])):
+            raise ValueError("padding_mask must mark left padding: the last prompt token of every row must be real "
+                             "(padding_mask[:, -1] all True)")
     total = p + max_new_tokens
     if total > model.config.max_len:
         raise ValueError(f"prompt length {p} + {max_new_tokens=} exceeds max_len={model.config.max_len}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
+    positions = default_positions(None, fold_padding(None, padding_mask), b)  # None without padding
 
     def pick(logits: jax.Array, key: jax.Array) -> jax.Array:
         if temperature == 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
-    def step(carry: tuple[Any, jax.Array], key: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
-        cache, token = carry
+    def step(carry: tuple[Any, jax.Array, jax.Array], key: jax.Array
+             ) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
+        cache, token, position = carry
         logits, updated = model.apply({"params": params, "cache": cache}, token[:, None], decode=True,
-                                      mutable=["cache"])
+                                      positions=position[:, None], mutable=["cache"])
         nxt = pick(logits[:, -1], key)
-        return (updated["cache"], nxt), nxt
+        return (updated["cache"], nxt, position + 1), nxt
 
     cache = init_cache(model, b, total)
-    logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, mutable=["cache"])
+    logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, positions=positions,
+                                  padding_mask=padding_mask, mutable=["cache"])
     keys = jax.random.split(rng, max_new_tokens)
     first = pick(logits[:, -1], keys[0])
-    _, rest = jax.lax.scan(step, (updated["cache"], first), keys[1:])
+    next_position = jnp.full((b,), p, jnp.int32) if positions is None else positions[:, -1] + 1
+    _, rest = jax.lax.scan(step, (updated["cache"], first, next_position), keys[1:])
     return jnp.concatenate([prompt, first[:, None], rest.T], axis=1)

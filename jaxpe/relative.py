@@ -17,12 +17,14 @@ from jaxpe.softmax_attention import attend
 from jaxpe.validation import check_npos
 
 
-def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_len: int) -> jax.Array:
-    """q [B, Lq, H, D], table [npos, D], q_pos [B, Lq] -> [B, H, Lq, Lk] float32 q_i·r[clip(i − j, 0, npos − 1)]."""
+def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax.Array | int) -> jax.Array:
+    """q [B, Lq, H, D], table [npos, D], q_pos [B, Lq], k_pos [B, Lk] (or an int Lk: keys at 0..Lk−1)
+    -> [B, H, Lq, Lk] float32 q_i·r[clip(i − j, 0, npos − 1)]."""
     npos = table.shape[0]
+    k_pos = jnp.arange(k_pos)[None] if isinstance(k_pos, int) else k_pos
     z = jnp.einsum("bqhd,pd->bhqp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, H, Lq, npos]
-    rel = jnp.clip(q_pos[:, :, None] - jnp.arange(k_len)[None, None, :], 0, npos - 1)  # [B, Lq, Lk]
-    rel = jnp.broadcast_to(rel[:, None], z.shape[:3] + (k_len,))
+    rel = jnp.clip(q_pos[:, :, None] - k_pos[:, None, :], 0, npos - 1)  # [B, Lq, Lk]
+    rel = jnp.broadcast_to(rel[:, None], z.shape[:3] + (rel.shape[-1],))
     return jnp.take_along_axis(z, rel, axis=-1)
 
 
@@ -35,8 +37,9 @@ class RelativeCore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, q.shape[-1]))
         sm_scale = q.shape[-1] ** -0.5
-        bias = sm_scale * relative_logits(q, table, ctx.q_pos, k.shape[1])
-        return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias)
+        bias = sm_scale * relative_logits(q, table, ctx.q_pos, ctx.k_pos)
+        return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
+                      window=ctx.window)
 
 
 @register("relative")
