@@ -1,4 +1,5 @@
-"""CoPE attention, blockwise in pure JAX: causal, GQA, forward and fused backward, O(L·block) memory.
+"""CoPE attention, blockwise in pure JAX: causal, GQA, packed documents, sliding windows, forward and fused backward,
+O(L·block) memory.
 
 Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
 dim, P = npos table rows, BK keys per block, C query rows per chunk (a multiple of BK). Einsum subscripts are the
@@ -18,6 +19,13 @@ Backward: the gate gradient dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over
 blocks forward, carrying prefix sums of g and of ∂L/∂p. Then p_ij = R_i − (gates before j), R_i being the
 forward's final carry: the gate sum over the blocks it computed in full. The clamped blocks come first and
 need no gate work (∂L/∂p = 0 there). Only [B, K, G, C, BK] tiles are ever built.
+
+Documents and windows (one definition everywhere): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
+segment_ids[b, j] (when given) and i − j < window (when given). Invisible keys have gate 0, so positions count only
+the keys of the query's document inside its window. The segment mask is applied per tile (the chunk's row ids
+against the block's key ids). With a window the chunk is at most the window (rounded up to BK) and each chunk walks
+a static number of key blocks, C / BK + ⌈(W − 1) / BK⌉ (blocks before 0 are skipped), so the work is
+O(L·(W + BK)), not O(L²); the backward walks the same blocks forward.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpe.kernels._checks import check_cope_inputs, check_positive_int
+from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, check_segment_ids, check_window
 from jaxpe.kernels._common import MASK_VALUE, Interpolation, interpolate
 
 
@@ -39,6 +47,7 @@ class _Config:
     sm_scale: float
     block_k: int  # keys per scan step (BK, at most L)
     block_q: int  # query rows per chunk (C, rounded to a multiple of BK)
+    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
 
 
 def _causal(rows: jax.Array, index: jax.Array, size: int) -> jax.Array:
@@ -47,10 +56,30 @@ def _causal(rows: jax.Array, index: jax.Array, size: int) -> jax.Array:
     return cols[None, :] <= rows[:, None]
 
 
+def _visible(rows: jax.Array, index: jax.Array, size: int, seg_rows: jax.Array | None, seg: jax.Array | None,
+             window: int | None) -> jax.Array:
+    """Mask [B|1, 1, 1, C, BK]: key j = index·size + c visible from row i (causal, same document, inside the window).
+    seg_rows [B, C] are the rows' document ids, seg [B, Lp] every key's."""
+    mask = _causal(rows, index, size)
+    if window is not None:
+        cols = index * size + jnp.arange(size)
+        mask &= rows[:, None] - cols[None, :] < window
+    mask = mask[None, None, None]
+    if seg_rows is not None:
+        seg_keys = lax.dynamic_slice_in_dim(seg, index * size, size, axis=1)  # [B, BK]
+        mask = mask & (seg_rows[:, :, None] == seg_keys[:, None, :])[:, None, None]
+    return mask
+
+
+def _window_blocks(chunk: int, size: int, window: int, padded: int) -> int:
+    """The static number of key blocks one chunk of C rows walks under a window: C / BK + ⌈(W − 1) / BK⌉."""
+    return min(chunk // size + -(-(window - 1) // size), padded // size)
+
+
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
-    """q [B, K, G, C, D], kg [B, K, BK, D] -> g [B, K, G, C, BK], zero where masked."""
+    """q [B, K, G, C, D], kg [B, K, BK, D], mask [B|1, 1, 1, C, BK] -> g [B, K, G, C, BK], zero where masked."""
     s = jnp.einsum("bkgtd,bksd->bkgts", q, kg)
-    return jnp.where(mask[None, None, None], jax.nn.sigmoid(sm_scale * s), 0.0)
+    return jnp.where(mask, jax.nn.sigmoid(sm_scale * s), 0.0)
 
 
 def _interpolate(z: jax.Array, p: jax.Array) -> Interpolation:
@@ -59,13 +88,14 @@ def _interpolate(z: jax.Array, p: jax.Array) -> Interpolation:
     return interpolate(lambda index: jnp.take_along_axis(z, index, axis=-1), p, z.shape[-1])
 
 
-def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, r0: jax.Array, *,
-                   size: int, sm_scale: float, length: int) -> tuple[jax.Array, ...]:
+def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, r0: jax.Array,
+                   seg_rows: jax.Array | None = None, seg: jax.Array | None = None, *, size: int, sm_scale: float,
+                   length: int, window: int | None = None) -> tuple[jax.Array, ...]:
     """One query chunk (rows r0 .. r0 + C) against key blocks of `size`, walked in reverse from the diagonal.
 
-    q [B, K, G, C, D], z [B, K, G, C, P], k/v/kg [B, K, Lp, D].
-    Returns out [B, K, G, C, D], lse [B, K, G, C], R [B, K, G, C] and the number of leading key blocks
-    that were clamped (they are always a prefix: R only grows).
+    q [B, K, G, C, D], z [B, K, G, C, P], k/v/kg [B, K, Lp, D]; seg_rows [B, C] and seg [B, Lp] document ids or None.
+    Returns out [B, K, G, C, D], lse [B, K, G, C], R [B, K, G, C] and the first key block that was not clamped
+    (the clamped ones are always a prefix of the blocks walked: R only grows).
     """
     npos = z.shape[-1]
     rows = r0 + jnp.arange(q.shape[3])
@@ -76,7 +106,7 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
         m, l, acc, r, clamped_blocks = carry
         index = num_blocks - 1 - i
         k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in (k, v, kg))
-        mask = _causal(rows, index, size)
+        mask = _visible(rows, index, size, seg_rows, seg, window)
         qk = jnp.einsum("bkgtd,bksd->bkgts", q, k_b)
         clamped = jnp.all(jnp.where(live, r >= npos - 1, True))
 
@@ -91,7 +121,7 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
             return qk + z[..., -1:], r
 
         s, r = lax.cond(clamped, at_clamp, full)
-        logits = jnp.where(mask[None, None, None], sm_scale * s, MASK_VALUE)
+        logits = jnp.where(mask, sm_scale * s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         correction = jnp.exp(m - m_new)
         probs = jnp.exp(logits - m_new[..., None])
@@ -102,18 +132,29 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
     rowshape = q.shape[:-1]
     init = (jnp.full(rowshape, MASK_VALUE), jnp.zeros(rowshape), jnp.zeros(q.shape), jnp.zeros(rowshape),
             jnp.zeros((), jnp.int32))
-    m, l, acc, r, clamped_blocks = lax.fori_loop(0, num_blocks, step, init)
-    return acc / l[..., None], m + jnp.log(l), r, clamped_blocks
+    if window is None:
+        m, l, acc, r, clamped_blocks = lax.fori_loop(0, num_blocks, step, init)
+        return acc / l[..., None], m + jnp.log(l), r, clamped_blocks
+    # Under a window: a static number of blocks back from the diagonal (a scan whose length is ∝ W), skipping
+    # those before key 0; step(i) walks block num_blocks − 1 − i.
+    walked = _window_blocks(q.shape[3], size, window, k.shape[2])
+    m, l, acc, r, clamped_blocks = lax.fori_loop(
+        0, walked, lambda i, carry: lax.cond(num_blocks - 1 - i >= 0, functools.partial(step, i), lambda c: c, carry),
+        init)
+    first = jnp.maximum(num_blocks - walked, 0)
+    return acc / l[..., None], m + jnp.log(l), r, first + clamped_blocks
 
 
 def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, r: jax.Array,
-                    first_full: jax.Array, kv: tuple[jax.Array, ...], dkv: tuple[jax.Array, ...], r0: jax.Array, *,
-                    size: int, sm_scale: float) -> tuple[jax.Array, ...]:
+                    first_full: jax.Array, kv: tuple[jax.Array, ...], dkv: tuple[jax.Array, ...], r0: jax.Array,
+                    seg_rows: jax.Array | None = None, seg: jax.Array | None = None, *, size: int, sm_scale: float,
+                    window: int | None = None) -> tuple[jax.Array, ...]:
     """Gradients of one query chunk, key blocks walked forward (prefix sums of g and ∂L/∂p carried).
 
     q/do [B, K, G, C, D], z [B, K, G, C, P], lse/delta/r [B, K, G, C]; blocks before `first_full`
     were clamped in the forward. kv = (k, v, kg) [B, K, Lp, D]; dkv = their gradients so far, to which this
-    chunk's part is added. Returns dq [B, K, G, C, D], dz [B, K, G, C, P], dk, dv, dkg.
+    chunk's part is added; seg_rows [B, C] and seg [B, Lp] document ids or None.
+    Returns dq [B, K, G, C, D], dz [B, K, G, C, P], dk, dv, dkg.
     """
     npos = z.shape[-1]
     rows = r0 + jnp.arange(q.shape[3])
@@ -125,14 +166,14 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
         return flat.reshape(dz.shape)
 
     def softmax_grads(s, mask, v_b):
-        probs = jnp.exp(jnp.where(mask[None, None, None], sm_scale * s, MASK_VALUE) - lse[..., None])
+        probs = jnp.exp(jnp.where(mask, sm_scale * s, MASK_VALUE) - lse[..., None])
         dprobs = jnp.einsum("bkgtd,bksd->bkgts", do, v_b)
         return probs, sm_scale * probs * (dprobs - delta[..., None])  # ds: gradient of q·k + pos
 
     def step(index, carry):
         dq, dz, g_before, dp_before, dkv = carry
         k_b, v_b, kg_b = (lax.dynamic_slice_in_dim(x, index * size, size, axis=2) for x in kv)
-        mask = _causal(rows, index, size)
+        mask = _visible(rows, index, size, seg_rows, seg, window)
         qk = jnp.einsum("bkgtd,bksd->bkgts", q, k_b)
 
         def full():
@@ -162,7 +203,15 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
 
     rowshape = q.shape[:-1]
     init = (jnp.zeros(q.shape), jnp.zeros(z.shape), jnp.zeros(rowshape), jnp.zeros(rowshape), dkv)
-    dq, dz, _, _, dkv = lax.fori_loop(0, (r0 + q.shape[3]) // size, step, init)
+    num_blocks = (r0 + q.shape[3]) // size
+    if window is None:
+        dq, dz, _, _, dkv = lax.fori_loop(0, num_blocks, step, init)
+        return dq, dz, *dkv
+    walked = _window_blocks(q.shape[3], size, window, kv[0].shape[2])  # the forward's blocks, walked forward
+    first = num_blocks - walked
+    dq, dz, _, _, dkv = lax.fori_loop(
+        0, walked, lambda i, carry: lax.cond(first + i >= 0, functools.partial(step, first + i), lambda c: c, carry),
+        init)
     return dq, dz, *dkv
 
 
@@ -195,11 +244,22 @@ def _position_logits(q: jax.Array, e: jax.Array) -> jax.Array:
 
 
 def _tiling(length: int, config: _Config) -> tuple[int, int, int]:
-    """(key block BK, query chunk C, padded length Lp): BK ≤ L, C a multiple of BK, Lp a multiple of C."""
+    """(key block BK, query chunk C, padded length Lp): BK ≤ L, C a multiple of BK (under a window at most W rounded
+    up to BK, so that a chunk's work is O(C·(C + W))), Lp a multiple of C."""
     size = min(config.block_k, length)
     num_blocks = -(-length // size)
+    if config.window is not None:
+        num_blocks = min(num_blocks, -(-config.window // size))
     chunk = size * max(1, min(config.block_q // size, num_blocks))
     return size, chunk, -(-length // chunk) * chunk
+
+
+def _segments(segment_ids: jax.Array | None, padded: int, chunk: int) -> tuple[jax.Array | None, jax.Array | None]:
+    """Document ids [B, L] -> (every key's [B, Lp], the rows' per chunk [Lp / C, B, C]); (None, None) without."""
+    if segment_ids is None:
+        return None, None
+    seg = jnp.pad(segment_ids, [(0, 0), (0, padded - segment_ids.shape[1])])
+    return seg, jnp.moveaxis(seg.reshape(seg.shape[0], padded // chunk, chunk), 1, 0)
 
 
 def _chunked(x: jax.Array, chunk: int) -> jax.Array:
@@ -222,27 +282,30 @@ def _ungrouped(x: jax.Array, length: int) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(b, padded, num_kv * g, d)[:, :length]
 
 
-def _cope_blockwise_fwd(q, k, v, kg, pos_emb, config: _Config):
+def _cope_blockwise_fwd(q, k, v, kg, pos_emb, segment_ids, config: _Config):
     length = q.shape[1]
     size, chunk, padded = _tiling(length, config)
     qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
     z = _position_logits(qg, e)
+    seg, seg_chunks = _segments(segment_ids, padded, chunk)
 
     def one_chunk(xs):
-        q_c, z_c, r0 = xs
-        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, size=size, sm_scale=config.sm_scale, length=length)
+        q_c, z_c, r0, seg_c = xs
+        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, seg_c, seg, size=size, sm_scale=config.sm_scale,
+                              length=length, window=config.window)
 
     starts = jnp.arange(0, padded, chunk)
-    out, lse, r, first_full = lax.map(one_chunk, (_chunked(qg, chunk), _chunked(z, chunk), starts))
+    out, lse, r, first_full = lax.map(one_chunk, (_chunked(qg, chunk), _chunked(z, chunk), starts, seg_chunks))
     out, lse, r = _unchunked(out), _unchunked(lse), _unchunked(r)
-    return _ungrouped(out, length).astype(q.dtype), (q, k, v, kg, pos_emb, out, lse, r, first_full)
+    return _ungrouped(out, length).astype(q.dtype), (q, k, v, kg, pos_emb, segment_ids, out, lse, r, first_full)
 
 
 def _cope_blockwise_bwd(config: _Config, residuals, dout):
-    q, k, v, kg, pos_emb, out, lse, r, first_full = residuals
+    q, k, v, kg, pos_emb, segment_ids, out, lse, r, first_full = residuals
     length = q.shape[1]
     size, chunk, padded = _tiling(length, config)
     qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
+    seg, seg_chunks = _segments(segment_ids, padded, chunk)
     do = _grouped(dout, k, v, kg, pos_emb, padded)[0]
     z = _position_logits(qg, e)
     delta = jnp.sum(out * do, axis=-1)
@@ -251,8 +314,10 @@ def _cope_blockwise_bwd(config: _Config, residuals, dout):
     def one_chunk(c, carry):
         dq, dz, dkv = carry
         q_c, z_c, do_c, lse_c, delta_c, r_c = (x[c] for x in per_chunk)
+        seg_c = None if seg_chunks is None else seg_chunks[c]
         dq_c, dz_c, *dkv = _chunk_backward(q_c, z_c, do_c, lse_c, delta_c, r_c, first_full[c], (kt, vt, kgt),
-                                           dkv, c * chunk, size=size, sm_scale=config.sm_scale)
+                                           dkv, c * chunk, seg_c, seg, size=size, sm_scale=config.sm_scale,
+                                           window=config.window)
         return dq.at[c].set(dq_c), dz.at[c].set(dz_c), tuple(dkv)
 
     init = (jnp.zeros_like(per_chunk[0]), jnp.zeros_like(per_chunk[1]), tuple(jnp.zeros_like(kt) for _ in range(3)))
@@ -266,32 +331,41 @@ def _cope_blockwise_bwd(config: _Config, residuals, dout):
         de = jnp.einsum("bkgtp,bkgtd->kgpd", dz, qg).reshape(pos_emb.shape)
     dk, dv, dkg = (x.transpose(0, 2, 1, 3)[:, :length] for x in dkv)
     return (_ungrouped(dq, length).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dkg.astype(kg.dtype),
-            de.astype(pos_emb.dtype))
+            de.astype(pos_emb.dtype), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _cope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, config: _Config
-                    ) -> jax.Array:
-    return _cope_blockwise_fwd(q, k, v, kg, pos_emb, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _cope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array,
+                    segment_ids: jax.Array | None, config: _Config) -> jax.Array:
+    return _cope_blockwise_fwd(q, k, v, kg, pos_emb, segment_ids, config)[0]
 
 
 _cope_blockwise.defvjp(_cope_blockwise_fwd, _cope_blockwise_bwd)
-_cope_blockwise_jit = jax.jit(_cope_blockwise, static_argnums=(5,))
+_cope_blockwise_jit = jax.jit(_cope_blockwise, static_argnums=(6,))
 
 
 def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                              gate_k: jax.Array | None = None, *, sm_scale: float, block_k: int = 128,
-                             block_q: int = 512) -> jax.Array:
+                             block_q: int = 512, segment_ids: jax.Array | None = None,
+                             window: int | None = None) -> jax.Array:
     """Causal CoPE attention in O(L·block) memory, differentiable (custom VJP).
 
     q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
     (gates from k) -> [B, L, N, D] in q's dtype.
     block_k: keys per scan step; block_q: query rows per chunk (rounded to a multiple of block_k).
+    segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
+    restart at each document); window: each query sees itself and the window − 1 keys before it (blocks outside
+    are skipped: O(L·W) work).
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_positive_int("block_k", block_k)
     check_positive_int("block_q", block_q)
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
+    if window is not None and window >= q.shape[1]:  # every causal key is inside the window
+        window = None
     kg = k if gate_k is None else gate_k
-    return _cope_blockwise_jit(q, k, v, kg, pos_emb, _Config(float(sm_scale), block_k, block_q))
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return _cope_blockwise_jit(q, k, v, kg, pos_emb, segment_ids, _Config(float(sm_scale), block_k, block_q, window))
