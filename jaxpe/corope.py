@@ -1,12 +1,15 @@
 """Co-RoPE: rotary encoding driven by contextual mileage (seeds/corope_triton.md).
 
 B batch, Lq/Lk query/key length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim.
-1. the leader of GQA group g is query head g·G; z_ij = sigmoid(sm_scale · q^leader_i·k_j) (0 for j > i);
+1. the leader of GQA group g is query head g·G; z_ij = sigmoid(sm_scale · q^leader_i·k_j), 0 for keys j that
+   query i does not see (j > i; another document; i − j ≥ window), so Δ counts only its document's keys in the window;
 2. mileage a_ij = Σ_{t≤j} z_it; Δ_ij = a_ii − a_ij = Σ_{t=j+1..i} z_it, shared by the heads of the group;
-3. φ_ijd = Δ_ij·ω_d, ω_d = θ^(−2d/D), d < D/2; q = [q1, q2], k = [k1, k2];
+3. φ_ijd = Δ_ij·ω_d, ω_d = θ^(−2d/D) or the caller's `inv_freq` (RoPE scaling; zeros: pairs that do not rotate),
+   d < D/2; q = [q1, q2], k = [k1, k2];
 4. E_A = q1_d k1_d + q2_d k2_d, E_B = q2_d k1_d − q1_d k2_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ);
-   causal softmax, times v.
-With Δ_ij = i − j this is RoPE; with every z = c it is RoPE with every ω_d multiplied by c.
+   softmax over the visible keys, times v.
+With Δ_ij = i − j this is RoPE; with every z = c it is RoPE with every ω_d multiplied by c; with every ω_d = 0 it is
+plain causal attention.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
-from jaxpe.kernels._common import rotary_frequencies
-from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
+from jaxpe.kernels._checks import check_segment_ids, check_window
+from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise, corope_frequencies
 from jaxpe.registry import PEConfig, register
-from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
+from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
+                                     visibility_mask)
 from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive, check_qkv
 
 
@@ -41,11 +45,11 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
 
 
 def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: float = 10000.0,
-                  sm_scale: float | None = None) -> jax.Array:
+                  sm_scale: float | None = None, inv_freq: jax.Array | None = None) -> jax.Array:
     """Scores [B, Hq, Lq, Lk] float32 = sm_scale·Σ_d (E_A cos φ − E_B sin φ), φ = mileage·ω_d.
 
-    mileage [B, Hkv, Lq, Lk] is shared by the G heads of each group. One frequency at a time (a rematerialised scan)
-    so that memory stays O(L²), not O(L²·D).
+    mileage [B, Hkv, Lq, Lk] is shared by the G heads of each group; ω = inv_freq [D/2] (a constant) or θ^(−2d/D).
+    One frequency at a time (a rematerialised scan) so that memory stays O(L²), not O(L²·D).
     """
     d = q.shape[-1]
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
@@ -63,31 +67,47 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
         return acc + e_a * jnp.cos(phi) - e_b * jnp.sin(phi), None
 
     last_first = lambda x: jnp.moveaxis(x, -1, 0)
-    xs = (rotary_frequencies(d, theta), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
+    xs = (corope_frequencies(d, theta, inv_freq), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
     acc0 = jnp.zeros(mileage.shape, jnp.float32)
     scores, _ = jax.lax.scan(one_frequency, acc0, xs)
     return sm_scale * scores
 
 
 def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
-                               mask: jax.Array | None = None, mileage: jax.Array | None = None) -> jax.Array:
-    """Dense Co-RoPE attention, the ground truth. `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use
-    it to fix Δ). Returns [B, Lq, Hq, D] in q's dtype."""
+                               mask: jax.Array | None = None, mileage: jax.Array | None = None,
+                               segment_ids: jax.Array | None = None, window: int | None = None,
+                               inv_freq: jax.Array | None = None) -> jax.Array:
+    """Dense Co-RoPE attention, the ground truth. Returns [B, Lq, Hq, D] in q's dtype.
+
+    mask [B|1, Lq, Lk] bool: the keys each query sees (None: `visibility_mask` of segment_ids [B, L] and window, i.e.
+    causal, same document, i − j < window); `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use it to
+    fix Δ); inv_freq [D/2] replaces θ^(−2d/D) (a constant, not differentiated).
+    """
     if mask is None:
-        mask = causal_mask(q.shape[1], k.shape[1])
+        mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
+    elif segment_ids is not None or window is not None:
+        mask = mask & visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     if mileage is None:
         mileage = corope_mileage(q, k, sm_scale=sm_scale, mask=mask)
-    scores = corope_scores(q, k, mileage, theta=theta, sm_scale=sm_scale)
+    scores = corope_scores(q, k, mileage, theta=theta, sm_scale=sm_scale, inv_freq=inv_freq)
     return masked_softmax_attention(scores, v, mask).astype(q.dtype)
 
 
 def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
-                     sm_scale: float | None = None, causal: bool = True, impl: str = "auto") -> jax.Array:
+                     sm_scale: float | None = None, causal: bool = True, segment_ids: jax.Array | None = None,
+                     window: int | None = None, inv_freq: jax.Array | None = None, impl: str = "auto") -> jax.Array:
     """Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D].
 
+    segment_ids: int [B, L] document ids (packed documents; give padding an id of its own, e.g. PAD_SEGMENT): query
+    i sees key j only with the same id. window: int >= 1, query i sees keys i − window < j ≤ i. Invisible keys add
+    nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros for
+    the pairs that should not rotate), treated as a constant (not differentiated).
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
+    check_inv_freq(inv_freq, q.shape[3])
     if not causal:
         raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
                          "defined under a causal mask only (this first version is causal)")
@@ -95,24 +115,31 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = resolve_impl(impl, q.shape[1], q.shape[3])
+    options = dict(theta=theta, sm_scale=sm_scale, segment_ids=segment_ids, window=window, inv_freq=inv_freq)
     if impl == "reference":
-        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale)
+        return corope_attention_reference(q, k, v, **options)
     if impl == "blockwise":
-        return corope_attention_blockwise(q, k, v, theta=theta, sm_scale=sm_scale)
+        return corope_attention_blockwise(q, k, v, **options)
     from jaxpe.kernels.corope_attention import corope_attention_pallas  # Pallas loads only when the kernel runs
-    return corope_attention_pallas(q, k, v, theta=theta, sm_scale=sm_scale)
+    return corope_attention_pallas(q, k, v, **options)
 
 
 class CoRoPECore(nn.Module):
-    """Co-RoPE inside a layer (no parameters)."""
+    """Co-RoPE inside a layer (no parameters). Documents and the window come from the context; while decoding
+    (`ctx.mask` given) the dense reference runs on that mask."""
 
     theta: float = 10000.0
     impl: str = "auto"
+    inv_freq: tuple[float, ...] | None = None  # ω_d for d < D/2 replacing θ^(−2d/D) (scaled / partial rotary)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
+        check_inv_freq(inv_freq, q.shape[-1])
         if ctx.mask is None:
-            return corope_attention(q, k, v, theta=self.theta, impl=self.impl)
-        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
+            return corope_attention(q, k, v, theta=self.theta, segment_ids=ctx.segment_ids, window=ctx.window,
+                                    inv_freq=inv_freq, impl=self.impl)
+        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5,
+                                          mask=ctx.dense_mask(q.shape[1], k.shape[1]), inv_freq=inv_freq)
 
 
 @register("corope")
