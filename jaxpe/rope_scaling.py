@@ -167,10 +167,10 @@ def hf_rope_options(config: Mapping) -> dict[str, Any]:
     that `jaxpe.pe_config("rope", **hf_rope_options(config))` rotates as that model does.
 
     Reads `rope_theta` (GPT-NeoX: `rotary_emb_base`), `partial_rotary_factor` (GPT-NeoX: `rotary_pct`; GPT-J:
-    `rotary_dim`), `head_dim` or hidden_size / num_attention_heads, `rope_scaling` (newer files: `rope_parameters`,
-    which may also hold rope_theta and partial_rotary_factor) and `max_position_embeddings`. GPT-J and CodeGen
-    rotate interleaved pairs; the others half-split. rotary_dim is None when the whole head rotates. The model's
-    head dim (d_model / num_heads in jaxpe) must match the returned head_dim-based rotary_dim."""
+    `rotary_dim`), `head_dim` or hidden_size / num_attention_heads (GPT-J: n_embd / n_head), `rope_scaling` (newer
+    files: `rope_parameters`, which may also hold rope_theta and partial_rotary_factor) and
+    `max_position_embeddings`. GPT-J and CodeGen rotate interleaved pairs, the others half-split pairs. rotary_dim
+    is None when the whole head rotates; the jaxpe model's head dim (d_model / num_heads) should be the config's."""
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict read from a Hugging Face config.json, got {type(config).__name__}")
     rope = config.get("rope_parameters")
@@ -184,9 +184,10 @@ def hf_rope_options(config: Mapping) -> dict[str, Any]:
                      config.get("rotary_pct"), 1.0)
     head_dim = config.get("head_dim")
     if head_dim is None:
-        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        hidden = _first(config.get("hidden_size"), config.get("n_embd"), None)  # GPT-J and CodeGen: n_embd, n_head
+        heads = _first(config.get("num_attention_heads"), config.get("n_head"), None)
         if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
-            raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
+            raise ValueError(f"config needs head_dim, or hidden_size and num_attention_heads; got {hidden=}, {heads=}")
         head_dim = hidden // heads
     rotary_dim = config.get("rotary_dim") or int(head_dim * partial)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -206,5 +207,5 @@ def hf_rope_options(config: Mapping) -> dict[str, Any]:
 
 
 def _first(*values: Any) -> Any:
-    """The first value that is not None."""
-    return next(value for value in values if value is not None)
+    """The first value that is not None (None if all are)."""
+    return next((value for value in values if value is not None), None)
