@@ -6,6 +6,18 @@ B batch, Lq/Lk query/key length, Hq query heads, Hkv key/value heads (G = Hq // 
 3. integer position logits z_ip = q_i·e[p] ([Lq, npos] matmul, never an embedding per (i, j) pair);
 4. interpolation pos_ij = (1 − w)·z_i⌊p⌋ + w·z_i⌈p⌉, w = p − ⌊p⌋ (gradient through w only);
 5. logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
+
+Packed documents and sliding windows (every impl): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
+segment_ids[b, j] (when given; padding is a document id of its own) and i − j < window (when given). Invisible keys
+have gate 0, so positions count only keys of the query's document inside its window: they restart at each document.
+
+x-transformers' CoPE variants (off by default; dense, so impl "auto" runs the reference and "blockwise"/"pallas"
+refuse them):
+- soft one-hot readout (`soft_onehot_temp`): pos_ij = Σ_p softmax_p(−|p_ij − p| / temp)·z_ip over p = 0..npos − 1
+  instead of the linear interpolation (an [L, L, npos] tensor per head);
+- talking heads (`talking_heads`, a learned [Hq, Hq] matrix W, identity at init): the gate logits
+  s_ij = sm_scale·q_i·kg_j are mixed across heads, s'_hij = Σ_h' W_hh'·s_h'ij, before the sigmoid (x-transformers'
+  1×1 Conv2d over heads without bias); invisible keys still get gate 0. It couples the heads.
 """
 from __future__ import annotations
 
@@ -22,88 +34,156 @@ from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
 from jaxpe.relative import relative_logits
-from jaxpe.softmax_attention import causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum
-from jaxpe.validation import check_cope_inputs, check_npos, check_qkv
+from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
+                                    visibility_mask)
+from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_positive, check_qkv,
+                              check_segment_ids, check_window)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
 
+def check_talking_heads(talking_heads: jax.Array | None, num_heads: int) -> None:
+    """The talking-heads mix is None or a float [Hq, Hq] matrix."""
+    if talking_heads is None:
+        return
+    if talking_heads.shape != (num_heads, num_heads) or not jnp.issubdtype(talking_heads.dtype, jnp.floating):
+        raise ValueError(f"talking_heads must be a float [Hq={num_heads}, Hq={num_heads}] matrix, got "
+                         f"talking_heads.shape={tuple(talking_heads.shape)} dtype={talking_heads.dtype}")
+
+
+def check_soft_onehot_temp(soft_onehot_temp: float | None) -> None:
+    """The soft one-hot temperature is None (linear interpolation) or a float > 0, finite."""
+    if soft_onehot_temp is None:
+        return
+    if isinstance(soft_onehot_temp, bool) or not isinstance(soft_onehot_temp, (int, float)):
+        raise ValueError(f"soft_onehot_temp={soft_onehot_temp!r} must be a float > 0")
+    check_positive("soft_onehot_temp", soft_onehot_temp)
+
+
+def check_dense_impl(impl: str) -> None:
+    """The soft one-hot readout and talking heads run only densely: impl must be "auto" or "reference"."""
+    check_impl(impl)
+    if impl in ("blockwise", "pallas"):
+        raise ValueError(f"impl={impl!r} cannot run CoPE's soft one-hot readout or talking heads: the soft one-hot "
+                         f"readout weighs every table row for every (query, key) pair (O(L²·npos)) and talking "
+                         f"heads mix the gate logits of all heads, so both are dense only; use impl='auto' or "
+                         f"'reference'")
+
+
 def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | None = None,
-                   gate_k: jax.Array | None = None, mask: jax.Array | None = None) -> jax.Array:
+                   gate_k: jax.Array | None = None, mask: jax.Array | None = None,
+                   talking_heads: jax.Array | None = None) -> jax.Array:
     """Contextual positions p [B, Hq, Lq, Lk] float32, clamped to npos − 1 (0 where j > i).
 
-    q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None for causal (queries last).
+    q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None for causal (queries last);
+    talking_heads [Hq, Hq] mixes the gate logits across heads before the sigmoid (x-transformers).
     """
     check_qkv(q, k, k)
     check_npos(npos)
     if gate_k is not None:
         check_qkv(q, gate_k, gate_k)
+    check_talking_heads(talking_heads, q.shape[2])
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
-    gates = jax.nn.sigmoid(sm_scale * qk_logits(q, k if gate_k is None else gate_k))
-    gates = jnp.where(mask[:, None], gates, 0.0)  # [B, Hq, Lq, Lk]
+    logits = sm_scale * qk_logits(q, k if gate_k is None else gate_k)  # [B, Hq, Lq, Lk]
+    if talking_heads is not None:
+        logits = jnp.einsum("hg,bgqk->bhqk", talking_heads.astype(jnp.float32), jnp.where(mask[:, None], logits, 0.0))
+    gates = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hq, Lq, Lk]
     return jnp.minimum(reverse_cumsum(gates), npos - 1)
 
 
-def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array) -> jax.Array:
-    """Interpolated position logits [B, Hq, Lq, Lk] float32 from q [B, Lq, Hq, D], pos_emb [npos, D] or
-    [Hq, npos, D], positions [B, Hq, Lq, Lk] in [0, npos − 1]."""
+def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array, *,
+                         soft_onehot_temp: float | None = None) -> jax.Array:
+    """Position logits [B, Hq, Lq, Lk] float32 from q [B, Lq, Hq, D], pos_emb [npos, D] or [Hq, npos, D],
+    positions [B, Hq, Lq, Lk] in [0, npos − 1]: interpolated, or with soft_onehot_temp the soft one-hot readout
+    Σ_p softmax_p(−|positions − p| / temp)·z_p (x-transformers; builds [B, Hq, Lq, Lk, npos])."""
     npos = pos_emb.shape[-2]
     spec = "bqhd,pd->bhqp" if pos_emb.ndim == 2 else "bqhd,hpd->bhqp"
     z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, Hq, Lq, npos]
+    if soft_onehot_temp is not None:
+        table_rows = jnp.arange(npos, dtype=jnp.float32).reshape((1,) * positions.ndim + (npos,))
+        distance = jnp.abs(positions[..., None] - table_rows)  # [B, Hq, Lq, Lk, npos]
+        weights = jax.nn.softmax(-distance / soft_onehot_temp, axis=-1)
+        return jnp.einsum("bhqkp,bhqp->bhqk", weights, z)
     return interpolate(lambda index: jnp.take_along_axis(z, index, axis=-1), positions, npos).value
 
 
 def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float,
                              gate_k: jax.Array | None = None, mask: jax.Array | None = None,
-                             extra_logits: jax.Array | None = None) -> jax.Array:
+                             extra_logits: jax.Array | None = None, soft_onehot_temp: float | None = None,
+                             talking_heads: jax.Array | None = None) -> jax.Array:
     """Dense CoPE attention, the ground truth: O(L²) memory. Returns [B, Lq, Hq, D] in q's dtype.
 
     mask [B|1, Lq, Lk] bool (None: causal, queries last); extra_logits [B, Hq, Lq, Lk] is added to q·k before
-    scaling (the paper's "cope+rel" adds relative position logits here).
+    scaling (the paper's "cope+rel" adds relative position logits here); soft_onehot_temp and talking_heads
+    [Hq, Hq] select x-transformers' variants (see the module docstring).
     """
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
-    positions = cope_positions(q, k, npos=pos_emb.shape[-2], sm_scale=sm_scale, gate_k=gate_k, mask=mask)
-    logits = qk_logits(q, k) + cope_position_logits(q, pos_emb, positions)
+    positions = cope_positions(q, k, npos=pos_emb.shape[-2], sm_scale=sm_scale, gate_k=gate_k, mask=mask,
+                               talking_heads=talking_heads)
+    logits = qk_logits(q, k) + cope_position_logits(q, pos_emb, positions, soft_onehot_temp=soft_onehot_temp)
     if extra_logits is not None:
         logits = logits + extra_logits
     return masked_softmax_attention(sm_scale * logits, v, mask).astype(q.dtype)
 
 
 def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | None = None,
-                   causal: bool = True, gate_k: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+                   causal: bool = True, gate_k: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                   window: int | None = None, soft_onehot_temp: float | None = None,
+                   talking_heads: jax.Array | None = None, impl: str = "auto") -> jax.Array:
     """CoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
     gate_k [B, L, Hkv, D] (keys used for the gates; None means k) -> [B, L, Hq, D].
 
+    segment_ids [B, L] int: packed documents (keys visible only from queries with the same id; positions restart at
+    each document); window: each query sees itself and the window − 1 keys before it (blocks outside are skipped by
+    "blockwise" and "pallas"). soft_onehot_temp (> 0) and talking_heads [Hq, Hq]: x-transformers' variants, dense
+    only (the reference path).
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
+    check_soft_onehot_temp(soft_onehot_temp)
+    check_talking_heads(talking_heads, q.shape[2])
     if not causal:
         raise ValueError("causal=False is not supported: CoPE counts gates from key j up to query i, "
                          "which only exists under a causal mask")
+    variants = soft_onehot_temp is not None or talking_heads is not None
+    if variants:
+        check_dense_impl(impl)
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    impl = resolve_impl(impl, q.shape[1], q.shape[3])
+    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
-        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k)
+        mask = None
+        if segment_ids is not None or window is not None:
+            mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
+        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask,
+                                        soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
     if impl == "blockwise":
-        return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+        return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
+                                        window=window)
     from jaxpe.kernels.cope_attention import cope_attention_pallas  # Pallas loads only when the kernel runs
-    return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
+                                 window=window)
+
 
 
 class CoPECore(nn.Module):
     """CoPE inside a layer: owns the position table (unless one shared by all layers is passed), the separate gate
-    keys for "sep_keys", and the relative table for "cope+rel"."""
+    keys for "sep_keys", the relative table for "cope+rel" and the talking-heads matrix [Hq, Hq]."""
 
     npos: int
     gates: str = "keys"
     per_head: bool = False
     add_relative: bool = False
     impl: str = "auto"
+    soft_onehot: bool = False
+    soft_onehot_temp: float = 0.05
+    talking_heads: bool = False
 
     @nn.compact
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
@@ -118,17 +198,23 @@ class CoPECore(nn.Module):
         elif self.gates == "sep_keys":
             gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key")(ctx.x)
             if ctx.decode:
-                gate_k = update_cache(self, "gate_keys", gate_k, ctx.q_pos[0, 0])
+                gate_k = update_cache(self, "gate_keys", gate_k, ctx.cache_index)
         pos_emb = pos_emb.astype(q.dtype)
         sm_scale = d ** -0.5
+        talking = None
+        if self.talking_heads:  # starts as plain CoPE
+            talking = self.param("talking_heads", lambda key, shape: jnp.eye(shape[0], dtype=jnp.float32), (hq, hq))
+        temp = self.soft_onehot_temp if self.soft_onehot else None
         if ctx.mask is None and not self.add_relative:
-            return cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, impl=self.impl)
+            return cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, segment_ids=ctx.segment_ids,
+                                  window=ctx.window, soft_onehot_temp=temp, talking_heads=talking, impl=self.impl)
         extra = None
         if self.add_relative:
             table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, d))
-            extra = relative_logits(q, table, ctx.q_pos, k.shape[1])
-        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.mask,
-                                        extra_logits=extra)
+            extra = relative_logits(q, table, ctx.q_pos, ctx.k_pos)
+        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k,
+                                        mask=ctx.dense_mask(q.shape[1], k.shape[1]), extra_logits=extra,
+                                        soft_onehot_temp=temp, talking_heads=talking)
 
 
 @register("cope")
@@ -143,6 +229,10 @@ class CoPEConfig(PEConfig):
     add_relative: bool = False  # "cope+rel": add learned relative position logits
     every: int = 1  # older form of ModelConfig.layer_pe (which it maps to): CoPE on layers 0, every, 2·every, ...
     other_layers: str = "none"  # with `every`: encoding name of the layers without CoPE
+    # x-transformers' variants (dense only: impl "auto" runs the reference path, "blockwise"/"pallas" refuse them).
+    soft_onehot: bool = False  # position logit Σ_p softmax_p(−|p_ij − p| / temp)·z_ip instead of interpolation
+    soft_onehot_temp: float = 0.05  # temp of the soft one-hot readout (> 0; small is close to rounding p)
+    talking_heads: bool = False  # mix the gate logits across heads with a learned [Hq, Hq] matrix (identity at init)
 
     def __post_init__(self) -> None:
         if self.npos is not None:
@@ -154,13 +244,20 @@ class CoPEConfig(PEConfig):
         if self.other_layers == "cope":
             raise ValueError("other_layers='cope' would make every layer CoPE; use every=1")
         pe_config(self.other_layers)
+        for name in ("soft_onehot", "talking_heads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        check_soft_onehot_temp(self.soft_onehot_temp)
 
     def _npos(self, max_len: int) -> int:
         return self.npos if self.npos is not None else max_len + 1
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        if self.soft_onehot or self.talking_heads:
+            check_dense_impl(impl)
         return CoPECore(npos=self._npos(max_len), gates=self.gates, per_head=self.per_head,
-                        add_relative=self.add_relative, impl=impl)
+                        add_relative=self.add_relative, impl=impl, soft_onehot=self.soft_onehot,
+                        soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads)
 
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:
         if not self.shared_table:

@@ -1,4 +1,5 @@
-"""Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): forward, dq and dk/dv kernels.
+"""Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): forward, dq and dk/dv kernels,
+with packed documents and sliding windows.
 
 Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
 dim (Dp padded to a power of two), P = npos table rows (Pp padded), NK = Lp / block_k key blocks. Einsum subscripts
@@ -21,6 +22,13 @@ saved R (so p is rebuilt exactly) and carrying that prefix sum, which it also sa
 dk/dv kernel. The dk/dv kernel (one program per key block and kv head, looping over the group's query heads and
 the query blocks below the diagonal) then has every term locally: no atomics. ∂L/∂z comes out of the dq
 kernel; the table gradient and its share of dq are XLA matmuls.
+
+Documents and windows: key j is visible to query i iff j ≤ i, segment_ids[b, i] == segment_ids[b, j] (when given)
+and i − j < window (when given); invisible keys have gate 0. The document ids are an extra int32 input [B, Lp],
+passed only when given (one block of row ids and the key ids of the batch row per program), compared per tile.
+A window bounds every loop: the forward and dq kernels start at the key block of key i0 − W + 1 (i0 the block's
+first row), the dk/dv kernel stops at the query block of row j1 + W − 1 (j1 the block's last key), so the work is
+O(L·(W + block)). Every (query block, key block) pair the backward visits was visited by the forward.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings
+from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, check_segment_ids, check_window
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, next_power_of_two,
                                    resolve_interpret, tile_extent, triton_compiler_params)
 
@@ -68,6 +76,8 @@ class _Config:
     interpret: bool
     num_warps: int
     num_stages: int
+    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
+    segments: bool = False  # document ids are an input of every kernel
 
     def compiler_params(self):
         """Triton settings for every kernel of the call."""
@@ -75,12 +85,39 @@ class _Config:
 
 
 def _config(q: jax.Array, pos_emb: jax.Array, *, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
-            num_warps: int | None, num_stages: int | None) -> _Config:
+            num_warps: int | None, num_stages: int | None, window: int | None = None,
+            segments: bool = False) -> _Config:
     """The static settings for q [B, L, N, D] and a table of P rows: blocks fitted to L, 4 warps up to D = 64 and 8
     above, 2 stages (unless given)."""
     return _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
                    blocks=block_sizes.fitted(q.shape[1]), interpret=interpret,
-                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages or 2)
+                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages or 2,
+                   window=window, segments=segments)
+
+
+def _visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
+             seg_cols: jax.Array | None) -> jax.Array:
+    """Mask [block_q, block_k]: key `cols` visible from row `rows` (causal, inside the window, same document)."""
+    mask = cols[None, :] <= rows[:, None]
+    if window is not None:
+        mask &= rows[:, None] - cols[None, :] < window
+    if seg_rows is not None:
+        mask &= seg_rows[:, None] == seg_cols[None, :]
+    return mask
+
+
+def _first_key_block(row0: jax.Array, window: int | None, block_k: int) -> jax.Array | int:
+    """The first key block that row `row0` (or any later row) can see: 0 without a window."""
+    if window is None:
+        return 0
+    return lax.div(jnp.maximum(row0 - (window - 1), 0), block_k)
+
+
+def _segment_refs(refs: tuple, segments: bool) -> tuple:
+    """Split a kernel's trailing refs into (row ids, key ids) — both None without documents — and the rest."""
+    if not segments:
+        return None, None, refs
+    return refs[0], refs[1], refs[2:]
 
 
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
@@ -126,13 +163,16 @@ def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
     return probs, ds
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, config: _Config):
+def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, *refs, config: _Config):
     """One query block: key blocks in reverse from the diagonal, full tiles until every row is clamped, then
-    clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], lse [bq], optional r [NK, bq] (saved R)."""
+    clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], (with documents: row ids [bq], key ids [Lp]),
+    lse [bq], optional r [NK, bq] (saved R)."""
+    seg_q_ref, seg_k_ref, (o_ref, lse_ref, *r_ref) = _segment_refs(refs, config.segments)
     sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     live = rows < length
+    seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q = q_ref[...]
     z_last = z_ref[:, pl.ds(npos - 1, 1)]  # [bq, 1]
 
@@ -142,7 +182,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, 
     def tile(index, carry, full: bool):
         m, l, acc, r = carry
         keys = pl.ds(index * block_k, block_k)
-        mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
+        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+                        None if seg_k_ref is None else seg_k_ref[keys])
         s = dot(q, k_ref[keys, :], trans_b=True)  # [bq, bk]
         if r_ref:
             r_ref[0][pl.ds(index, 1), :] = r[None, :]
@@ -162,27 +203,30 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, o_ref, lse_ref, *r_ref, 
         acc = acc * correction[:, None] + dot(probs.astype(v.dtype), v)
         return m_new, l * correction + jnp.sum(probs, axis=1), acc, r
 
+    first = _first_key_block(pl.program_id(0) * block_q, config.window, block_k)
+
     def unclamped(state):
         index, carry = state
-        return jnp.logical_and(index >= 0, jnp.min(jnp.where(live, carry[3], jnp.inf)) < npos - 1)
+        return jnp.logical_and(index >= first, jnp.min(jnp.where(live, carry[3], jnp.inf)) < npos - 1)
 
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
     index, carry = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
-    m, l, acc, _ = lax.fori_loop(0, index + 1, lambda i, c: tile(index - i, c, False), carry)
+    m, l, acc, _ = lax.fori_loop(0, index + 1 - first, lambda i, c: tile(index - i, c, False), carry)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, dq_ref, dz_ref, pdp_ref, *,
-               config: _Config):
-    """One query block: key blocks forward from 0 to the diagonal, clamped tiles first. Carries the prefix sum of
-    ∂L/∂p and saves it per key block. Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta [bq],
-    r/pdp [NK, bq]."""
+def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, *refs, config: _Config):
+    """One query block: key blocks forward from the first the forward walked (0 without a window) to the diagonal,
+    clamped tiles first. Carries the prefix sum of ∂L/∂p and saves it per key block. Refs: q/do/dq [bq, Dp],
+    k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta [bq], r/pdp [NK, bq], with documents row ids [bq] and key ids [Lp]."""
+    seg_q_ref, seg_k_ref, (dq_ref, dz_ref, pdp_ref) = _segment_refs(refs, config.segments)
     sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
+    seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     table_rows = jnp.arange(dz_ref.shape[1])[None, :]
 
@@ -197,7 +241,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r
         dq, dz, dp_before = carry
         keys = pl.ds(index * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
-        mask = (index * block_k + jnp.arange(block_k))[None, :] <= rows[:, None]
+        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+                        None if seg_k_ref is None else seg_k_ref[keys])
         pdp_ref[pl.ds(index, 1), :] = dp_before[None, :]
         s = dot(q, k, trans_b=True)
         if not full:
@@ -229,22 +274,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(dz_ref.shape, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    index, carry = lax.while_loop(clamped, lambda st: (st[0] + 1, tile(st[0], st[1], False)), (0, init))
+    first = _first_key_block(pl.program_id(0) * block_q, config.window, block_k)
+    index, carry = lax.while_loop(clamped, lambda st: (st[0] + 1, tile(st[0], st[1], False)), (first, init))
     dq, dz, _ = lax.fori_loop(index, num_blocks, lambda i, c: tile(i, c, True), carry)
     dq_ref[...] = dq
     dz_ref[...] = dz
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, pdp_ref, dk_ref, dv_ref,
-                dkg_ref, *, config: _Config):
+def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, pdp_ref, *refs,
+                config: _Config):
     """One key block of one kv head: loops over the G query heads of the group and the query blocks from the
-    diagonal down. Refs: k/v/kg/dk/dv/dkg [bk, Dp], q/do [Lp, G, Dp], z [G, Lp, Pp], lse/delta [G, Lp],
-    r/pdp [G, NK, Lp]."""
+    diagonal down (to the last one inside the window). Refs: k/v/kg/dk/dv/dkg [bk, Dp], q/do [Lp, G, Dp],
+    z [G, Lp, Pp], lse/delta [G, Lp], r/pdp [G, NK, Lp], with documents row ids [Lp] and key ids [bk]."""
+    seg_q_ref, seg_k_ref, (dk_ref, dv_ref, dkg_ref) = _segment_refs(refs, config.segments)
     sm_scale, npos, length, block_q = config.sm_scale, config.npos, config.length, config.blocks.block_q_dkv
     block_k = k_ref.shape[0]
     index = pl.program_id(0)
     k, v, kg = k_ref[...], v_ref[...], kg_ref[...]
     cols = index * block_k + jnp.arange(block_k)
+    seg_cols = None if seg_k_ref is None else seg_k_ref[...]
 
     def tile(qb, carry, head):
         dk, dv, dkg = carry
@@ -254,7 +302,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, 
         lse, delta = lse_ref[head, span], delta_ref[head, span]
         seen = (rows >= index * block_k) & (rows < length)
         r = jnp.where(seen, r_ref[head, index, span], 0.0)
-        mask = cols[None, :] <= rows[:, None]
+        mask = _visible(rows, cols, config.window, None if seg_q_ref is None else seg_q_ref[span], seg_cols)
         s = dot(q, k, trans_b=True)
 
         def attention(s):
@@ -281,6 +329,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, 
 
     first = lax.div(index * block_k, block_q)
     num_q_blocks = q_ref.shape[0] // block_q
+    if config.window is not None:  # the last query block with a row that sees this key block
+        num_q_blocks = jnp.minimum(num_q_blocks, lax.div((index + 1) * block_k + config.window - 2, block_q) + 1)
 
     def head_loop(head, carry):
         return lax.fori_loop(first, num_q_blocks, lambda qb, c: tile(qb, c, head), carry)
@@ -319,6 +369,8 @@ class _RowSpecs:
     stat: pl.BlockSpec  # [bq] of [B, N, Lp]
     per_key_block: pl.BlockSpec  # [NK, bq] of [B, N, NK, Lp]
     grid: tuple[int, int, int]
+    seg_rows: pl.BlockSpec  # [bq] of document ids [B, Lp]
+    seg_keys: pl.BlockSpec  # [Lp] of document ids [B, Lp]
 
 
 def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _RowSpecs:
@@ -331,13 +383,16 @@ def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _R
         stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
         per_key_block=pl.BlockSpec((None, None, padded // bk, bq), lambda i, b, h: (b, h, 0, i)),
         grid=(padded // bq, batch, num_heads),
+        seg_rows=pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        seg_keys=pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),
     )
 
 
-def _forward_call(config: _Config, q, k, v, kg, z, *, save_r: bool):
+def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save_r: bool):
     batch, padded, num_heads, _ = q.shape
     bk = config.blocks.block_k
     specs = _row_specs(q, k, z, config.blocks.block_q, bk)
+    segments = () if seg is None else (seg, seg)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)]
     out_specs = [specs.row, specs.stat]
     if save_r:
@@ -345,26 +400,28 @@ def _forward_call(config: _Config, q, k, v, kg, z, *, save_r: bool):
         out_specs.append(specs.per_key_block)
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z],
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z,
+                  *([specs.seg_rows, specs.seg_keys] if segments else [])],
         out_specs=out_specs, out_shape=out_shape, compiler_params=config.compiler_params(),
         interpret=config.interpret, name="cope_forward",
-    )(q, k, v, kg, z)
+    )(q, k, v, kg, z, *segments)
 
 
-def _dq_call(config: _Config, q, k, v, kg, z, do, lse, delta, r):
+def _dq_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, seg):
     specs = _row_specs(q, k, z, config.blocks.block_q_dq, config.blocks.block_k)
+    segments = () if seg is None else (seg, seg)
     return pl.pallas_call(
         functools.partial(_dq_kernel, config=config), grid=specs.grid,
         in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z, specs.row, specs.stat,
-                  specs.stat, specs.per_key_block],
+                  specs.stat, specs.per_key_block, *([specs.seg_rows, specs.seg_keys] if segments else [])],
         out_specs=[specs.row, specs.z, specs.per_key_block],
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape, jnp.float32),
                    jax.ShapeDtypeStruct(r.shape, jnp.float32)],
         compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dq",
-    )(q, k, v, kg, z, do, lse, delta, r)
+    )(q, k, v, kg, z, do, lse, delta, r, *segments)
 
 
-def _dkv_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, pdp):
+def _dkv_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, pdp, seg):
     batch, padded, num_heads, dp = q.shape
     num_kv = k.shape[2]
     groups = num_heads // num_kv
@@ -374,31 +431,43 @@ def _dkv_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, pdp):
     q_group = pl.BlockSpec((None, padded, groups, dp), lambda i, b, h: (b, 0, h, 0))
     stat_group = pl.BlockSpec((None, groups, padded), lambda i, b, h: (b, h, 0))
     per_key_block = pl.BlockSpec((None, groups, num_k, padded), lambda i, b, h: (b, h, 0, 0))
+    segments = () if seg is None else (seg, seg)
+    seg_specs = [pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),  # every row's id
+                 pl.BlockSpec((None, bk), lambda i, b, h: (b, i))] if segments else []  # the key block's
     out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
     return pl.pallas_call(
         functools.partial(_dkv_kernel, config=config), grid=(num_k, batch, num_kv),
         in_specs=[q_group, key_block, key_block, key_block,
                   pl.BlockSpec((None, groups, padded, z.shape[-1]), lambda i, b, h: (b, h, 0, 0)),
-                  q_group, stat_group, stat_group, per_key_block, per_key_block],
+                  q_group, stat_group, stat_group, per_key_block, per_key_block, *seg_specs],
         out_specs=[key_block] * 3, out_shape=[out] * 3,
         compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dkv",
-    )(q, k, v, kg, z, do, lse, delta, r, pdp)
+    )(q, k, v, kg, z, do, lse, delta, r, pdp, *segments)
 
 
-def _cope_pallas_fwd(q, k, v, kg, pos_emb, config: _Config):
+def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | None:
+    """Document ids [B, L] -> [B, Lp] (padded rows and keys take id 0: no real row sees a padded key)."""
+    if segment_ids is None:
+        return None
+    return jnp.pad(segment_ids, [(0, 0), (0, padded - segment_ids.shape[1])])
+
+
+def _cope_pallas_fwd(q, k, v, kg, pos_emb, segment_ids, config: _Config):
     qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
-    out, lse, r = _forward_call(config, qp, kp, vp, kgp, z, save_r=True)
-    return out[:, :config.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, out, lse, r)
+    seg = _padded_segments(segment_ids, qp.shape[1])
+    out, lse, r = _forward_call(config, qp, kp, vp, kgp, z, seg, save_r=True)
+    return out[:, :config.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, segment_ids, out, lse, r)
 
 
 def _cope_pallas_bwd(config: _Config, residuals, dout):
-    q, k, v, kg, pos_emb, out, lse, r = residuals
+    q, k, v, kg, pos_emb, segment_ids, out, lse, r = residuals
     qp, kp, vp, kgp, e, z = _padded(q, k, v, kg, pos_emb, config.blocks)
+    seg = _padded_segments(segment_ids, qp.shape[1])
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, pdp = _dq_call(config, qp, kp, vp, kgp, z, do, lse, delta, r)
-    dk, dv, dkg = _dkv_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, pdp)
+    dq, dz, pdp = _dq_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, seg)
+    dk, dv, dkg = _dkv_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, pdp, seg)
     dz = dz[..., :config.npos]
     if e.ndim == 2:
         dq = dq + jnp.einsum("bntp,pd->btnd", dz, e.astype(jnp.float32))
@@ -409,37 +478,47 @@ def _cope_pallas_bwd(config: _Config, residuals, dout):
     length, d = config.length, q.shape[3]
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
             dv[:, :length, :, :d].astype(v.dtype), dkg[:, :length, :, :d].astype(kg.dtype),
-            de[..., :d].astype(pos_emb.dtype))
+            de[..., :d].astype(pos_emb.dtype), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _cope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, config: _Config
-                 ) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _cope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array,
+                 segment_ids: jax.Array | None, config: _Config) -> jax.Array:
     qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
-    out = _forward_call(config, qp, kp, vp, kgp, z, save_r=False)[0]
+    out = _forward_call(config, qp, kp, vp, kgp, z, _padded_segments(segment_ids, qp.shape[1]), save_r=False)[0]
     return out[:, :config.length, :, :q.shape[3]]
 
 
 _cope_pallas.defvjp(_cope_pallas_fwd, _cope_pallas_bwd)
-_cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(5,))
+_cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(6,))
 
 
 def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                           gate_k: jax.Array | None = None, *, sm_scale: float, block_sizes: BlockSizes | None = None,
                           interpret: bool | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None) -> jax.Array:
+                          num_stages: int | None = None, segment_ids: jax.Array | None = None,
+                          window: int | None = None) -> jax.Array:
     """Causal CoPE attention, fused kernels with a fused backward (custom VJP).
 
     q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
     (gates from k) -> [B, L, N, D] in q's dtype.
     interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU);
     num_warps/num_stages tune the Triton lowering (defaults: 4 warps up to D = 64, else 8; 2 stages).
+    segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
+    restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
+    outside are skipped).
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
+    if window is not None and window >= q.shape[1]:  # every causal key is inside the window
+        window = None
     config = _config(q, pos_emb, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
-                     interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages)
-    return _cope_pallas_jit(q, k, v, k if gate_k is None else gate_k, pos_emb, config)
+                     interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
+                     window=window, segments=segment_ids is not None)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return _cope_pallas_jit(q, k, v, k if gate_k is None else gate_k, pos_emb, segment_ids, config)
