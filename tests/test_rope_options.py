@@ -389,6 +389,25 @@ def test_model_takes_rope_options():
     assert jax.eval_shape(model.apply, params, tokens).shape == (1, 24, 11)
 
 
+def test_model_prefill_and_decode_match_the_full_forward():
+    # Static frequencies (here YaRN, interleaved, partial) make cached decoding exact. Dynamic NTK is not: a decoding
+    # step scales by the positions seen so far, the full forward by all of them (transformers behaves alike).
+    options = dict(rotary_dim=4, interleaved=True, scaling=QWEN25_YARN | {"original_max_position_embeddings": 4})
+    config = jaxpe.ModelConfig(vocab_size=11, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, max_len=12,
+                               dropout=0.0, pe="rope", pe_options=options)
+    model = jaxpe.TransformerLM(config)
+    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 9), 0, 11)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), toks)["params"]
+    full = jax.jit(lambda t: model.apply({"params": params}, t))(toks)
+    step = jax.jit(lambda cache, t: model.apply({"params": params, "cache": cache}, t, decode=True, mutable=["cache"]))
+    cache, outs = jaxpe.init_cache(model, 2, 9), []
+    for t in range(9):  # one token at a time: one compiled step
+        logits, state = step(cache, toks[:, t:t + 1])
+        cache = state["cache"]
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5, rtol=2e-5)
+
+
 # --- errors -------------------------------------------------------------------------------------------------------
 
 X = jnp.ones((1, 3, 2, 8))
