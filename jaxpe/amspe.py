@@ -15,6 +15,7 @@ import jax
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.learned import gather_positions
+from jaxpe.sharding import partitioned
 from jaxpe.sinusoidal import sinusoidal_table
 from jaxpe.validation import check_positive
 
@@ -41,7 +42,7 @@ class AMSPE(nn.Module):
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
         check_positive("amplitude", self.amplitude)
         check_detail_level(detail_level)
-        alpha = jax.nn.sigmoid(self.param("alpha", nn.initializers.zeros, (1,)))[0]
+        alpha = jax.nn.sigmoid(self.param("alpha", partitioned(nn.initializers.zeros, None), (1,)))[0]
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
         pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxpe.attention_core import AttentionContext
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig
+from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
 from jaxpe.validation import check_segment_ids, check_window
 
@@ -36,6 +37,7 @@ class Attention(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
+    param_dtype: Any = jnp.float32  # dtype of the projections' weights (position tables stay float32)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True, decode: bool = False,
@@ -51,11 +53,13 @@ class Attention(nn.Module):
         check_window(self.window)
         b, length, d_model = x.shape
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
-        proj = lambda heads, name: nn.DenseGeneral((heads, self.head_dim), use_bias=False, dtype=self.dtype,
-                                                   name=name)(x)
-        q = proj(self.num_heads, "query")  # [B, L, Hq, D]
-        k = proj(self.num_kv_heads, "key")  # [B, L, Hkv, D]
-        v = proj(self.num_kv_heads, "value")
+        init = nn.initializers.lecun_normal()
+        proj = lambda heads, axis, name: nn.DenseGeneral(
+            (heads, self.head_dim), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=partitioned(init, "embed", axis, "head_dim"), name=name)(x)
+        q = proj(self.num_heads, "heads", "query")  # [B, L, Hq, D]
+        k = proj(self.num_kv_heads, "kv_heads", "key")  # [B, L, Hkv, D]
+        v = proj(self.num_kv_heads, "kv_heads", "value")
         segments = fold_padding(segment_ids, padding_mask)
         q_pos = default_positions(positions, segments, b)
         ctx = AttentionContext(x=x, q_pos=q_pos, k_pos=q_pos, segment_ids=segments, window=self.window,
@@ -67,7 +71,8 @@ class Attention(nn.Module):
             ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=q_pos)
         core = self.pe.core(head_dim=self.head_dim, max_len=self.max_len, impl=self.impl).clone(parent=self, name="pe")
         out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
-        out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out")(out)
+        out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                              kernel_init=partitioned(init, "heads", "head_dim", "embed"), name="out")(out)
         return nn.Dropout(self.dropout)(out, deterministic=deterministic)
 
     def _with_cache(self, k: jax.Array, v: jax.Array, ctx: AttentionContext

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxpe.softmax_attention import attend, visibility_mask
 
@@ -21,14 +22,23 @@ class AttentionContext:
     """What a core may read besides q, k, v; a pytree (arrays are leaves, `decode` is static)."""
 
     x: jax.Array  # [B, Lq, d_model] the layer input (gate networks, separate gate keys)
-    q_pos: jax.Array  # [B, Lq] int32 query positions (the caller's, else 0, 1, ... continuing the cache)
-    k_pos: jax.Array  # [B, Lk] int32 key positions (equal to q_pos without a cache)
+    q_pos: jax.Array | None  # [B, Lq] int32 query positions (the caller's, else 0, 1, ... continuing the cache)
+    k_pos: jax.Array | None = None  # [B, Lk] int32 key positions; None: q_pos, or 0..Lk−1 under a mask (decoding)
     mask: jax.Array | None = None  # [B, Lq, Lk] bool, everything included (decoding); None: see segment_ids, window
     segment_ids: jax.Array | None = None  # [B, L] int32 document ids, padding folded in (PAD_SEGMENT); None: one
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # sliding window, None: all
     decode: bool = dataclasses.field(default=False, metadata=dict(static=True))  # keys come from the KV cache
-    cache_index: jax.Array | None = None  # int32 scalar: where this call's keys are written in the cache (decoding)
+    cache_index: jax.Array | None = None  # int32 scalar: where this call's keys go in the cache; None: q_pos[0, 0]
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
+
+    def __post_init__(self) -> None:
+        if self.k_pos is None and self.q_pos is not None:
+            b = self.q_pos.shape[0]
+            k_pos = self.q_pos if self.mask is None else jnp.broadcast_to(
+                jnp.arange(self.mask.shape[-1], dtype=jnp.int32), (b, self.mask.shape[-1]))
+            object.__setattr__(self, "k_pos", k_pos)
+        if self.decode and self.cache_index is None and self.q_pos is not None:  # positions 0, 1, ... index the cache
+            object.__setattr__(self, "cache_index", self.q_pos[0, 0])
 
     @property
     def plain_causal(self) -> bool:

@@ -18,6 +18,7 @@ from jaxpe.kernels._common import interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope
+from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import attend, visibility_mask
 from jaxpe.validation import check_even_head_dim, check_npos, check_positive
 
@@ -56,8 +57,9 @@ class GatedCoPECore(nn.Module):
     @nn.compact
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
-        gates = jax.nn.sigmoid(nn.Dense(hq, kernel_init=nn.initializers.normal(0.02), name="gate")(ctx.x)
-                               .astype(jnp.float32))  # [B, Lq, H]
+        gate = nn.Dense(hq, kernel_init=partitioned(nn.initializers.normal(0.02), "embed", "gates"),
+                        bias_init=partitioned(nn.initializers.zeros, "gates"), name="gate")
+        gates = jax.nn.sigmoid(gate(ctx.x).astype(jnp.float32))  # [B, Lq, H]
         steps = _soft_positions(gates, ctx.segment_ids)
         index = ctx.cache_index
         if ctx.decode and self.has_variable("cache", "gate_positions"):
@@ -65,9 +67,10 @@ class GatedCoPECore(nn.Module):
             prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
             steps = steps + jnp.where(index > 0, prev, 0.0)[:, None]
         key_positions = update_cache(self, "gate_positions", steps, index) if ctx.decode else steps
-        table = self.param("pos_table", nn.initializers.normal(0.02), (self.max_pos, d))
-        q_proj = nn.DenseGeneral(d, use_bias=False, kernel_init=nn.initializers.normal(0.02), dtype=q.dtype,
-                                 name="pos_query")(q)
+        table = self.param("pos_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
+                           (self.max_pos, d))
+        q_proj = nn.DenseGeneral(d, use_bias=False, kernel_init=partitioned(nn.initializers.normal(0.02), "head_dim", None),
+                                 dtype=q.dtype, name="pos_query")(q)
         bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
         if self.rope:
             q = apply_rope(q, ctx.q_pos, theta=self.theta)

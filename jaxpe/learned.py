@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
+from jaxpe.sharding import partitioned
 
 
 def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
@@ -35,7 +36,8 @@ class LearnedPE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
-        table = self.param("table", nn.initializers.normal(self.init_std), (self.max_len, x.shape[-1]))
+        table = self.param("table", partitioned(nn.initializers.normal(self.init_std), "positions", "embed"),
+                           (self.max_len, x.shape[-1]))
         return x + gather_positions(table, positions, x.shape[1]).astype(x.dtype)
 
 

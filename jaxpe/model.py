@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxpe.attention import Attention, check_token_inputs, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.registry import PEConfig, pe_config, pe_names
+from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import fold_padding
 from jaxpe.validation import check_impl, check_window
 
@@ -53,7 +54,8 @@ class ModelConfig:
     pe: str = "rope"  # encoding name from the registry (jaxpe.PE_NAMES)
     pe_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()  # that encoding's config fields, e.g. {"npos": 64}
     layer_pe: tuple[str, ...] = ()  # encoding of each layer's attention, cycled, e.g. ("cope", "none"); () = pe in all
-    dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
+    dtype: str = "float32"  # compute dtype ("float32" or "bfloat16")
+    param_dtype: str = "float32"  # dtype of the weights ("float32" or "bfloat16"); position tables stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
     window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
 
@@ -74,7 +76,7 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES)):
+        for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         check_impl(self.impl)
@@ -149,11 +151,17 @@ class ModelConfig:
     def compute_dtype(self) -> Any:
         return jnp.dtype(self.dtype)
 
+    @property
+    def weight_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
 
 def _norm(config: ModelConfig, name: str) -> nn.Module:
+    kw = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype, name=name,
+              scale_init=partitioned(nn.initializers.ones, "embed"))
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dtype=config.compute_dtype, name=name)
-    return nn.LayerNorm(dtype=config.compute_dtype, name=name)
+        return nn.RMSNorm(**kw)
+    return nn.LayerNorm(bias_init=partitioned(nn.initializers.zeros, "embed"), **kw)
 
 
 class MLP(nn.Module):
@@ -165,12 +173,15 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
         c = self.config
         hidden = c.mlp_dim or 4 * c.d_model
-        dense = lambda features, name: nn.Dense(features, dtype=c.compute_dtype, name=name)
+        dense = lambda features, axes, name: nn.Dense(
+            features, dtype=c.compute_dtype, param_dtype=c.weight_dtype, name=name,
+            kernel_init=partitioned(nn.initializers.lecun_normal(), *axes),
+            bias_init=partitioned(nn.initializers.zeros, axes[1]))
         if c.mlp == "swiglu":
-            h = nn.silu(dense(hidden, "gate")(x)) * dense(hidden, "up")(x)
+            h = nn.silu(dense(hidden, ("embed", "mlp"), "gate")(x)) * dense(hidden, ("embed", "mlp"), "up")(x)
         else:
-            h = nn.gelu(dense(hidden, "up")(x))
-        return nn.Dropout(c.dropout)(dense(c.d_model, "down")(h), deterministic=deterministic)
+            h = nn.gelu(dense(hidden, ("embed", "mlp"), "up")(x))
+        return nn.Dropout(c.dropout)(dense(c.d_model, ("mlp", "embed"), "down")(h), deterministic=deterministic)
 
 
 class Block(nn.Module):
@@ -185,7 +196,7 @@ class Block(nn.Module):
         c = self.config
         attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
                          pe=c.layer_pe_config(self.layer_index), max_len=c.max_len, dropout=c.dropout, impl=c.impl,
-                         dtype=c.compute_dtype, window=c.window, name="attn")
+                         dtype=c.compute_dtype, window=c.window, param_dtype=c.weight_dtype, name="attn")
         mlp = MLP(c, name="mlp")
         norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")
         kw = dict(deterministic=deterministic)
@@ -233,7 +244,8 @@ class TransformerLM(nn.Module):
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)
         pe = c.pe_config
-        embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
+        embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
+                         embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)
         if decode and positions is None:
             initialised = self.has_variable("cache", "position")
@@ -246,7 +258,9 @@ class TransformerLM(nn.Module):
             x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         shape = pe.shared_table_shape(head_dim=c.head_dim, num_heads=c.num_heads, max_len=c.max_len)
-        shared = None if shape is None else self.param("shared_pos_emb", nn.initializers.normal(0.02), shape)
+        table_axes = ("heads", "positions", "head_dim")[-len(shape):] if shape else ()
+        shared = None if shape is None else self.param(
+            "shared_pos_emb", partitioned(nn.initializers.normal(0.02), *table_axes), shape)
         for i in range(c.num_layers):
             x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared,
                                               tokens=TokenInfo(positions, segment_ids, padding_mask))
@@ -255,7 +269,9 @@ class TransformerLM(nn.Module):
         if c.tie_embeddings:
             logits = embed.attend(x.astype(jnp.float32))
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, name="unembed")(x.astype(jnp.float32))
+            unembed = nn.Dense(c.vocab_size, use_bias=False, param_dtype=c.weight_dtype, name="unembed",
+                               kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "vocab"))
+            logits = unembed(x.astype(jnp.float32))
         return logits.astype(jnp.float32)
 
 

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import meta
 
 from jaxpe.amspe import AMSPE as LinenAMSPE
 from jaxpe.attention import Attention as LinenAttention
@@ -40,8 +41,14 @@ def _is_variable(x: Any) -> bool:
 
 
 def _variables(tree: Any, kind: type[nnx.Variable]) -> Any:
-    """A linen collection (nested dict of arrays) as a nested dict of NNX variables of type `kind`."""
-    return nnx.data(jax.tree.map(kind, tree))
+    """A linen collection (nested dict of arrays, or of `nn.LogicallyPartitioned` boxes) as a nested dict of NNX
+    variables of type `kind`; a box's logical axis names become the variable's sharding metadata."""
+    def variable(leaf: Any) -> nnx.Variable:
+        if isinstance(leaf, meta.AxisMetadata):
+            return kind(**leaf.to_nnx_metadata(), eager_sharding=False)  # shard later, under the user's mesh
+        return kind(leaf)
+
+    return nnx.data(jax.tree.map(variable, tree, is_leaf=lambda leaf: isinstance(leaf, meta.AxisMetadata)))
 
 
 def _values(tree: Any) -> Any:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
+from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import attend
 from jaxpe.validation import check_npos
 
@@ -35,7 +36,8 @@ class RelativeCore(nn.Module):
 
     @nn.compact
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, q.shape[-1]))
+        table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
+                           (self.npos, q.shape[-1]))
         sm_scale = q.shape[-1] ** -0.5
         bias = sm_scale * relative_logits(q, table, ctx.q_pos, ctx.k_pos)
         return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,

@@ -1,6 +1,7 @@
 """jaxpe.nnx: each NNX layer equals its linen twin for the same parameters, in training and evaluation; decoding with
 the cache equals the full forward; generate equals jaxpe.generate; nnx.Optimizer under nnx.jit trains."""
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +39,7 @@ def test_transformer_lm_equals_linen(pe, options):
     model = jaxpe.nnx.TransformerLM(config, rngs=nnx.Rngs(0))
     linen = jaxpe.TransformerLM(config)
     tokens = tokens_for(1)
-    reference = linen.init(jax.random.PRNGKey(0), tokens)["params"]
+    reference = nn.meta.unbox(linen.init(jax.random.PRNGKey(0), tokens)["params"])
     chex.assert_trees_all_equal_shapes_and_dtypes(model.linen_params(), reference)
     y = model(tokens, deterministic=True)
     chex.assert_shape(y, (B, L, V))

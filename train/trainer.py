@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -70,7 +71,7 @@ class Trainer:
         def init() -> TrainState:
             root = jax.random.PRNGKey(config.run.seed)
             tokens = jnp.zeros((1, self.seq_len), jnp.int32)
-            params = model.init(jax.random.fold_in(root, 0), tokens)["params"]
+            params = nn.meta.unbox(model.init(jax.random.fold_in(root, 0), tokens)["params"])
             return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                               rng=jax.random.fold_in(root, 1))
 
