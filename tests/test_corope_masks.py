@@ -201,18 +201,26 @@ def test_window_matches_restated(impl, window):
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "pallas"])
-def test_window_skips_key_blocks_outside_it(impl):
-    """Key 0 is NaN. With window 5 no query from the third block on (rows ≥ 2·block) may visit key block 0: a
-    visited block multiplies its masked NaN values by 0 (NaN), as the window-less run shows."""
+def test_window_skips_blocks_outside_it(impl):
+    """A visited tile multiplies its masked NaN values by 0 (NaN), as the window-less runs show; with window 5:
+    - key 0 is NaN: no query from the third block on (rows ≥ 2·block) may visit key block 0 (forward and backward);
+    - the last query is NaN: no key block before the last two may meet the last query block in the backward
+      (the dk/dv walk over query blocks)."""
+    block = BLOCKWISE_BLOCK if impl == "blockwise" else PALLAS_BLOCKS.block_q
+    padded = -(-WINDOW_LEN // block) * block
     q, k, v, ct = (np.array(x) for x in window_inputs())
-    k[:, 0] = v[:, 0] = np.nan
-    clean = 2 * (BLOCKWISE_BLOCK if impl == "blockwise" else PALLAS_BLOCKS.block_q)
-    seg = WINDOW_IDS
-    o, dq, dk, dv = runner(impl, 5)(q, k, v, seg, None, ct)
-    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert np.all(np.isfinite(np.asarray(x[:, clean:]))), f"{name}: {impl} visits key block 0 with window 5"
-    unwindowed = runner(impl, 100)(q, k, v, seg, None, ct)[0]  # window ≥ L: every block is visited
-    assert not np.any(np.isfinite(np.asarray(unwindowed[0, clean:]))), "the poison shows only where blocks are visited"
+    bad_k, bad_v, bad_q = k.copy(), v.copy(), q.copy()
+    bad_k[:, 0] = bad_v[:, 0] = np.nan
+    bad_q[:, -1] = np.nan
+    clean = 2 * block  # rows and keys from here on never meet key block 0
+    early = padded - 2 * block  # keys before this never meet the last query block
+    for window, check in ((5, np.isfinite), (100, lambda x: ~np.isfinite(x))):  # window ≥ L: every block visited
+        o, dq, dk, dv = runner(impl, window)(q, bad_k, bad_v, WINDOW_IDS, None, ct)
+        for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert np.all(check(np.asarray(x[0, clean:]))), f"{name} with key 0 NaN, {impl}, window {window}"
+        _, _, dk, dv = runner(impl, window)(bad_q, k, v, WINDOW_IDS, None, ct)
+        for name, x in (("dk", dk), ("dv", dv)):
+            assert np.all(check(np.asarray(x[0, :early]))), f"{name} with the last query NaN, {impl}, window {window}"
 
 
 # --- caller-given frequencies ------------------------------------------------------------------------------------
