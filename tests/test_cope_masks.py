@@ -87,13 +87,14 @@ def attention(impl: str, q, k, v, pos_emb, gate_k=None, *, segment_ids=None, win
 
 def inputs(seed: int, *, batch: int, length: int, heads: int, kv_heads: int, npos: int = 6, dim: int = 16,
            per_head: bool = False, gate_k: bool = False, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(keys[0], (batch, length, heads, dim))
-    k, v = (jax.random.normal(kk, (batch, length, kv_heads, dim)) for kk in keys[1:3])
-    pos_emb = jax.random.normal(keys[3], ((heads,) if per_head else ()) + (npos, dim))
-    gk = jax.random.normal(keys[4], k.shape) if gate_k else None
-    cotangent = jax.random.normal(keys[5], q.shape)
-    cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
+    """q [B, L, Hq, D], k/v (and gate_k) [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D], cotangent (float32)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, length, heads, dim))
+    k, v = (rng.standard_normal((batch, length, kv_heads, dim)) for _ in range(2))
+    pos_emb = rng.standard_normal(((heads,) if per_head else ()) + (npos, dim))
+    gk = rng.standard_normal(k.shape) if gate_k else None
+    cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), cast(pos_emb), cast(gk), cotangent
 
 
@@ -126,14 +127,13 @@ def packed_case():
     """Inputs (GQA Hq 4 / Hkv 2, per-head table, gate_k) and the expected output and gradients, every document run on
     its own: outputs by NumPy, gradients of Σ_real out·cotangent by the plain causal reference (no mask)."""
     q, k, v, e, gk, cot = inputs(1, batch=2, length=LENGTH, heads=4, kv_heads=2, per_head=True, gate_k=True)
-    real = jnp.asarray(PACKED_IDS != PAD)[:, :, None, None]
-    cot = jnp.where(real, cot, 0.0)
+    cot = cot * (PACKED_IDS != PAD)[:, :, None, None]
     docs = documents(PACKED_IDS)  # every document has 12 tokens: run them alone as one batch
-    gather = lambda x: jnp.stack([x[b, idx] for b, idx in docs])  # noqa: E731
+    gather = lambda x: jnp.asarray(np.stack([np.asarray(x)[b, idx] for b, idx in docs]))  # noqa: E731
     alone = [gather(x) for x in (q, k, v)] + [e, gather(gk)]
     plain = functools.partial(jaxpe.cope_attention, sm_scale=SM_SCALE, impl="reference")  # causal, no mask
-    _, pullback = jax.jit(lambda *a: jax.vjp(lambda q, k, v, e, gk: plain(q, k, v, e, gate_k=gk), *a))(*alone)
-    alone_grads = pullback(gather(cot))
+    alone_grads = jax.jit(lambda args, cot: jax.vjp(lambda q, k, v, e, gk: plain(q, k, v, e, gate_k=gk),
+                                                    *args)[1](cot))(alone, gather(cot))
     alone_out = np_cope(*alone[:4], gate_k=alone[4], mask=np_visible(12, batch=len(docs)))
     out = np.zeros(q.shape)
     grads = [np.zeros(x.shape) for x in (q, k, v, e, gk)]
@@ -276,7 +276,7 @@ def test_bfloat16_smoke(impl: str):
 
 def test_variants_match_numpy():
     q, k, v, e, gk, _ = inputs(7, batch=2, length=24, heads=4, kv_heads=2, gate_k=True)
-    mix = jax.random.normal(jax.random.PRNGKey(8), (4, 4))
+    mix = jnp.asarray(np.random.default_rng(8).standard_normal((4, 4)), jnp.float32)
     ids = WINDOW_IDS[:, 4:28]
     variant = jax.jit(functools.partial(jaxpe.cope_attention, sm_scale=SM_SCALE),
                       static_argnames=("window", "soft_onehot_temp"))
@@ -294,8 +294,8 @@ def test_variants_match_numpy():
 
 def _core_output(config: CoPEConfig, q, k, v, ctx: AttentionContext, *, params=None):
     core = config.core(head_dim=q.shape[3], max_len=q.shape[1], impl="auto")
-    params = core.init(jax.random.PRNGKey(0), q, k, v, ctx) if params is None else params
-    return core.apply(params, q, k, v, ctx), params
+    params = jax.jit(core.init)(jax.random.PRNGKey(0), q, k, v, ctx) if params is None else params
+    return jax.jit(core.apply)(params, q, k, v, ctx), params
 
 
 def test_core_passes_documents_windows_and_variants():
@@ -313,7 +313,7 @@ def test_core_passes_documents_windows_and_variants():
     talking_out, params = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx)
     np.testing.assert_array_equal(params["params"]["talking_heads"], np.eye(4))
     assert_close(talking_out, plain_out, TOLERANCE["float32"], "talking heads at init")
-    mix = jax.random.normal(jax.random.PRNGKey(1), (4, 4))
+    mix = jnp.asarray(np.random.default_rng(1).standard_normal((4, 4)), jnp.float32)
     mixed, _ = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx, params={"params": {"talking_heads": mix}})
     assert_close(mixed, np_cope(q, k, v, e, mask=mask, talking_heads=mix), TOLERANCE["float32"], "talking heads")
     soft, _ = _core_output(CoPEConfig(soft_onehot=True, soft_onehot_temp=0.2), q, k, v, dense_ctx)
