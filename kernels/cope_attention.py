@@ -213,7 +213,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, *refs, config: _Config):
             jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
     index, carry = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
-    m, l, acc, _ = lax.fori_loop(0, index + 1 - first, lambda i, c: tile(index - i, c, False), carry)
+    walked = index + 1 if config.window is None else index + 1 - first  # the clamped blocks left
+    m, l, acc, _ = lax.fori_loop(0, walked, lambda i, c: tile(index - i, c, False), carry)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
