@@ -108,7 +108,7 @@ def default_positions(positions: jax.Array | None, segment_ids: jax.Array | None
         return jnp.broadcast_to(positions, (batch, positions.shape[-1]))
     if segment_ids is None:
         return None
-    index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
     starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
                              axis=1)
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
