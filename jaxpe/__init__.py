@@ -15,12 +15,15 @@ from jaxpe.corope import corope_attention, corope_mileage
 from jaxpe.model import ModelConfig, TransformerLM, generate, init_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.rope import apply_rope
+from jaxpe.rope_scaling import hf_rope_options, rope_frequencies
+from jaxpe.sharding import TENSOR_PARALLEL_RULES
 from jaxpe.sinusoidal import sinusoidal_table
 
 PE_NAMES = pe_names()
 
 __all__ = [
-    "AMSPE", "Attention", "AttentionContext", "AttentionCore", "ModelConfig", "PEConfig", "PE_NAMES", "TransformerLM",
-    "alibi_bias", "alibi_slopes", "apply_rope", "cope_attention", "cope_positions", "corope_attention",
-    "corope_mileage", "generate", "init_cache", "pe_config", "pe_names", "register", "sinusoidal_table",
+    "AMSPE", "Attention", "AttentionContext", "AttentionCore", "ModelConfig", "PEConfig", "PE_NAMES",
+    "TENSOR_PARALLEL_RULES", "TransformerLM", "alibi_bias", "alibi_slopes", "apply_rope", "cope_attention",
+    "cope_positions", "corope_attention", "corope_mileage", "generate", "hf_rope_options", "init_cache", "pe_config",
+    "pe_names", "register", "rope_frequencies", "sinusoidal_table",
 ]
