@@ -227,6 +227,29 @@ def window_case(impl: str):
     return (q, k, v, e, gk), run(q, k, v, e, gk)
 
 
+def test_pallas_window_never_reads_skipped_blocks():
+    """Window 5, blocks of 16, L 48. Batch row 0: keys 0–15 (k, v, gate_k) are NaN, so any query block that loads key
+    block 0 gets NaN (0·NaN in probs·v); rows 32–47 (first key block 1) and their dq must come out finite and right.
+    Batch row 1: the cotangent of rows 32–47 is NaN, so the dk/dv kernel of key block 0 must stop before query block 2:
+    dk, dv, dgate_k of keys 0–15 finite and right. 'Right' is the dense reference on the clean inputs."""
+    q, k, v, e, gk, cot = inputs(10, batch=2, length=48, heads=2, kv_heads=1, gate_k=True)
+    nan = jnp.nan
+    poisoned = [x.at[0, :16].set(nan) for x in (k, v, gk)]
+    bad_cot = cot.at[1, 32:].set(nan)
+
+    def run(impl, q, k, v, e, gk, cot):
+        out, pullback = jax.vjp(lambda *a: attention(impl, *a, window=5), q, k, v, e, gk)
+        return [out, *pullback(cot)]
+
+    got = jax.jit(functools.partial(run, "pallas"))(q, poisoned[0], poisoned[1], e, poisoned[2], bad_cot)
+    want = jax.jit(functools.partial(run, "reference"))(q, k, v, e, gk, cot)
+    assert_close(got[0][0, 32:], want[0][0, 32:], TOLERANCE["float32"], "out of rows 32-47")
+    assert_close(got[1][0, 32:], want[1][0, 32:], TOLERANCE["float32"], "dq of rows 32-47")
+    for name, index in (("dk", 2), ("dv", 3), ("dgate_k", 5)):
+        assert_close(got[index][1, :16], want[index][1, :16], TOLERANCE["float32"], f"{name} of keys 0-15")
+    assert np.isnan(np.asarray(got[0][0, 16:32])).any()  # the poison reaches the blocks that are walked
+
+
 def _scan_chains(jaxpr: jex_core.Jaxpr, outer: int = 1) -> list[int]:
     """For every scan in `jaxpr` (nested jaxprs included), the product of its length and those of the scans around
     it: how many times its body runs. Raises if a while loop (a dynamic trip count) is found."""
