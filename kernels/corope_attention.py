@@ -12,8 +12,9 @@ score_ij = sm_scale·Σ_d (q1·kc + q2·ks) — elementwise work, not a matmul �
 
 Visibility (as in corope_blockwise): key j is visible to query i iff j ≤ i, same document (segment ids, optional)
 and i − j < window (optional); invisible gates are 0. Every walk below covers only the key (or query) blocks that
-reach into the window, so the work with a window is O(L·window); documents are masked per tile. ω_d comes from an
-input [Dp/2] (θ^(−2d/D) or the caller's inv_freq, zero-padded).
+reach into the window, so the work with a window is O(L·window); documents are masked per tile. ω_d = θ^(−2d/D) is
+computed in the kernels; the caller's inv_freq comes as an input [Dp/2] (zero-padded). With none of these options
+the kernels trace as they did before them.
 
 Kernels:
 - forward, grid (L/BQ, B, K): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
@@ -43,9 +44,9 @@ from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import (check_corope_inputs, check_kernel_dtype, check_pallas_settings, check_segment_ids,
                                    check_window)
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, resolve_interpret, tile_extent,
-                                   triton_compiler_params)
-from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_frequencies, effective_window
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, resolve_interpret,
+                                   rotary_frequencies, tile_extent, triton_compiler_params)
+from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq, effective_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +79,9 @@ class _Config:
     """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
     non-differentiable one and the kernels' keyword argument)."""
 
+    theta: float
     sm_scale: float
-    head_dim: int  # D, the caller's
+    head_dim: int  # D, the caller's (for ω)
     groups: int  # G, the query heads of one program
     padded: int  # Lp, a multiple of every block
     half: int  # padded D/2, a power of two >= 16
@@ -88,7 +90,8 @@ class _Config:
     num_warps: int | None  # None: 4 or 8 by tile size
     num_stages: int | None  # None: 2
     window: int | None = None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
-    segmented: bool = False  # document ids are passed (two extra inputs after v)
+    segmented: bool = False  # document ids are passed (two inputs after the kernel's usual ones)
+    custom_freq: bool = False  # the caller's ω is passed (an input after the kernel's usual ones, before the ids)
 
     @property
     def chunks(self) -> range:
@@ -101,18 +104,19 @@ class _Config:
         return triton_compiler_params(num_warps=num_warps, num_stages=self.num_stages or 2)
 
 
-def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
-            num_warps: int | None, num_stages: int | None, window: int | None, segmented: bool) -> _Config:
+def _config(q: jax.Array, k: jax.Array, *, theta: float, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
+            num_warps: int | None, num_stages: int | None, window: int | None, segmented: bool, custom_freq: bool
+            ) -> _Config:
     """The static settings for q [B, L, N, D], k [B, L, K, D]: blocks fitted, L padded to a multiple of every block,
     each half of D to a power of two >= 16."""
     length, d = q.shape[1], q.shape[3]
     half = tile_extent(d // 2)
     blocks = block_sizes.fitted(length, half)
     multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
-    return _Config(sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
+    return _Config(theta=float(theta), sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
                    padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
                    num_warps=num_warps, num_stages=num_stages, window=effective_window(window, length),
-                   segmented=segmented)
+                   segmented=segmented, custom_freq=custom_freq)
 
 
 def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
@@ -127,12 +131,12 @@ def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_c
 
 
 def _key_blocks(qb: jax.Array, block_q: int, block_k: int, config: _Config) -> tuple[jax.Array, jax.Array]:
-    """The key blocks [first, last] that query block qb must visit: from the one holding key qb·BQ − window + 1
-    (0 without a window) to the one holding the diagonal of its last row."""
+    """(last, count): query block qb walks key blocks last, last − 1, ..., last − count + 1: from the one holding the
+    diagonal of its last row down to the one holding key qb·BQ − window + 1 (key 0 without a window)."""
     last = lax.div((qb + 1) * block_q - 1, block_k)
     if config.window is None:
-        return jnp.int32(0), last
-    return lax.div(jnp.maximum(qb * block_q - config.window + 1, 0), block_k), last
+        return last, last + 1
+    return last, last + 1 - lax.div(jnp.maximum(qb * block_q - config.window + 1, 0), block_k)
 
 
 def _query_blocks(kb: jax.Array, block_q: int, block_k: int, num_q_blocks: int, config: _Config
@@ -151,12 +155,12 @@ def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, sm_scale: float) ->
 
 
 def _split_refs(refs: tuple, config: _Config) -> tuple:
-    """(freq_ref, [seg_q_ref, seg_k_ref,] outputs...) -> freq_ref, seg_q_ref, seg_k_ref (None without documents),
-    the output refs."""
-    freq_ref, *rest = refs
-    if config.segmented:
-        return (freq_ref, rest[0], rest[1], *rest[2:])
-    return (freq_ref, None, None, *rest)
+    """([freq_ref,] [seg_q_ref, seg_k_ref,] outputs...) -> freq_ref (None: θ^(−2d/D)), seg_q_ref, seg_k_ref (None
+    without documents), the output refs."""
+    rest = list(refs)
+    freq_ref = rest.pop(0) if config.custom_freq else None
+    seg_refs = (rest.pop(0), rest.pop(0)) if config.segmented else (None, None)
+    return (freq_ref, *seg_refs, *rest)
 
 
 def _suffix_exclusive(x: jax.Array) -> jax.Array:
@@ -169,9 +173,13 @@ Loader = Callable[..., jax.Array]
 
 def _rotate(delta: jax.Array, load_k: Loader, freq_ref, lo: int, config: _Config
             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One chunk: ω [BD], cos φ, sin φ, kc, ks [BQ, BK, BD] for delta [BQ, BK]. Pairs past D/2 are zero padding
-    (ω = 0 there)."""
-    omega = freq_ref[pl.ds(lo, config.blocks.block_d)]
+    """One chunk: ω [BD] (freq_ref's, else θ^(−2d/D)), cos φ, sin φ, kc, ks [BQ, BK, BD] for delta [BQ, BK]. Pairs
+    past D/2 are zero padding (any ω works there)."""
+    if freq_ref is None:
+        pairs = lo + lax.broadcasted_iota(jnp.int32, (config.blocks.block_d,), 0)
+        omega = rotary_frequencies(config.head_dim, config.theta, pairs)
+    else:
+        omega = freq_ref[pl.ds(lo, config.blocks.block_d)]
     phi = delta[:, :, None] * omega[None, None, :]
     cos, sin = jnp.cos(phi), jnp.sin(phi)
     k1, k2 = load_k(lo)[None], load_k(config.half + lo)[None]  # [1, BK, BD]
@@ -232,7 +240,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     load_q = lambda r, lo: q_ref[:, r, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
-    first_kb, last_kb = _key_blocks(qb, block_q, block_k, config)
+    last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
     def body(step, carry):
         z_suffix, m, l, acc = carry  # [BQ]; G × [BQ]; G × [BQ]; G × [BQ, Dp]
@@ -259,7 +267,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     g, dp = config.groups, o_ref.shape[-1]
     init = (jnp.zeros((block_q,), jnp.float32), [jnp.full((block_q,), -jnp.inf, jnp.float32)] * g,
             [jnp.zeros((block_q,), jnp.float32)] * g, [jnp.zeros((block_q, dp), jnp.float32)] * g)
-    _, m, l, acc = lax.fori_loop(0, last_kb - first_kb + 1, body, init)
+    _, m, l, acc = lax.fori_loop(0, key_steps, body, init)
     for r in range(g):
         o_ref[:, r, :] = (acc[r] / l[r][:, None]).astype(o_ref.dtype)
         lse_ref[r, :] = m[r] + jnp.log(l[r])
@@ -280,7 +288,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, *refs, config:
     do = [do_ref[:, r, :] for r in range(config.groups)]
     lse = [lse_ref[r, :] for r in range(config.groups)]
     row_dot = [row_dot_ref[r, :] for r in range(config.groups)]
-    first_kb, last_kb = _key_blocks(qb, block_q, block_k, config)
+    last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
     def body(step, carry):
         z_suffix, dd_suffix, dq, dq_gate_total, dq_gate_suffix = carry
@@ -311,7 +319,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, *refs, config:
     chunk = jnp.zeros((block_q, config.blocks.block_d), jnp.float32)
     pairs = [(chunk, chunk) for _ in config.chunks]
     init = (row, row, [[(chunk, chunk)] * config.groups for _ in config.chunks], pairs, pairs)
-    _, dd_total, dq, dq_gate_total, dq_gate_suffix = lax.fori_loop(0, last_kb - first_kb + 1, body, init)
+    _, dd_total, dq, dq_gate_total, dq_gate_suffix = lax.fori_loop(0, key_steps, body, init)
     dd_total_ref[...] = dd_total
     for c, lo in enumerate(config.chunks):
         for r in range(config.groups):
@@ -382,15 +390,20 @@ def _unpad(x: jax.Array, length: int, head_dim: int) -> jax.Array:
     return jnp.concatenate([x[:, :length, :, : head_dim // 2], x[:, :length, :, half: half + head_dim // 2]], -1)
 
 
-def _extras(config: _Config, freq: jax.Array, seg: jax.Array | None, rows: int, cols: int
+def _extras(config: _Config, freq: jax.Array | None, seg: jax.Array | None, rows: int, cols: int
             ) -> tuple[list[pl.BlockSpec], list[jax.Array]]:
-    """The specs and arrays after a kernel's usual inputs: ω [Dp/2], then (with documents) the ids of the program's
-    queries (tiles of `rows`) and keys (tiles of `cols`); a tile of Lp means all of them."""
-    specs = [pl.BlockSpec((config.half,), lambda i, b, h: (0,))]
-    if seg is None:
-        return specs, [freq]
-    tile = lambda n: pl.BlockSpec((None, n), (lambda i, b, h: (b, i)) if n < config.padded else (lambda i, b, h: (b, 0)))
-    return [*specs, tile(rows), tile(cols)], [freq, seg, seg]
+    """The specs and arrays after a kernel's usual inputs: the caller's ω [Dp/2] (if any), then (with documents) the
+    ids of the program's queries (tiles of `rows`) and keys (tiles of `cols`); a tile of Lp means all of them."""
+    specs, arrays = [], []
+    if freq is not None:
+        specs.append(pl.BlockSpec((config.half,), lambda i, b, h: (0,)))
+        arrays.append(freq)
+    if seg is not None:
+        tile = lambda n: pl.BlockSpec((None, n), (lambda i, b, h: (b, i)) if n < config.padded
+                                      else (lambda i, b, h: (b, 0)))
+        specs += [tile(rows), tile(cols)]
+        arrays += [seg, seg]
+    return specs, arrays
 
 
 def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, freq: jax.Array, seg: jax.Array | None
@@ -456,7 +469,7 @@ def _dkv_call(config: _Config, q, k, v, do, lse, row_dot, z_carry, dd_carry, dd_
 
 def _corope_pallas_fwd(q, k, v, segment_ids, omega, config: _Config):
     qp, kp, vp = (_pad(x, config) for x in (q, k, v))
-    freq = jnp.pad(omega, (0, config.half - omega.shape[0]))  # [Dp/2], ω = 0 on the padded pairs
+    freq = None if omega is None else jnp.pad(omega, (0, config.half - omega.shape[0]))  # [Dp/2], 0 on padding
     seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32),
                                                    [(0, 0), (0, config.padded - segment_ids.shape[1])])
     o, lse = _forward_call(config, qp, kp, vp, freq, seg)
@@ -469,13 +482,13 @@ def _corope_pallas_bwd(config: _Config, residuals, do):
     row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), dop.astype(jnp.float32))  # Σ_d dO·O
     dq, *carries = _dq_call(config, qp, kp, vp, dop, lse, row_dot, freq, seg)
     dk, dv = _dkv_call(config, qp, kp, vp, dop, lse, row_dot, *carries, freq, seg)
-    # Segment ids are integers; ω is a constant (see corope_frequencies).
+    # Segment ids are integers; ω is a constant (see caller_frequencies).
     return (*(_unpad(x, do.shape[1], do.shape[3]) for x in (dq, dk, dv)), None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _corope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
-                   config: _Config) -> jax.Array:
+def _corope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+                   omega: jax.Array | None, config: _Config) -> jax.Array:
     return _corope_pallas_fwd(q, k, v, segment_ids, omega, config)[0]
 
 
@@ -507,7 +520,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     check_inv_freq(inv_freq, q.shape[3])
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
+    config = _config(q, k, theta=theta, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
-                     window=window, segmented=segment_ids is not None)
-    return _corope_pallas_jit(q, k, v, segment_ids, corope_frequencies(q.shape[3], theta, inv_freq), config)
+                     window=window, segmented=segment_ids is not None, custom_freq=inv_freq is not None)
+    return _corope_pallas_jit(q, k, v, segment_ids, caller_frequencies(inv_freq), config)

@@ -63,7 +63,12 @@ def corope_frequencies(head_dim: int, theta: float, inv_freq: jax.Array | None =
     """ω [D/2] float32: θ^(−2d/D), or the caller's `inv_freq` (a constant: no gradient flows into it)."""
     if inv_freq is None:
         return rotary_frequencies(head_dim, theta)
-    return lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
+    return caller_frequencies(inv_freq)
+
+
+def caller_frequencies(inv_freq: jax.Array | None) -> jax.Array | None:
+    """The caller's ω as float32 with no gradient (None stays None: the kernels then use θ^(−2d/D))."""
+    return None if inv_freq is None else lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
 
 
 def effective_window(window: int | None, length: int) -> int | None:
@@ -75,6 +80,7 @@ def effective_window(window: int | None, length: int) -> int | None:
 class _Config:
     """Static settings of one call (hashable: the jit static argument and the custom_vjp's non-differentiable one)."""
 
+    theta: float  # ω_d = θ^(−2d/D) unless the caller gives ω
     sm_scale: float
     block: int  # BK, query rows and keys per block (at most L)
     window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
@@ -85,6 +91,11 @@ def _first_key_block(qb: jax.Array, config: _Config) -> jax.Array | int:
     if config.window is None:
         return 0
     return jnp.maximum(qb * config.block - config.window + 1, 0) // config.block
+
+
+def _key_steps(qb: jax.Array, config: _Config) -> jax.Array:
+    """How many key blocks query block qb walks, from its diagonal block down to `_first_key_block`."""
+    return qb + 1 if config.window is None else qb + 1 - _first_key_block(qb, config)
 
 
 def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
@@ -148,12 +159,19 @@ def _ungrouped(x: jax.Array, length: int) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(b, -1, num_kv * g, d)[:, :length]
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, config: _Config
-             ) -> tuple[jax.Array, jax.Array]:
-    """Grouped float32 q, k, v, segment ids [B, Lp] or None, ω [Dh] -> o [B, K, G, Lp, D], lse [B, K, G, Lp]."""
+def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config) -> jax.Array:
+    """ω [1, 1, 1, 1, Dh] float32 (the caller's, else θ^(−2d/D)), broadcasting against [B, K, BK, BK, Dh] tiles."""
+    omega = rotary_frequencies(head_dim, config.theta) if omega is None else omega
+    return omega.reshape(1, 1, 1, 1, -1)
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array | None,
+             config: _Config) -> tuple[jax.Array, jax.Array]:
+    """Grouped float32 q, k, v, segment ids [B, Lp] or None, ω [Dh] or None -> o [B, K, G, Lp, D],
+    lse [B, K, G, Lp]."""
     b, num_kv, g, length, d = q.shape
     block, sm_scale = config.block, config.sm_scale
-    omega = omega.reshape(1, 1, 1, 1, -1)  # against [B, K, BK, BK, Dh] tiles
+    omega = _frequencies(d, omega, config)
 
     def query_block(qb, outputs):
         o, lse = outputs
@@ -179,7 +197,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
 
         init = (jnp.zeros((b, num_kv, block)), jnp.full((b, num_kv, g, block), -jnp.inf),
                 jnp.zeros((b, num_kv, g, block)), jnp.zeros((b, num_kv, g, block, d)))
-        _, m, l, acc = lax.fori_loop(0, qb + 1 - _first_key_block(qb, config), key_block, init)
+        _, m, l, acc = lax.fori_loop(0, _key_steps(qb, config), key_block, init)
         o = lax.dynamic_update_slice_in_dim(o, acc / l[..., None], qb * block, axis=3)
         lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), qb * block, axis=3)
         return o, lse
@@ -188,12 +206,12 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
     return lax.fori_loop(0, length // block, query_block, init)
 
 
-def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, o: jax.Array,
-              lse: jax.Array, do: jax.Array, config: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array | None,
+              o: jax.Array, lse: jax.Array, do: jax.Array, config: _Config) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Grouped float32 residuals and output cotangent do [B, K, G, Lp, D] -> grouped dq, dk, dv."""
     b, num_kv, g, length, d = q.shape
     block, sm_scale = config.block, config.sm_scale
-    omega = omega.reshape(1, 1, 1, 1, -1)
+    omega = _frequencies(d, omega, config)
     row_dot = jnp.sum(do * o, axis=-1)  # [B, K, G, Lp], Σ_j P dP per row
 
     def query_block(qb, grads):
@@ -204,7 +222,6 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
         q1, q2 = jnp.split(q_blk, 2, axis=-1)
         rows = qb * block + jnp.arange(block)
         seg_rows = None if seg is None else _block(seg, qb, block, 1)
-        first_kb = _first_key_block(qb, config)
 
         def mask_of(kb):
             seg_cols = None if seg is None else _block(seg, kb, block, 1)
@@ -240,7 +257,7 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
 
         zeros_row = jnp.zeros((b, num_kv, block))
         _, d_delta_total, dq_blk, dk, dv = lax.fori_loop(
-            0, qb + 1 - first_kb, key_block, (zeros_row, zeros_row, jnp.zeros_like(q_blk), dk, dv))
+            0, _key_steps(qb, config), key_block, (zeros_row, zeros_row, jnp.zeros_like(q_blk), dk, dv))
 
         def total_part(kb, carry):  # the +Tot_i part of dz_it, gates only
             dq_lead, dk = carry
@@ -251,7 +268,7 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
             dq_lead = dq_lead + jnp.einsum("bkts,bksd->bktd", d_logit, k_blk)
             return dq_lead, lax.dynamic_update_slice_in_dim(dk, dk_blk, kb * block, axis=2)
 
-        dq_lead, dk = lax.fori_loop(first_kb, qb + 1, total_part, (dq_blk[:, :, 0], dk))
+        dq_lead, dk = lax.fori_loop(_first_key_block(qb, config), qb + 1, total_part, (dq_blk[:, :, 0], dk))
         dq_blk = dq_blk.at[:, :, 0].set(dq_lead)
         return lax.dynamic_update_slice_in_dim(dq, dq_blk, qb * block, axis=3), dk, dv
 
@@ -273,12 +290,12 @@ def _corope_blockwise_bwd(config: _Config, residuals, do):
     return (_ungrouped(dq, length).astype(q.dtype),
             dk.transpose(0, 2, 1, 3)[:, :length].astype(k.dtype),
             dv.transpose(0, 2, 1, 3)[:, :length].astype(v.dtype),
-            None, None)  # segment ids are integers; ω is a constant (see corope_frequencies)
+            None, None)  # segment ids are integers; ω is a constant (see caller_frequencies)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
-                      config: _Config) -> jax.Array:
+def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+                      omega: jax.Array | None, config: _Config) -> jax.Array:
     return _corope_blockwise_fwd(q, k, v, segment_ids, omega, config)[0]
 
 
@@ -307,5 +324,5 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     check_inv_freq(inv_freq, q.shape[3])
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    config = _Config(float(sm_scale), min(block_k, q.shape[1]), effective_window(window, q.shape[1]))
-    return _corope_blockwise_jit(q, k, v, segment_ids, corope_frequencies(q.shape[3], theta, inv_freq), config)
+    config = _Config(float(theta), float(sm_scale), min(block_k, q.shape[1]), effective_window(window, q.shape[1]))
+    return _corope_blockwise_jit(q, k, v, segment_ids, caller_frequencies(inv_freq), config)
