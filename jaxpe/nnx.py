@@ -154,9 +154,13 @@ class TransformerLM(_DropoutLayer):
                          deterministic=deterministic)
         self.config = config
 
-    def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
+                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 padding_mask: jax.Array | None = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM."""
         deterministic = self._deterministic(deterministic)
-        return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic)
+        return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic,
+                           positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
@@ -175,12 +179,14 @@ class Attention(_DropoutLayer):
 
     def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig,
                  max_len: int = 512, dropout: float = 0.0, impl: str = "auto", dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs, deterministic: bool = False) -> None:
+                 window: int | None = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs,
+                 deterministic: bool = False) -> None:
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"{d_model=} must be a positive int")
         _check_pe(pe)
         module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
-                                max_len=max_len, dropout=dropout, impl=impl, dtype=dtype)
+                                max_len=max_len, dropout=dropout, impl=impl, dtype=dtype, window=window,
+                                param_dtype=param_dtype)
         self.d_model = d_model
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)
@@ -191,13 +197,15 @@ class Attention(_DropoutLayer):
         return jnp.zeros((batch_size, length, self.d_model)), {"pos_emb": pos_emb}
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
-                 pos_emb: jax.Array | None = None) -> jax.Array:
+                 pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention."""
         if pos_emb is None and self.shared_table_shape is not None:
             raise ValueError(f"pos_emb is None, but pe={self.linen.pe} shares one table "
                              f"{self.shared_table_shape} across layers: pass it")
         deterministic = self._deterministic(deterministic)
         return self._apply(x, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic,
-                           pos_emb=pos_emb)
+                           pos_emb=pos_emb, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the key/value cache for `batch_size` sequences of up to `length` tokens."""
@@ -282,11 +290,12 @@ def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_mo
 
 
 def generate(model: TransformerLM, prompt: jax.Array, *, max_new_tokens: int, rng: jax.Array | None = None,
-             temperature: float = 0.0) -> jax.Array:
+             temperature: float = 0.0, padding_mask: jax.Array | None = None) -> jax.Array:
     """prompt [B, P] int32 -> [B, P + max_new_tokens], exactly as `jaxpe.generate` with the model's parameters:
     prefill a KV cache with the prompt, then decode one token at a time (greedy when temperature == 0, else sampled
-    with `rng`), dropout off. The model's own cache and mode are left as they are."""
+    with `rng`), dropout off; left-padded prompts take padding_mask [B, P]. The model's own cache and mode are left
+    as they are."""
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a jaxpe.nnx.TransformerLM, got {type(model).__name__}")
     return linen_generate(model.linen, model.linen_params(), prompt, max_new_tokens=max_new_tokens, rng=rng,
-                          temperature=temperature)
+                          temperature=temperature, padding_mask=padding_mask)

@@ -32,3 +32,20 @@ def test_readme_nnx_example_runs():
     out, tokens = scope["out"], scope["tokens"]
     assert out.shape == (8, 16)
     np.testing.assert_array_equal(out[:, :8], tokens[:, :8])
+
+
+def test_readme_real_model_examples_run():
+    """The "Layers for real models" blocks run in order, as a reader pastes them."""
+    blocks = re.findall(r"<!-- readme-example-real.*?-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) == 4
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), scope)
+    packed, padded, out = scope["packed"], scope["padded"], scope["out"]
+    assert packed.shape == padded.shape == (2, 12, 32) and np.isfinite(packed).all()
+    assert out.shape == (2, 13)
+    np.testing.assert_allclose(padded[1, :9], scope["model"].apply({"params": scope["params"]},
+                                                                    scope["tokens"][1:, :9])[0], atol=2e-5)
+    assert scope["o"].shape == (1, 256, 4, 32)
+    assert scope["rope"].scaling and scope["phi2_like"].rotary_dim == 32
+    assert scope["sharded"]["embed"]["embedding"].shape == (32, 64)
