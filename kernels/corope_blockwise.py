@@ -53,7 +53,7 @@ def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
         raise ValueError(f"inv_freq must have shape [D/2={head_dim // 2}], got inv_freq.shape={shape}")
     try:
         values = np.asarray(inv_freq, np.float32)
-    except jax.errors.TracerArrayConversionError:  # traced under jit: checked by the caller's caller, if anyone
+    except jax.errors.TracerArrayConversionError:  # traced (under jit): only its shape and dtype can be checked
         return
     if not np.all(np.isfinite(values)):
         raise ValueError(f"inv_freq must be finite, got inv_freq={values.tolist()}")
