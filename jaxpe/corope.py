@@ -14,16 +14,19 @@ plain causal attention.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels._checks import check_segment_ids, check_window
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise, corope_frequencies
 from jaxpe.registry import PEConfig, register
+from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
                                      visibility_mask)
 from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive, check_qkv
@@ -142,16 +145,43 @@ class CoRoPECore(nn.Module):
                                           mask=ctx.dense_mask(q.shape[1], k.shape[1]), inv_freq=inv_freq)
 
 
+COROPE_SCALING = ("linear", "llama3")
+
+
 @register("corope")
 @dataclasses.dataclass(frozen=True)
 class CoRoPEConfig(PEConfig):
-    """Contextual rotary positions (leader-head mileage)."""
+    """Contextual rotary positions (leader-head mileage), with RoPE's frequency options where they make sense.
 
-    theta: float = 10000.0  # base of ω_d = θ^(−2d/D)
+    rotary_dim R < D: the first R/2 frequency pairs rotate, ω_d = θ^(−2d/R) (pairs (d, d + D/2) as everywhere in
+    Co-RoPE, which equals Hugging Face's partial layout up to a fixed permutation of the head dims that the learned
+    projections absorb); the other pairs pass through (ω = 0). scaling: a Hugging Face rope_scaling dict of type
+    "linear" or "llama3", which rescale ω. "dynamic" (NTK) is refused: it rescales by the current position, and Co-RoPE
+    has mileage instead of positions; so is "yarn", whose attention factor would also scale Co-RoPE's gates.
+    """
+
+    theta: float = 10000.0  # base of ω_d = θ^(−2d/R)
+    rotary_dim: int | None = None  # R, the rotated dims (pairs d < R/2); None: D
+    scaling: Mapping | tuple | None = None  # HF rope_scaling ("linear" or "llama3"), stored as sorted pairs
 
     def __post_init__(self) -> None:
         check_positive("theta", self.theta)
+        if self.rotary_dim is not None:
+            check_rotary_dim(self.rotary_dim)
+        spec = rope_scaling_dict(self.scaling)
+        if spec is not None and spec["rope_type"] not in COROPE_SCALING:
+            raise ValueError(f"scaling rope_type={spec['rope_type']!r} is not supported by Co-RoPE (choose from "
+                             f"{COROPE_SCALING}): dynamic NTK rescales by position and Co-RoPE has mileage; YaRN's "
+                             "attention factor would also scale the gates")
+        object.__setattr__(self, "scaling", None if spec is None else tuple(sorted(spec.items())))
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
-        return CoRoPECore(theta=self.theta, impl=impl)
+        if self.rotary_dim is None and self.scaling is None:
+            return CoRoPECore(theta=self.theta, impl=impl)
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        check_rotary_dim(rotary_dim, head_dim)
+        with jax.ensure_compile_time_eval():  # concrete numbers even when a model is built under jit
+            freqs, _ = rope_frequencies(rotary_dim, theta=self.theta, scaling=self.scaling)
+        freqs = np.concatenate([np.asarray(freqs, np.float64), np.zeros((head_dim - rotary_dim) // 2)])
+        return CoRoPECore(theta=self.theta, impl=impl, inv_freq=tuple(float(f) for f in freqs))

@@ -62,6 +62,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.pe_options, Mapping):
             object.__setattr__(self, "pe_options", tuple(sorted(self.pe_options.items())))
+        if isinstance(self.pe_options, (tuple, list)):  # nested dicts (a rope_scaling) as sorted pairs: hashable
+            object.__setattr__(self, "pe_options", tuple(
+                (key, tuple(sorted(value.items())) if isinstance(value, Mapping) else value)
+                for key, value in self.pe_options))
         if isinstance(self.layer_pe, list):
             object.__setattr__(self, "layer_pe", tuple(self.layer_pe))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):

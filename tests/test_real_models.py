@@ -252,3 +252,37 @@ def test_visibility_mask_by_hand():
     mask = visibility_mask(4, 4, segment_ids=jnp.asarray([[0, 0, 1, 1]]), window=2)[0]
     expected = np.asarray([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool)
     np.testing.assert_array_equal(mask, expected)
+
+
+def test_corope_rotary_dim_and_scaling_give_the_published_frequencies():
+    d, r, theta = 16, 8, 500.0
+    expected = np.concatenate([theta ** (-np.arange(0, r, 2) / r) / 2.0, np.zeros((d - r) // 2)])  # linear factor 2
+    config = jaxpe.ModelConfig(vocab_size=VOCAB, d_model=32, num_heads=2, num_layers=1, max_len=MAX_LEN, pe="corope",
+                               pe_options={"theta": theta, "rotary_dim": r, "scaling": {"type": "linear", "factor": 2}})
+    hash(config)  # nested options are stored hashably
+    core = config.pe_config.core(head_dim=d, max_len=MAX_LEN, impl="reference")
+    np.testing.assert_allclose(core.inv_freq, expected, rtol=1e-6)
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 9, 2, d)) for i in range(3))
+    ctx = jaxpe.AttentionContext(x=jnp.zeros((1, 9, 32)), q_pos=jnp.arange(9)[None])
+    got = core.apply({}, q, k, v, ctx)
+    close(got, jaxpe.corope_attention(q, k, v, inv_freq=jnp.asarray(expected, jnp.float32), impl="reference"))
+    assert not np.allclose(got, jaxpe.corope_attention(q, k, v, theta=theta, impl="reference"), atol=1e-4)
+    for rope_type in ("dynamic", "yarn"):
+        with pytest.raises(ValueError, match="Co-RoPE"):
+            jaxpe.pe_config("corope", scaling={"rope_type": rope_type, "factor": 2.0,
+                                               "original_max_position_embeddings": 16})
+    with pytest.raises(ValueError, match="rotary_dim"):
+        jaxpe.pe_config("corope", rotary_dim=32).core(head_dim=16, max_len=8, impl="auto")
+
+
+def test_nnx_layers_take_the_token_inputs():
+    from flax import nnx
+    import jaxpe.nnx
+    lm = jaxpe.nnx.TransformerLM(jaxpe.ModelConfig(vocab_size=VOCAB, d_model=16, num_layers=1, num_heads=2,
+                                                   max_len=MAX_LEN, pe="cope", dropout=0.0), rngs=nnx.Rngs(0))
+    toks = tokens(1, 9)
+    segments = jnp.asarray([[0] * 4 + [1] * 5])
+    packed = lm(toks, segment_ids=segments, deterministic=True)
+    close(packed[:, 4:], lm(toks[:, 4:], deterministic=True))
+    padded = lm(jnp.concatenate([toks, toks[:, :2]], 1), padding_mask=jnp.arange(11)[None] < 9, deterministic=True)
+    close(padded[:, :9], lm(toks, deterministic=True))
