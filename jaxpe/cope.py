@@ -34,6 +34,7 @@ from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
 from jaxpe.relative import relative_logits
+from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
                                     visibility_mask)
 from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_positive, check_qkv,
@@ -190,27 +191,32 @@ class CoPECore(nn.Module):
         hq, d = q.shape[2], q.shape[3]
         pos_emb = ctx.pos_emb
         if pos_emb is None:
-            shape = (hq, self.npos, d) if self.per_head else (self.npos, d)
-            pos_emb = self.param("pos_emb", nn.initializers.normal(0.02), shape)
+            shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
+                (self.npos, d), ("positions", "head_dim"))
+            pos_emb = self.param("pos_emb", partitioned(nn.initializers.normal(0.02), *names), shape)
         gate_k = None
         if self.gates == "values":
             gate_k = v
         elif self.gates == "sep_keys":
-            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key")(ctx.x)
+            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key",
+                                     kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "kv_heads",
+                                                             "head_dim"))(ctx.x)
             if ctx.decode:
                 gate_k = update_cache(self, "gate_keys", gate_k, ctx.cache_index)
         pos_emb = pos_emb.astype(q.dtype)
         sm_scale = d ** -0.5
         talking = None
         if self.talking_heads:  # starts as plain CoPE
-            talking = self.param("talking_heads", lambda key, shape: jnp.eye(shape[0], dtype=jnp.float32), (hq, hq))
+            identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], dtype=dtype)  # noqa: E731
+            talking = self.param("talking_heads", partitioned(identity, None, None), (hq, hq))  # couples all heads
         temp = self.soft_onehot_temp if self.soft_onehot else None
         if ctx.mask is None and not self.add_relative:
             return cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, segment_ids=ctx.segment_ids,
                                   window=ctx.window, soft_onehot_temp=temp, talking_heads=talking, impl=self.impl)
         extra = None
         if self.add_relative:
-            table = self.param("rel_table", nn.initializers.normal(0.02), (self.npos, d))
+            table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
+                               (self.npos, d))
             extra = relative_logits(q, table, ctx.q_pos, ctx.k_pos)
         return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k,
                                         mask=ctx.dense_mask(q.shape[1], k.shape[1]), extra_logits=extra,

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.extend.core as jex_core
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -334,13 +335,25 @@ def test_core_passes_documents_windows_and_variants():
     dense_ctx = AttentionContext(x=ctx.x, q_pos=pos, k_pos=pos, mask=jnp.asarray(mask), pos_emb=e)
     assert_close(_core_output(CoPEConfig(), q, k, v, dense_ctx)[0], plain_out, TOLERANCE["float32"], "dense mask")
     talking_out, params = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx)
-    np.testing.assert_array_equal(params["params"]["talking_heads"], np.eye(4))
+    np.testing.assert_array_equal(nn.meta.unbox(params)["params"]["talking_heads"], np.eye(4))
     assert_close(talking_out, plain_out, TOLERANCE["float32"], "talking heads at init")
     mix = jnp.asarray(np.random.default_rng(1).standard_normal((4, 4)), jnp.float32)
     mixed, _ = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx, params={"params": {"talking_heads": mix}})
     assert_close(mixed, np_cope(q, k, v, e, mask=mask, talking_heads=mix), TOLERANCE["float32"], "talking heads")
     soft, _ = _core_output(CoPEConfig(soft_onehot=True, soft_onehot_temp=0.2), q, k, v, dense_ctx)
     assert_close(soft, np_cope(q, k, v, e, mask=mask, soft_onehot_temp=0.2), TOLERANCE["float32"], "soft one-hot")
+
+
+def test_core_parameters_carry_logical_axis_names():
+    q, k, v, _, _, _ = inputs(11, batch=1, length=8, heads=4, kv_heads=2)
+    pos = jnp.broadcast_to(jnp.arange(8), (1, 8))
+    ctx = AttentionContext(x=jnp.ones((1, 8, 12)), q_pos=pos, k_pos=pos)
+    config = CoPEConfig(gates="sep_keys", per_head=True, add_relative=True, talking_heads=True, npos=5)
+    params = config.core(head_dim=16, max_len=8, impl="auto").init(jax.random.PRNGKey(0), q, k, v, ctx)["params"]
+    boxed = lambda leaf: isinstance(leaf, nn.LogicallyPartitioned)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=boxed)
+    assert len(leaves) == 4 and all(boxed(leaf) and len(leaf.names) == leaf.value.ndim for leaf in leaves)
+    assert params["pos_emb"].names == ("heads", "positions", "head_dim")
 
 
 # --- errors ----------------------------------------------------------------------------------------------------------
