@@ -16,7 +16,7 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import check_segment_ids, check_window
+from jaxpe.validation import check_padding_mask, check_segment_ids, check_window
 
 
 class Attention(nn.Module):
@@ -126,11 +126,4 @@ def check_token_inputs(batch: int, length: int, *, positions: jax.Array | None =
         if positions.shape not in ((batch, length), (length,)):
             raise ValueError(f"positions must have shape [B={batch}, L={length}] or [L], "
                              f"got positions.shape={tuple(positions.shape)}")
-    if padding_mask is not None:
-        padding_mask = jnp.asarray(padding_mask)
-        if padding_mask.dtype != jnp.bool_:
-            raise TypeError(f"padding_mask must be a bool array [B, L] (True: a real token), "
-                            f"got padding_mask.dtype={padding_mask.dtype}")
-        if padding_mask.shape != (batch, length):
-            raise ValueError(f"padding_mask must have shape [B={batch}, L={length}], "
-                             f"got padding_mask.shape={tuple(padding_mask.shape)}")
+    check_padding_mask(padding_mask, batch, length)

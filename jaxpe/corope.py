@@ -23,11 +23,11 @@ import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
-from jaxpe.kernels._checks import check_segment_ids, check_window
+from jaxpe.kernels._checks import check_padding_mask, check_segment_ids, check_window
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise, corope_frequencies
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
-from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
+from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                      visibility_mask)
 from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive, check_qkv
 
@@ -98,19 +98,22 @@ def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
 
 def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
                      sm_scale: float | None = None, causal: bool = True, segment_ids: jax.Array | None = None,
-                     window: int | None = None, inv_freq: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+                     window: int | None = None, inv_freq: jax.Array | None = None, impl: str = "auto",
+                     padding_mask: jax.Array | None = None) -> jax.Array:
     """Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D].
 
-    segment_ids: int [B, L] document ids (packed documents; give padding an id of its own, e.g. PAD_SEGMENT): query
-    i sees key j only with the same id. window: int >= 1, query i sees keys i − window < j ≤ i. Invisible keys add
+    segment_ids: int [B, L] document ids (packed documents): query i sees key j only with the same id.
+    padding_mask: bool [B, L], False on padding: keys no real token sees (outputs at padding are meaningless). window: int >= 1, query i sees keys i − window < j ≤ i. Invisible keys add
     nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros for
     the pairs that should not rotate), treated as a constant (not differentiated).
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1])
     check_window(window)
     check_inv_freq(inv_freq, q.shape[3])
+    segment_ids = fold_padding(segment_ids, padding_mask)
     if not causal:
         raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
                          "defined under a causal mask only (this first version is causal)")

@@ -149,3 +149,15 @@ def check_window(window: int | None) -> None:
     """Sliding window: None (the whole causal prefix) or an int >= 1, the query itself and window − 1 keys before."""
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
+
+
+def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) -> None:
+    """Padding: None, or a bool array [B, L], True on real tokens."""
+    if padding_mask is None:
+        return
+    dtype = jnp.asarray(padding_mask).dtype
+    if dtype != jnp.bool_:
+        raise TypeError(f"padding_mask must be a bool array [B, L] (True: a real token), got padding_mask.dtype={dtype}")
+    if padding_mask.shape != (batch, length):
+        raise ValueError(f"padding_mask must have shape [B={batch}, L={length}], "
+                         f"got padding_mask.shape={tuple(padding_mask.shape)}")
