@@ -80,8 +80,9 @@ def attention(impl: str, q, k, v, pos_emb, gate_k=None, *, segment_ids=None, win
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=SM_SCALE, block_k=8, block_q=16,
                                         segment_ids=segment_ids, window=window)
     if impl == "pallas":
-        return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=SM_SCALE, block_sizes=BlockSizes(16, 16, 16, 16),
-                                     interpret=True, segment_ids=segment_ids, window=window)
+        blocks = BlockSizes(16, 16, 16, 16)
+        return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=SM_SCALE, block_sizes=blocks, interpret=True,
+                                     segment_ids=segment_ids, window=window)
     return jaxpe.cope_attention(q, k, v, pos_emb, sm_scale=SM_SCALE, gate_k=gate_k, segment_ids=segment_ids,
                                 window=window, impl="reference")
 
