@@ -35,10 +35,10 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
 from jaxpe.relative import relative_logits
 from jaxpe.sharding import partitioned
-from jaxpe.softmax_attention import (causal_mask, masked_softmax_attention, qk_logits, reverse_cumsum,
+from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                     visibility_mask)
-from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_positive, check_qkv,
-                              check_segment_ids, check_window)
+from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_padding_mask, check_positive,
+                              check_qkv, check_segment_ids, check_window)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -133,20 +133,24 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
 def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | None = None,
                    causal: bool = True, gate_k: jax.Array | None = None, segment_ids: jax.Array | None = None,
                    window: int | None = None, soft_onehot_temp: float | None = None,
-                   talking_heads: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+                   talking_heads: jax.Array | None = None, impl: str = "auto",
+                   padding_mask: jax.Array | None = None) -> jax.Array:
     """CoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
     gate_k [B, L, Hkv, D] (keys used for the gates; None means k) -> [B, L, Hq, D].
 
     segment_ids [B, L] int: packed documents (keys visible only from queries with the same id; positions restart at
-    each document); window: each query sees itself and the window − 1 keys before it (blocks outside are skipped by
-    "blockwise" and "pallas"). soft_onehot_temp (> 0) and talking_heads [Hq, Hq]: x-transformers' variants, dense
+    each document); padding_mask bool [B, L], False on padding: keys no real token sees, no gate either (outputs at
+    padding are meaningless); window: each query sees itself and the window − 1 keys before it (blocks outside are
+    skipped by "blockwise" and "pallas"). soft_onehot_temp (> 0) and talking_heads [Hq, Hq]: x-transformers' variants, dense
     only (the reference path).
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1])
     check_window(window)
     check_soft_onehot_temp(soft_onehot_temp)
+    segment_ids = fold_padding(segment_ids, padding_mask)
     check_talking_heads(talking_heads, q.shape[2])
     if not causal:
         raise ValueError("causal=False is not supported: CoPE counts gates from key j up to query i, "

@@ -168,6 +168,11 @@ def test_padding_is_the_same_however_much_there_is():
     its tokens' outputs."""
     q, k, v, e, _, _ = inputs(2, batch=1, length=20, heads=2, kv_heads=1)
     alone = attention("blockwise", q, k, v, e)
+    left = [(0, 0), (5, 0), (0, 0), (0, 0)]
+    padded_reference = jaxpe.cope_attention(*(jnp.pad(x, left, constant_values=9.0) for x in (q, k, v)), e,
+                                            sm_scale=SM_SCALE, padding_mask=jnp.arange(25)[None] >= 5,
+                                            impl="reference")  # keys at padding: no gate, no weight
+    assert_close(padded_reference[:, 5:], alone, TOLERANCE["float32"], "padding_mask")
     paddings = ((0, 13), (13, 0), (3, 10))  # right, left, both: rows of 33
 
     def padded(x):
