@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,8 +51,9 @@ def f64(x: np.ndarray | jax.Array) -> np.ndarray:
 
 
 def randomized(params: dict, rng: np.random.Generator, scale: float = 0.5) -> dict:
-    """The same tree with every leaf redrawn from N(0, scale²), so small initialisers cannot hide a wrong term."""
-    return jax.tree.map(lambda p: jnp.asarray(normal(rng, *p.shape, scale=scale)), params)
+    """The same tree, unboxed, with every leaf redrawn from N(0, scale²), so small initialisers cannot hide a wrong
+    term."""
+    return jax.tree.map(lambda p: jnp.asarray(normal(rng, *p.shape, scale=scale)), nn.meta.unbox(params))
 
 
 def run_core(name: str, options: dict, q: np.ndarray, k: np.ndarray, v: np.ndarray, x: np.ndarray,
@@ -116,7 +118,7 @@ def test_amspe_against_seed_code(alpha, detail_level, d_model):
     rng = np.random.default_rng(1)
     x = normal(rng, 2, 6, d_model)
     layer = jaxpe.AMSPE(d_model, max_len=10)
-    variables = jax.jit(layer.init)(jax.random.PRNGKey(0), jnp.asarray(x))
+    variables = nn.meta.unbox(jax.jit(layer.init)(jax.random.PRNGKey(0), jnp.asarray(x)))
     assert variables["params"]["alpha"].shape == (1,)
     np.testing.assert_array_equal(variables["params"]["alpha"], [0.0])  # initialised to 0: α = 1/2
     params = {"alpha": jnp.array([alpha], jnp.float32)}

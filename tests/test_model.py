@@ -3,6 +3,7 @@ jit/vmap/grad, pmap over 8 simulated devices, bf16 tolerance, and the paper-size
 import dataclasses
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +32,7 @@ def tokens(key: jax.Array, b: int = 2, length: int = 10) -> jax.Array:
 
 def init(config: jaxpe.ModelConfig, toks: jax.Array):
     model = jaxpe.TransformerLM(config)
-    return model, model.init(jax.random.PRNGKey(1), toks)["params"]
+    return model, nn.meta.unbox(model.init(jax.random.PRNGKey(1), toks)["params"])
 
 
 def decode_logits(model, params, toks, prefill: int) -> jax.Array:
@@ -121,7 +122,7 @@ def test_gqa_equals_mha_with_repeated_heads(pe, key):
     gqa_model, gqa_params = init(tiny(name, pe_options=options), toks)
     mha_model = jaxpe.TransformerLM(tiny(name, pe_options=options, num_kv_heads=4))
     mha_params = repeat_kv_params(gqa_params, 2)
-    chex.assert_trees_all_equal_shapes(mha_params, mha_model.init(jax.random.PRNGKey(0), toks)["params"])
+    chex.assert_trees_all_equal_shapes(mha_params, nn.meta.unbox(mha_model.init(jax.random.PRNGKey(0), toks)["params"]))
     np.testing.assert_allclose(mha_model.apply({"params": mha_params}, toks),
                                gqa_model.apply({"params": gqa_params}, toks), atol=1e-5, rtol=1e-5)
 
