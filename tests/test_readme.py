@@ -37,7 +37,7 @@ def test_readme_nnx_example_runs():
 def test_readme_real_model_examples_run():
     """The "Layers for real models" blocks run in order, as a reader pastes them."""
     blocks = re.findall(r"<!-- readme-example-real.*?-->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     scope: dict = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), scope)
@@ -48,4 +48,5 @@ def test_readme_real_model_examples_run():
                                                                     scope["tokens"][1:, :9])[0], atol=2e-5)
     assert scope["o"].shape == (1, 256, 4, 32)
     assert scope["rope"].scaling and scope["phi2_like"].rotary_dim == 32
+    assert scope["x_cope"].talking_heads and scope["corope"].rotary_dim == 16
     assert scope["sharded"]["embed"]["embedding"].shape == (32, 64)
