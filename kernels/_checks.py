@@ -133,11 +133,18 @@ def check_kernel_dtype(q: jax.Array) -> None:
         raise TypeError(f"q must be float32 or bfloat16 for the Co-RoPE kernels, got q.dtype={q.dtype}")
 
 
+def check_array(name: str, x: object) -> None:
+    """Raise TypeError unless `x` is an array (jax or NumPy), not a list or a scalar."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax or NumPy array [B, L], got {type(x).__name__}")
+
+
 def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> None:
     """Packed documents: None, or integer ids [B, L]; keys attend only to queries with the same id."""
     if segment_ids is None:
         return
-    dtype = jnp.asarray(segment_ids).dtype
+    check_array("segment_ids", segment_ids)
+    dtype = segment_ids.dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array [B, L], got segment_ids.dtype={dtype}")
     if segment_ids.shape != (batch, length):
@@ -155,7 +162,8 @@ def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) 
     """Padding: None, or a bool array [B, L], True on real tokens."""
     if padding_mask is None:
         return
-    dtype = jnp.asarray(padding_mask).dtype
+    check_array("padding_mask", padding_mask)
+    dtype = padding_mask.dtype
     if dtype != jnp.bool_:
         raise TypeError(f"padding_mask must be a bool array [B, L] (True: a real token), got padding_mask.dtype={dtype}")
     if padding_mask.shape != (batch, length):
