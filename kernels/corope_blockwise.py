@@ -7,9 +7,11 @@ query and s for key positions. Internally heads are grouped: q [B, K, G, Lp, D],
 group is its leader.
 
 The maths (SPEC §3): z_ij = sigmoid(sm_scale·q^leader_i·k_j) for j ≤ i, Δ_ij = Σ_{t=j+1..i} z_it,
-φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ). Writing the rotated keys
-kc = k1 cos φ + k2 sin φ and ks = k2 cos φ − k1 sin φ (shared by the G heads of a group, [BK, BK, Dh] per tile),
-score = sm_scale·Σ_d (q1·kc + q2·ks), and ∂kc/∂φ = ks, ∂ks/∂φ = −kc.
+φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
++ q2 (k2 cos φ − k1 sin φ). Tiles are frequency-major: a scan over the Dh frequencies computes one [BK, BK] plane
+of sin/cos per step with `sincos` (a polynomial, vectorised by XLA; jnp.sin/cos are ~20× slower on CPU), shared by
+the G heads of a group, and accumulates the scores. The backward recomputes a tile's sin/cos once more in its
+gradient pass: storing them [Dh, BK, BK] costs more memory traffic than the polynomial (measured on CPU).
 
 Visibility (one definition in every implementation): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
 segment_ids[b, j] (packed documents, padding as its own id; documents need not be contiguous) and i − j < window.
@@ -38,7 +40,7 @@ from jax import lax
 
 from jaxpe.kernels._checks import (check_corope_inputs, check_kernel_dtype, check_positive_int, check_segment_ids,
                                    check_window)
-from jaxpe.kernels._common import MASK_VALUE, rotary_frequencies
+from jaxpe.kernels._common import MASK_VALUE, rotary_frequencies, sincos
 
 
 def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
@@ -84,6 +86,8 @@ class _Config:
     sm_scale: float
     block: int  # BK, query rows and keys per block (at most L)
     window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
+    keep_trig: bool = False  # the backward keeps each tile's sin/cos from its score pass instead of recomputing them
+    unroll: int = 1  # unrolling of the scans over frequencies
 
 
 def _first_key_block(qb: jax.Array, config: _Config) -> jax.Array | int:
@@ -116,19 +120,72 @@ def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, sm_scale: float) ->
     return jnp.where(mask, z, 0.0)
 
 
-def _rotated_keys(delta: jax.Array, k: jax.Array, omega: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """delta [B, K, BK, BK], k [B, K, BK, D] -> cos φ, sin φ, kc, ks, each [B, K, BK(t), BK(s), Dh]."""
-    phi = delta[..., None] * omega
-    cos, sin = jnp.cos(phi), jnp.sin(phi)
-    k1, k2 = jnp.split(k[:, :, None], 2, axis=-1)  # [B, K, 1, BK, Dh]
-    return cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
+def _by_frequency(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> its halves x1, x2 with the frequency first: [Dh, ...] with a size-1 axis inserted at `axis` of
+    the rest (so that query rows [.., BK(t), 1] and keys [.., 1, BK(s)] broadcast into a [.., BK, BK] tile)."""
+    x = jnp.expand_dims(jnp.moveaxis(x, -1, 0), axis)
+    return jnp.split(x, 2, axis=0)
 
 
-def _scores(q: jax.Array, kc: jax.Array, ks: jax.Array, sm_scale: float) -> jax.Array:
-    """q [B, K, G, BK, D], kc/ks [B, K, BK, BK, Dh] -> scores [B, K, G, BK, BK]."""
-    q1, q2 = jnp.split(q, 2, axis=-1)
-    return sm_scale * (jnp.einsum("bkgtd,bktsd->bkgts", q1, kc) + jnp.einsum("bkgtd,bktsd->bkgts", q2, ks))
+def _frequency_scan(body, init, xs, config: "_Config"):
+    """lax.scan over the Dh frequencies (the trig of one frequency for a whole [BK, BK] tile per step: XLA keeps
+    the loop body one vectorised elementwise fusion, much faster on CPU than D-minor [BK, BK, Dh] tiles)."""
+    return lax.scan(body, init, xs, unroll=config.unroll)
+
+
+def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, config: "_Config",
+            keep_trig: bool = False):
+    """q [B, K, G, BK, D], k [B, K, BK, D], delta [B, K, BK, BK] -> scores [B, K, G, BK(t), BK(s)] and, with
+    keep_trig, (sin φ, cos φ) [Dh, B, K, BK, BK] (else None). One sincos per (t, s, d), shared by the G heads of a group:
+    score = sm_scale·Σ_d q1 (k1 cos + k2 sin) + q2 (k2 cos − k1 sin)."""
+    q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
+    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
+
+    def one_frequency(acc, xs):
+        w, a1, a2, b1, b2 = xs
+        sin, cos = sincos(delta * w)  # [B, K, BK, BK]
+        sin_g, cos_g = sin[:, :, None], cos[:, :, None]
+        acc = acc + a1 * (b1 * cos_g + b2 * sin_g) + a2 * (b2 * cos_g - b1 * sin_g)
+        return acc, ((sin, cos) if keep_trig else None)
+
+    init = jnp.zeros(q.shape[:-1] + (k.shape[2],), jnp.float32)
+    acc, trig = _frequency_scan(one_frequency, init, (omega, q1, q2, k1, k2), config)
+    return config.sm_scale * acc, trig
+
+
+def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, ds: jax.Array,
+                 trig: tuple[jax.Array, jax.Array] | None, config: "_Config"
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The score's cotangent ds [B, K, G, BK, BK] -> dq [B, K, G, BK, D], dk [B, K, BK, D], dΔ [B, K, BK, BK].
+
+    With X = ds·cos φ, Y = ds·sin φ: dq1 = Σ_s X k1 + Y k2, dq2 = Σ_s X k2 − Y k1, dk1 = Σ_gt X q1 − Y q2,
+    dk2 = Σ_gt Y q1 + X q2, dΔ = Σ_d ω_d Σ_g X (q1 k2 − q2 k1) − Y (q1 k1 + q2 k2), all times sm_scale.
+    trig: the forward's (sin, cos) [Dh, B, K, BK, BK] of this tile, else computed here (once)."""
+    q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
+    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
+
+    def one_frequency(d_delta, xs):
+        if trig is None:
+            w, a1, a2, b1, b2 = xs
+            sin, cos = sincos(delta * w)
+        else:
+            w, a1, a2, b1, b2, sin, cos = xs
+        x, y = ds * cos[:, :, None], ds * sin[:, :, None]  # [B, K, G, BK, BK]
+        b1, b2, a1, a2 = b1[:, :, 0, 0], b2[:, :, 0, 0], a1[..., 0], a2[..., 0]  # [B, K, BK(s)], [B, K, G, BK(t)]
+        # Contractions as einsums (XLA CPU runs them as dots, faster than its reductions of the same products).
+        dq1 = jnp.einsum("bkgts,bks->bkgt", x, b1) + jnp.einsum("bkgts,bks->bkgt", y, b2)
+        dq2 = jnp.einsum("bkgts,bks->bkgt", x, b2) - jnp.einsum("bkgts,bks->bkgt", y, b1)
+        dk1 = jnp.einsum("bkgts,bkgt->bks", x, a1) - jnp.einsum("bkgts,bkgt->bks", y, a2)
+        dk2 = jnp.einsum("bkgts,bkgt->bks", y, a1) + jnp.einsum("bkgts,bkgt->bks", x, a2)
+        a1, a2 = a1[..., None], a2[..., None]
+        b1, b2 = b1[:, :, None, None], b2[:, :, None, None]
+        d_delta = d_delta + w * jnp.sum(x * (a1 * b2 - a2 * b1) - y * (a1 * b1 + a2 * b2), axis=2)
+        return d_delta, (dq1, dq2, dk1, dk2)
+
+    xs = (omega, q1, q2, k1, k2) + (() if trig is None else tuple(trig))
+    d_delta, (dq1, dq2, dk1, dk2) = _frequency_scan(one_frequency, jnp.zeros_like(delta), xs, config)
+    last = lambda *parts: config.sm_scale * jnp.moveaxis(jnp.concatenate(parts, axis=0), 0, -1)
+    return last(dq1, dq2), last(dk1, dk2), config.sm_scale * d_delta
 
 
 def _block(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
@@ -160,9 +217,8 @@ def _ungrouped(x: jax.Array, length: int) -> jax.Array:
 
 
 def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config) -> jax.Array:
-    """ω [1, 1, 1, 1, Dh] float32 (the caller's, else θ^(−2d/D)), broadcasting against [B, K, BK, BK, Dh] tiles."""
-    omega = rotary_frequencies(head_dim, config.theta) if omega is None else omega
-    return omega.reshape(1, 1, 1, 1, -1)
+    """ω [Dh] float32: the caller's, else θ^(−2d/D)."""
+    return rotary_frequencies(head_dim, config.theta) if omega is None else omega
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array | None,
@@ -187,8 +243,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
             mask = _visible(rows, kb * block + jnp.arange(block), seg_rows, seg_cols, config.window)
             z = _gates(q_blk[:, :, 0], k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
-            _, _, kc, ks = _rotated_keys(delta, k_blk, omega)
-            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
+            s = jnp.where(mask[:, :, None], _scores(q_blk, k_blk, delta, omega, config)[0], MASK_VALUE)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
@@ -219,7 +274,6 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
         q_blk, do_blk = _block(q, qb, block, 3), _block(do, qb, block, 3)  # [B, K, G, BK, D]
         lse_blk, row_dot_blk = _block(lse, qb, block, 3), _block(row_dot, qb, block, 3)  # [B, K, G, BK]
         q_lead = q_blk[:, :, 0]  # [B, K, BK, D]
-        q1, q2 = jnp.split(q_blk, 2, axis=-1)
         rows = qb * block + jnp.arange(block)
         seg_rows = None if seg is None else _block(seg, qb, block, 1)
 
@@ -234,19 +288,14 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
             mask = mask_of(kb)
             z = _gates(q_lead, k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
-            cos, sin, kc, ks = _rotated_keys(delta, k_blk, omega)
-            s = jnp.where(mask[:, :, None], _scores(q_blk, kc, ks, sm_scale), MASK_VALUE)
+            scores, trig = _scores(q_blk, k_blk, delta, omega, config, keep_trig=config.keep_trig)
+            s = jnp.where(mask[:, :, None], scores, MASK_VALUE)
             p = jnp.exp(s - lse_blk[..., None])  # [B, K, G, BK, BK]
             dp = jnp.einsum("bkgtd,bksd->bkgts", do_blk, v_blk)
             ds = p * (dp - row_dot_blk[..., None])
             dv_blk = jnp.einsum("bkgts,bkgtd->bksd", p, do_blk)
-            dq_blk = dq_blk + sm_scale * jnp.concatenate(
-                [jnp.einsum("bkgts,bktsd->bkgtd", ds, kc), jnp.einsum("bkgts,bktsd->bkgtd", ds, ks)], axis=-1)
-            dsq1 = jnp.einsum("bkgts,bkgtd->bktsd", ds, q1)  # Σ_g dS^g q1^g, [B, K, BK, BK, Dh]
-            dsq2 = jnp.einsum("bkgts,bkgtd->bktsd", ds, q2)
-            dk_blk = sm_scale * jnp.concatenate(
-                [jnp.sum(dsq1 * cos - dsq2 * sin, axis=2), jnp.sum(dsq1 * sin + dsq2 * cos, axis=2)], axis=-1)
-            d_delta = sm_scale * jnp.sum((dsq1 * ks - dsq2 * kc) * omega, axis=-1)  # [B, K, BK, BK]
+            dq_tile, dk_blk, d_delta = _score_grads(q_blk, k_blk, delta, omega, ds, trig, config)
+            dq_blk = dq_blk + dq_tile
             suffix = dd_suffix[..., None] + lax.cumsum(d_delta, axis=3, reverse=True)  # Σ_{j≥t} dΔ_ij
             d_logit = -sm_scale * suffix * z * (1.0 - z)  # the −Suf part of dz, through the sigmoid
             dq_blk = dq_blk.at[:, :, 0].add(jnp.einsum("bkts,bksd->bktd", d_logit, k_blk))
