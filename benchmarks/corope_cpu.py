@@ -1,0 +1,235 @@
+"""Co-RoPE on CPU: the blockwise path against jaxpe's dense reference and the seed's dense PyTorch code.
+
+Config of issue 13 item 3: B 1, Hq 8, Hkv 8, D 64, float32, θ = 10⁴, sm_scale = D^−½, random normal q, k, v.
+1. blockwise vs `impl="reference"`, forward and forward+backward (a vjp with a random cotangent), at each of
+   --lengths (default 1024, 2048): medians of --repeats runs, the two impls interleaved in one process so that their
+   ratio is fair on a shared machine;
+2. the blockwise forward+backward at --long-length (default 16384) in a subprocess of its own: wall time of one
+   compiled run and the subprocess's peak resident memory (getrusage ru_maxrss);
+3. the seed's dense PyTorch reference (github Superposition09m/Co-RoPE, `corope-exp/corope_attn_gqa_pytorch.py`,
+   run as it is, imported from --seed-file) at --seed-length (default 1024), forward and forward+backward, when
+   --torch-python (default /tmp/torchvenv/bin/python) exists; its peak memory too.
+Writes --out (default results/bench/corope_cpu.json): device, versions, date, config, times, ratios.
+
+    python benchmarks/corope_cpu.py
+    python benchmarks/corope_cpu.py --lengths 1024 --long-length 0 --seed-length 0    # quick
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+B, HQ, HKV, D, THETA = 1, 8, 8, 64, 10000.0
+SEED_REPO = "/work/.mirror/Superposition09m+Co-RoPE/repo"
+SEED_PATH = "corope-exp/corope_attn_gqa_pytorch.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def _jax_functions(length: int):
+    """{(impl, mode): jitted function of (q, k, v, do)} and the inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpe
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (B, length, HQ, D), jnp.float32)
+    k, v = (jax.random.normal(key, (B, length, HKV, D), jnp.float32) for key in keys[1:3])
+    do = jax.random.normal(keys[3], (B, length, HQ, D), jnp.float32)
+    functions = {}
+    for impl in ("reference", "blockwise"):
+        attention = lambda q, k, v, impl=impl: jaxpe.corope_attention(q, k, v, theta=THETA, impl=impl)
+        functions[impl, "fwd"] = jax.jit(lambda q, k, v, do, f=attention: f(q, k, v))
+        functions[impl, "fwd+bwd"] = jax.jit(lambda q, k, v, do, f=attention: jax.vjp(f, q, k, v)[1](do))
+    return functions, (q, k, v, do)
+
+
+def _time(function, inputs) -> float:
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(function(*inputs))
+    return time.perf_counter() - start
+
+
+def measure_jax(length: int, repeats: int) -> dict:
+    """Medians (s) of blockwise and reference, forward and forward+backward, interleaved."""
+    functions, inputs = _jax_functions(length)
+    for function in functions.values():  # compile and warm up
+        _time(function, inputs)
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            times[name].append(_time(function, inputs))
+    row = {"length": length, "repeats": repeats}
+    for (impl, mode), values in times.items():
+        row[f"{impl}_{mode}_s"] = statistics.median(values)
+    for mode in ("fwd", "fwd+bwd"):
+        row[f"blockwise_over_reference_{mode}"] = row[f"blockwise_{mode}_s"] / row[f"reference_{mode}_s"]
+    return row
+
+
+def long_worker(length: int) -> dict:
+    """One compiled blockwise forward+backward at `length` (run in a subprocess: its peak RSS is its own)."""
+    functions, inputs = _jax_functions(length)
+    function = functions["blockwise", "fwd+bwd"]
+    start = time.perf_counter()
+    compiled = function.lower(*inputs).compile()
+    compile_s = time.perf_counter() - start
+    run_s = _time(compiled, inputs)
+    return {"length": length, "compile_s": compile_s, "blockwise_fwd+bwd_s": run_s, "peak_rss_gib": _peak_rss_gib()}
+
+
+def seed_worker(seed_file: str, length: int, repeats: int) -> dict:
+    """The seed's attention_pytorch (imported from its file as it is) on this config: medians of forward and
+    forward+backward (their manual backward), then the peak RSS of this process."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("corope_seed", seed_file)
+    seed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seed)
+    torch.manual_seed(0)
+    q = torch.randn(B, HQ, length, D, requires_grad=True)  # the seed's layout: (B, H, N, D)
+    k = torch.randn(B, HKV, length, D, requires_grad=True)
+    v = torch.randn(B, HKV, length, D, requires_grad=True)
+    do = torch.randn(B, HQ, length, D)
+
+    def forward():
+        with torch.no_grad():
+            seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
+
+    def forward_backward():
+        out = seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    row = {"length": length, "repeats": repeats, "torch_version": torch.__version__,
+           "torch_threads": torch.get_num_threads()}
+    for name, function in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+        row[f"seed_{name}_s"] = statistics.median(times)
+    row["peak_rss_gib"] = _peak_rss_gib()
+    return row
+
+
+def _subprocess(command: list[str], timeout: float) -> dict:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-800:]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _seed_file(path: str | None) -> str | None:
+    """The seed file: --seed-file, else extracted from the local git mirror of the seed repo (None: neither)."""
+    if path:
+        return path if Path(path).exists() else None
+    if not Path(SEED_REPO).exists():
+        return None
+    target = Path("/tmp/corope_seed/corope_attn_gqa_pytorch.py")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["git", "-C", SEED_REPO, "show", f"HEAD:{SEED_PATH}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    target.write_text(done.stdout)
+    return str(target)
+
+
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,2048", help="comma-separated L for blockwise vs reference")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-length", type=int, default=16384, help="0: skip the long run")
+    parser.add_argument("--long-timeout", type=float, default=1800.0)
+    parser.add_argument("--seed-length", type=int, default=1024, help="0: skip the seed's PyTorch reference")
+    parser.add_argument("--seed-repeats", type=int, default=1)
+    parser.add_argument("--seed-file", default=None)
+    parser.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "corope_cpu.json")
+    parser.add_argument("--worker", choices=("long", "seed"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker == "long":
+        print(json.dumps(long_worker(args.long_length)), flush=True)
+        return
+    if args.worker == "seed":
+        print(json.dumps(seed_worker(args.seed_file, args.seed_length, args.seed_repeats)), flush=True)
+        return
+
+    import jax
+
+    import jaxpe  # noqa: F401  (its version below)
+
+    report = {
+        "benchmark": "benchmarks/corope_cpu.py", "command": " ".join(["python", "benchmarks/corope_cpu.py"] +
+                                                                     (argv if argv is not None else sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+                   "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                   "load_average_at_start": _load_average()},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": __import__("jaxlib").__version__},
+        "config": {"batch": B, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "float32", "theta": THETA,
+                   "causal": True, "blockwise_block_k": 128},
+        "targets": {"blockwise_over_reference_fwd_at_2048": "<= 0.6", "long_fwd+bwd": "<= 4 GiB and <= 600 s",
+                    "seed_over_blockwise_at_1024": ">= 5"},
+    }
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",") if x):
+        rows.append(measure_jax(length, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    report["blockwise_vs_reference"] = rows
+
+    if args.long_length:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "long",
+                   "--long-length", str(args.long_length)]
+        report["long"] = _subprocess(command, args.long_timeout)
+        print(json.dumps(report["long"]), flush=True)
+
+    seed_file = _seed_file(args.seed_file) if args.seed_length else None
+    if args.seed_length and seed_file and Path(args.torch_python).exists():
+        command = [args.torch_python, str(Path(__file__).resolve()), "--worker", "seed", "--seed-file", seed_file,
+                   "--seed-length", str(args.seed_length), "--seed-repeats", str(args.seed_repeats)]
+        seed = _subprocess(command, args.long_timeout)
+        seed["source"] = f"github Superposition09m/Co-RoPE {SEED_PATH}"
+        same = [r for r in rows if r["length"] == args.seed_length]
+        if same and "error" not in seed:
+            for mode in ("fwd", "fwd+bwd"):
+                seed[f"seed_over_blockwise_{mode}"] = seed[f"seed_{mode}_s"] / same[0][f"blockwise_{mode}_s"]
+        report["seed_pytorch"] = seed
+        print(json.dumps(seed), flush=True)
+    else:
+        report["seed_pytorch"] = {"skipped": "no --torch-python or no seed file"}
+
+    report["load_average_at_end"] = _load_average()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
