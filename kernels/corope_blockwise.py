@@ -88,6 +88,7 @@ class _Config:
     window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
     keep_trig: bool = False  # the backward keeps each tile's sin/cos from its score pass instead of recomputing them
     unroll: int = 1  # unrolling of the scans over frequencies
+    transposed_dk: bool = True  # dk from a transposed tile (its own sincos) rather than contracting t
 
 
 def _first_key_block(qb: jax.Array, config: _Config) -> jax.Array | int:
@@ -164,6 +165,10 @@ def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array,
     q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
     k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
 
+    transposed = config.transposed_dk
+    if transposed:  # dk contracts t: a second, transposed tile keeps every contraction on the minor axis
+        delta_t, ds_t = jnp.swapaxes(delta, -1, -2), jnp.swapaxes(ds, -1, -2)  # [B, K, BK(s), BK(t)], [.., G, s, t]
+
     def one_frequency(d_delta, xs):
         if trig is None:
             w, a1, a2, b1, b2 = xs
@@ -175,8 +180,14 @@ def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array,
         # Contractions as einsums (XLA CPU runs them as dots, faster than its reductions of the same products).
         dq1 = jnp.einsum("bkgts,bks->bkgt", x, b1) + jnp.einsum("bkgts,bks->bkgt", y, b2)
         dq2 = jnp.einsum("bkgts,bks->bkgt", x, b2) - jnp.einsum("bkgts,bks->bkgt", y, b1)
-        dk1 = jnp.einsum("bkgts,bkgt->bks", x, a1) - jnp.einsum("bkgts,bkgt->bks", y, a2)
-        dk2 = jnp.einsum("bkgts,bkgt->bks", y, a1) + jnp.einsum("bkgts,bkgt->bks", x, a2)
+        if transposed:
+            sin_t, cos_t = sincos(delta_t * w)
+            x_t, y_t = ds_t * cos_t[:, :, None], ds_t * sin_t[:, :, None]  # [B, K, G, BK(s), BK(t)]
+            dk1 = jnp.einsum("bkgst,bkgt->bks", x_t, a1) - jnp.einsum("bkgst,bkgt->bks", y_t, a2)
+            dk2 = jnp.einsum("bkgst,bkgt->bks", y_t, a1) + jnp.einsum("bkgst,bkgt->bks", x_t, a2)
+        else:
+            dk1 = jnp.einsum("bkgts,bkgt->bks", x, a1) - jnp.einsum("bkgts,bkgt->bks", y, a2)
+            dk2 = jnp.einsum("bkgts,bkgt->bks", y, a1) + jnp.einsum("bkgts,bkgt->bks", x, a2)
         a1, a2 = a1[..., None], a2[..., None]
         b1, b2 = b1[:, :, None, None], b2[:, :, None, None]
         d_delta = d_delta + w * jnp.sum(x * (a1 * b2 - a2 * b1) - y * (a1 * b1 + a2 * b2), axis=2)
