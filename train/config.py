@@ -32,7 +32,7 @@ from typing import Any
 from jaxpe.model import ModelConfig
 from jaxpe.registry import pe_config
 from jaxpe.train.tasks import task_config_class
-from jaxpe.train.tasks.base import config_from_options
+from jaxpe.train.tasks.base import PAD_TO, config_from_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,11 @@ class RunConfig:
     async_checkpoints: bool = True  # orbax saves in a background thread
     eval_batch_size: int = 64  # sequences per evaluation batch (global)
     eval_splits: tuple[str, ...] = ()  # splits evaluated during training; () = all (the final eval always uses all)
+    # batch length: "multiple" pads a batch to its longest sequence rounded up to a multiple of pad_multiple,
+    # "pow2" to pad_multiple times a power of two, "block" to the task's full length L (one shape, the old behaviour);
+    # never longer than L. Only counting has sequences shorter than L; the loss and metrics do not change
+    pad_to: str = "multiple"
+    pad_multiple: int = 16  # bucket step of pad_to="multiple", the shortest bucket of "pow2"
     num_devices: int = 0  # devices in the data-parallel mesh; 0 = all
     fsdp: bool = False  # shard params and optimizer state over the "data" axis instead of replicating
     progress: bool = True  # tqdm progress bar
@@ -94,6 +99,10 @@ class RunConfig:
             raise ValueError(f"run: {self.steps=}, {self.log_every=}, {self.keep=}, {self.eval_batch_size=} must be >= 1")
         if self.eval_every < 0 or self.checkpoint_every < 0 or self.num_devices < 0:
             raise ValueError(f"run: {self.eval_every=}, {self.checkpoint_every=}, {self.num_devices=} must be >= 0")
+        if self.pad_to not in PAD_TO:
+            raise ValueError(f"run.pad_to={self.pad_to!r} must be one of {', '.join(PAD_TO)}")
+        if self.pad_multiple < 1:
+            raise ValueError(f"run.pad_multiple={self.pad_multiple!r} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpe.train.tasks.base import scored_lengths
+
 METRICS = ("seq_error", "token_error", "bits_per_byte")
 
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, inputs [B, L]) -> logits [B, L, V]
@@ -95,15 +97,26 @@ def evaluate_split(
     batch_size: int,
     put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
     to_host: Callable[[Any], Any],
+    pad: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
 ) -> dict[str, float]:
-    """Metrics of one split (a jaxpe.train.tasks Split: inputs, targets, weights [N, L])."""
+    """Metrics of one split (a jaxpe.train.tasks Split: inputs, targets, weights [N, L]).
+
+    `pad` (e.g. Trainer.pad) cuts each host batch [B, L] to the length it needs; with it, the sequences are first
+    sorted by length (tasks.base.scored_lengths), so that short ones share short batches. The metrics are sums
+    over sequences: neither changes them (the loss up to float rounding).
+    """
     arrays = {
         "inputs": np.asarray(split.inputs, np.int32),
         "targets": np.asarray(split.targets, np.int32),
         "weights": np.asarray(split.weights, np.float32),
     }
+    if pad is not None:
+        order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
+        arrays = {name: array[order] for name, array in arrays.items()}
     totals: dict[str, float] = {}
     for batch in padded_batches(arrays, batch_size):
+        if pad is not None:
+            batch = pad(batch)
         sums = to_host(eval_step(params, put_batch(batch)))
         for name, value in sums.items():
             totals[name] = totals.get(name, 0.0) + float(value)

@@ -25,6 +25,7 @@ from jaxpe.train.config import RunConfig
 from jaxpe.train.evaluate import metrics_from_sums
 from jaxpe.train.step import Metrics, TrainState
 from jaxpe.train.tasks import Split, Task
+from jaxpe.train.tasks.base import scored_lengths
 from jaxpe.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -167,25 +168,31 @@ class Checkpointing(Hook):
 
 
 class TrainLog(Hook):
-    """The train record (mean loss, accuracy and tokens/s since the last record) and the NaN/inf check.
+    """The train record (mean loss, accuracy and throughput since the last record) and the NaN/inf check.
 
     Due every `log_every` steps and at every checkpoint step (a NaN state is never saved). `add` collects each
-    step's metrics on device; a record syncs them to the host once.
+    step's metrics on device; a record syncs them to the host once. Throughput: `tokens_per_s`, the tokens of the
+    batches as computed (B × padded length), and `real_tokens_per_s`, those up to each sequence's end (its last
+    scored token: padding left out). `tokens_per_step` counts a step that `add` is not told its tokens.
     """
 
-    def __init__(self, metrics_log: MetricsLog, *, periods: tuple[int, ...], tokens_per_step: int, start: int,
+    def __init__(self, metrics_log: MetricsLog, *, periods: tuple[int, ...], tokens_per_step: int = 0, start: int,
                  checkpointing: Checkpointing | None, progress: Any):
         self.metrics_log, self.periods, self.tokens_per_step = metrics_log, periods, tokens_per_step
         self.checkpointing, self.progress = checkpointing, progress
         self.pending: Metrics | None = None  # device-side sums since the last record
         self.restart_clock(start)
 
-    def add(self, metrics: Metrics) -> None:
+    def add(self, metrics: Metrics, *, tokens: int | None = None, real_tokens: int | None = None) -> None:
+        """One step's metrics, and its tokens: padded (B × L of the batch computed) and real (padding left out)."""
         self.pending = metrics if self.pending is None else jax.tree.map(jnp.add, self.pending, metrics)
+        tokens = self.tokens_per_step if tokens is None else tokens
+        self.tokens += tokens
+        self.real_tokens += tokens if real_tokens is None else real_tokens
 
     def restart_clock(self, step: int) -> None:
         """tokens/s counts from here: it measures training only, not the hooks' time."""
-        self.clock, self.clock_step = time.perf_counter(), step
+        self.clock, self.clock_step, self.tokens, self.real_tokens = time.perf_counter(), step, 0, 0
 
     def __call__(self, step: int, state: TrainState) -> None:
         sums, self.pending = distributed.to_host(self.pending), None
@@ -194,13 +201,14 @@ class TrainLog(Hook):
             raise NonFiniteLossError(f"loss or gradient became NaN/inf by step {step} (loss sum {float(sums['nll'])}); "
                                      f"stopped. Last good checkpoint: {last_good}")
         metrics = metrics_from_sums(sums)
-        tokens_per_s = (step - self.clock_step) * self.tokens_per_step / max(time.perf_counter() - self.clock, 1e-9)
+        seconds = max(time.perf_counter() - self.clock, 1e-9)
         record = {"step": step, "split": "train", "loss": metrics["loss"], "accuracy": 1.0 - metrics["token_error"],
-                  "tokens_per_s": tokens_per_s}
+                  "tokens_per_s": self.tokens / seconds, "real_tokens_per_s": self.real_tokens / seconds}
         self.metrics_log.write(record)
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['accuracy']:.3f}",
-                                      tok_s=f"{record['tokens_per_s']:.0f}")
+                                      tok_s=f"{record['tokens_per_s']:.0f}",
+                                      real_tok_s=f"{record['real_tokens_per_s']:.0f}")
 
 
 class _SigintAtStepEnd:
@@ -232,6 +240,9 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
                hooks: Sequence[Hook], progress: Any = None) -> TrainState:
     """Steps start + 1 .. run.steps on the task's training batches; after each, the due hooks in order.
 
+    Batch `step - 1` of the task trains step `step` (the data position is the step, whatever the padding), cut by
+    `trainer.pad` to the length it needs.
+
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
     Ctrl-C stops the loop at the end of the step (a second one at once): TrainingInterrupted with the last step
     completed.
@@ -241,8 +252,11 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
     try:
         with _SigintAtStepEnd() as sigint:
             for step in range(start + 1, last_step + 1):
-                state, metrics = trainer.train_step(state, trainer.put(task.train_batch(step - 1, batch_size)))
-                train_log.add(metrics)
+                batch = task.train_batch(step - 1, batch_size)
+                real_tokens = int(scored_lengths(batch["weights"]).sum())
+                batch = trainer.pad(batch, "train")
+                state, metrics = trainer.train_step(state, trainer.put(batch))
+                train_log.add(metrics, tokens=batch["inputs"].size, real_tokens=real_tokens)
                 due = [hook for hook in hooks if hook.due(step, last_step)]
                 for hook in due:
                     hook(step, state)

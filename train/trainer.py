@@ -6,6 +6,7 @@ B batch, L length, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,9 @@ from jaxpe.train import distributed, evaluate
 from jaxpe.train.config import TrainConfig
 from jaxpe.train.step import Batch, Metrics, StepFn, TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.tasks import Task, make_task
+from jaxpe.train.tasks.base import bucket_length, scored_lengths, trim_batch
+
+log = logging.getLogger(__name__)
 
 
 def build_task(config: TrainConfig) -> Task:
@@ -28,6 +32,14 @@ def build_task(config: TrainConfig) -> Task:
 def longest_length(task: Task) -> int:
     """The longest sequence the model will see (training or any evaluation split)."""
     return max([task.seq_len, *(s.inputs.shape[1] for s in task.eval_splits().values())])
+
+
+def positions_depend_on_length(model: Any) -> bool:
+    """Whether the model's positions depend on how long the padded batch is, not only on the tokens before each one
+    (RoPE with dynamic NTK scaling reads the length): then cutting a batch's padding would change its scores."""
+    pe = getattr(getattr(model, "config", None), "pe_config", None)
+    scaling = getattr(pe, "scaling", None)
+    return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
 
 
 def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
@@ -42,7 +54,12 @@ def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> Transforme
 
 @dataclasses.dataclass
 class Trainer:
-    """The jitted step functions, shardings and initial state for one model on one mesh."""
+    """The jitted step functions, shardings and initial state for one model on one mesh.
+
+    `pad(batch, kind)` cuts a host batch to its bucket length (run.pad_to, run.pad_multiple), so that a batch is no
+    longer than its longest sequence needs; each new length is one more compilation of the step, and
+    `batch_lengths[kind]` ("train", "eval") holds the lengths seen so far.
+    """
 
     model: Any  # a flax linen module: apply({"params": p}, tokens [B, L], deterministic=, rngs=) -> [B, L, V]
     config: TrainConfig
@@ -52,9 +69,16 @@ class Trainer:
     train_step: StepFn = dataclasses.field(init=False)
     eval_step: Callable[[Any, Batch], Metrics] = dataclasses.field(init=False)
     init_state: Callable[[], TrainState] = dataclasses.field(init=False)
+    pad_to: str = dataclasses.field(init=False)  # run.pad_to, or "block" where padding changes the model's scores
+    batch_lengths: dict[str, set[int]] = dataclasses.field(init=False)  # kind -> padded lengths compiled
 
     def __post_init__(self) -> None:
         config, model = self.config, self.model
+        self.pad_to, self.batch_lengths = config.run.pad_to, {"train": set(), "eval": set()}
+        if self.pad_to != "block" and positions_depend_on_length(model):
+            log.warning("run.pad_to=%s: the encoding's positions depend on the padded length (dynamic NTK "
+                        "scaling), so every batch is padded to the full block", self.pad_to)
+            self.pad_to = "block"
         self.mesh = distributed.make_mesh(config.run.num_devices)
         distributed.check_batch_size(config.optim.batch_size, self.mesh)
         distributed.check_batch_size(config.optim.batch_size // config.optim.grad_accum, self.mesh,
@@ -102,12 +126,25 @@ class Trainer:
     def put(self, batch: Batch) -> dict[str, jax.Array]:
         return distributed.put_batch(batch, self.mesh)
 
+    def pad(self, batch: Mapping[str, Any], kind: str = "train") -> dict[str, Any]:
+        """The host batch [B, L] cut to [B, bucket]: its longest scored prefix (tasks.base.scored_lengths) rounded
+        up as run.pad_to says. A length new to `kind` is logged: the step compiles once more."""
+        full = batch["inputs"].shape[1]
+        longest = int(scored_lengths(batch["weights"]).max(initial=0))
+        length = bucket_length(longest, full, pad_to=self.pad_to, multiple=self.config.run.pad_multiple)
+        if length not in self.batch_lengths[kind]:
+            self.batch_lengths[kind].add(length)
+            log.info("%s step: batches of length %d (of %d), %d length(s) compiled so far", kind, length, full,
+                     len(self.batch_lengths[kind]))
+        return trim_batch(batch, length) if length < full else dict(batch)
+
     def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-        """Metrics per split (see jaxpe.train.evaluate)."""
+        """Metrics per split (see jaxpe.train.evaluate); batches cut by `pad` unless run.pad_to is "block"."""
+        pad = None if self.pad_to == "block" else lambda batch: self.pad(batch, "eval")
         return {
             name: evaluate.evaluate_split(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
-                put_batch=self.put, to_host=distributed.to_host,
+                put_batch=self.put, to_host=distributed.to_host, pad=pad,
             )
             for name, split in splits.items()
         }

@@ -6,6 +6,10 @@ splits. Every array is `[B, L]` (B sequences, L positions):
 token it must predict there, and `weights[b, t]` is 1 where the loss and the
 metric count (answer tokens, read bits, copied tokens, every byte) and 0
 elsewhere (padding, context).
+
+Tasks pad on the right to their full length L; the trainer then cuts each batch to the length it needs
+(`scored_lengths`, rounded up by `bucket_length` as run.pad_to says, `trim_batch`), so that only a few shapes
+compile. Only counting has sequences shorter than their split's L; the others are cut to L itself, a no-op.
 """
 
 from __future__ import annotations
@@ -73,6 +77,44 @@ def make_batch(inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> 
     """A Batch with the contract's dtypes (int32, int32, float32)."""
     return {"inputs": np.asarray(inputs, np.int32), "targets": np.asarray(targets, np.int32),
             "weights": np.asarray(weights, np.float32)}
+
+
+PAD_TO = ("multiple", "pow2", "block")  # how long a batch is made: see bucket_length
+
+
+def scored_lengths(weights: np.ndarray) -> np.ndarray:
+    """int64 [B] from weights [B, L]: per row, 1 + the position of its last weighted token (0 for a row with none).
+
+    That prefix is all the loss and the metrics read, and under causal attention the positions after it cannot
+    change the ones before, so a batch cut to its longest prefix scores exactly as the whole batch. For counting it
+    is the sequence's unpadded length of input/target pairs (the answer ends the sequence, padding follows it);
+    flip-flop, selective copy and lm score their last position, so theirs is always the full length L.
+    """
+    weights = np.asarray(weights)
+    used = weights > 0  # [B, L]
+    last = weights.shape[1] - np.argmax(used[:, ::-1], axis=1)  # [B] 1 + last weighted position
+    return np.where(used.any(axis=1), last, 0).astype(np.int64)
+
+
+def bucket_length(longest: int, full: int, *, pad_to: str, multiple: int) -> int:
+    """The length a batch is padded to when its longest sequence (scored prefix) is `longest` and its arrays are
+    `full` long: `longest` rounded up to a multiple of `multiple` ("multiple"), or to `multiple` times a power of two
+    ("pow2"), or `full` ("block"); never above `full`, never below 1. Few lengths occur, so few shapes compile: at
+    most full / multiple for "multiple", log2(full / multiple) + 2 for "pow2"."""
+    if pad_to not in PAD_TO:
+        raise ValueError(f"{pad_to=} must be one of {PAD_TO}")
+    check_int("multiple", multiple, 1)
+    if pad_to == "block":
+        return full
+    units = max(-(-int(longest) // multiple), 1)  # ceil(longest / multiple), at least 1
+    if pad_to == "pow2":
+        units = 1 << (units - 1).bit_length()  # the next power of two
+    return min(units * multiple, full)
+
+
+def trim_batch(batch: Batch, length: int) -> Batch:
+    """The first `length` positions of every [B, L] array of `batch`."""
+    return {name: np.ascontiguousarray(array[:, :length]) for name, array in batch.items()}
 
 
 def derive_seed(seed: int, *parts: object) -> int:

@@ -20,7 +20,8 @@ Tokens are whitespace words, lower-cased (the official tokenizer also splits
 off ".", "," and "?"). The sequence is context + question + answer; the loss
 and the metric (`seq_error`) count only the answer. Sequences longer than the
 block keep their last `seq_len + 1` tokens (the official collator trims from
-the left); shorter ones are padded on the right with weight 0.
+the left); shorter ones are padded on the right with weight 0. The trainer cuts each batch to its longest
+sequence rounded up to a bucket (run.pad_to, run.pad_multiple), as the official collator pads to the batch's longest.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ shifted by one; loss and metric (`token_error`) count only the bits after `r`.
 
 Training uses p_ignore = 0.8; evaluation has in-distribution (`valid`), sparse
 (`ood_sparse`, p(i) = 0.98) and dense (`ood_dense`, p(i) = 0.1) splits.
+Every sequence is exactly `seq_len` long and scored at its end: no padding, so run.pad_to changes nothing here.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ Training batches are windows at random offsets of the training stream
 (seeded by (seed, step)); evaluation splits are consecutive windows of the
 held-out streams: `valid` and `test` at the training length L and `len_x2`,
 `len_x4` (test data) at 2·L and 4·L. Metric: bits per byte over every byte.
+Windows are fixed-length and every byte is scored: no padding, so run.pad_to changes nothing here.
 """
 
 from __future__ import annotations

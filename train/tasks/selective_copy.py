@@ -9,7 +9,8 @@ A sequence has T = 2·n_tokens + n_blanks + 1 tokens, so inputs and targets
 (the sequence shifted by one) have L = 2·n_tokens + n_blanks. Loss and metric
 (`token_error`) count only the copied symbols. Evaluation: `valid` with the
 training blank count, `ood_dense` with fewer blanks, `ood_sparse` with more
-(so its sequences are longer than the training ones).
+(so its sequences are longer than the training ones). All sequences of a split have one length and are scored
+to their end: no padding, so run.pad_to changes nothing here.
 """
 
 from __future__ import annotations
