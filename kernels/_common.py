@@ -134,7 +134,7 @@ _PIO2_1 = 1.5703125  # 8 significant bits
 _PIO2_2 = 4.837512969970703125e-4  # 11 significant bits
 _PIO2_3 = 7.54978995489188216e-8  # the rest of π/2
 _SIN_COEFFS = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)  # sin r ≈ r + r³·P(r²)
-_COS_COEFFS = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)  # cos r ≈ 1 − r²/2 + r⁴·Q(r²)
+_COS_COEFFS = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)  # cos r ≈ 1 − r²/2 + r⁴Q(r²)
 SINCOS_MAX_ARG = 32768.0  # |x| up to which `sincos` keeps its error ≤ 1e-6 (tests/test_fast_trig.py sweeps it)
 
 

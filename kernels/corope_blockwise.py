@@ -10,8 +10,9 @@ The maths (SPEC §3): z_ij = sigmoid(sm_scale·q^leader_i·k_j) for j ≤ i, Δ_
 φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
 + q2 (k2 cos φ − k1 sin φ). Tiles are frequency-major: a scan over the Dh frequencies computes one [BK, BK] plane
 of sin/cos per step with `sincos` (a polynomial, vectorised by XLA; jnp.sin/cos are ~20× slower on CPU), shared by
-the G heads of a group, and accumulates the scores. The backward recomputes a tile's sin/cos once more in its
-gradient pass: storing them [Dh, BK, BK] costs more memory traffic than the polynomial (measured on CPU).
+the G heads of a group, and accumulates the scores. The backward computes a tile's sin/cos in its score pass and
+again in its gradient pass (there in both orientations of the tile, see `_score_grads`): on CPU storing them
+[Dh, BK, BK] between the passes, or transposing them, costs more memory traffic than the polynomial (measured).
 
 Visibility (one definition in every implementation): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
 segment_ids[b, j] (packed documents, padding as its own id; documents need not be contiguous) and i − j < window.
@@ -21,11 +22,12 @@ the caller passes `inv_freq` (scaled RoPE frequencies; zeros for pairs that do n
 Loop structure: query blocks in sequence; for each, key blocks walked in reverse from the diagonal carrying the
 running suffix sum of z per row (one pass, causal early exit). With a window the walk stops at the first key block
 that reaches into the window of the block's first row, so the work is O(L·window), not O(L²); documents are masked
-per tile. Memory per step is O(B·N·BK²·Dh); nothing of size L×L is ever built, forward or backward.
+per tile. Memory per step is O(B·N·BK²); nothing of size L×L is ever built, forward or backward.
 
 Backward, per query block (reverse key walk again): with dS the softmax gradient of the scores,
-dΔ_ij = sm_scale·Σ_d ω_d·Σ_h dS^h_ij (q1^h ks − q2^h kc), and the gate gradient dz_it = Σ_{j<t} dΔ_ij
-= Tot_i − Suf_it, with Suf_it = Σ_{j≥t} dΔ_ij (carried) and Tot_i the row total, known after the walk.
+dΔ_ij = sm_scale·Σ_d ω_d·Σ_h dS^h_ij (cos φ (q1^h k2 − q2^h k1) − sin φ (q1^h k1 + q2^h k2)), and the gate
+gradient dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it, with Suf_it = Σ_{j≥t} dΔ_ij (carried) and Tot_i the row total,
+known after the walk.
 The −Suf part is applied during the walk; the Tot part by a second, cheap walk (gates only, no trig).
 """
 from __future__ import annotations
@@ -86,9 +88,6 @@ class _Config:
     sm_scale: float
     block: int  # BK, query rows and keys per block (at most L)
     window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
-    keep_trig: bool = False  # the backward keeps each tile's sin/cos from its score pass instead of recomputing them
-    unroll: int = 1  # unrolling of the scans over frequencies
-    transposed_dk: bool = True  # dk from a transposed tile (its own sincos) rather than contracting t
 
 
 def _first_key_block(qb: jax.Array, config: _Config) -> jax.Array | int:
@@ -128,17 +127,11 @@ def _by_frequency(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return jnp.split(x, 2, axis=0)
 
 
-def _frequency_scan(body, init, xs, config: "_Config"):
-    """lax.scan over the Dh frequencies (the trig of one frequency for a whole [BK, BK] tile per step: XLA keeps
-    the loop body one vectorised elementwise fusion, much faster on CPU than D-minor [BK, BK, Dh] tiles)."""
-    return lax.scan(body, init, xs, unroll=config.unroll)
-
-
-def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, config: "_Config",
-            keep_trig: bool = False):
-    """q [B, K, G, BK, D], k [B, K, BK, D], delta [B, K, BK, BK] -> scores [B, K, G, BK(t), BK(s)] and, with
-    keep_trig, (sin φ, cos φ) [Dh, B, K, BK, BK] (else None). One sincos per (t, s, d), shared by the G heads of a group:
-    score = sm_scale·Σ_d q1 (k1 cos + k2 sin) + q2 (k2 cos − k1 sin)."""
+def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, config: _Config) -> jax.Array:
+    """q [B, K, G, BK, D], k [B, K, BK, D], delta [B, K, BK, BK] -> scores [B, K, G, BK(t), BK(s)]
+    = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ) + q2 (k2 cos φ − k1 sin φ): a scan over the frequencies, one
+    [BK, BK] plane of sincos per step (shared by the G heads of a group) folded into the scores by one elementwise
+    fusion."""
     q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
     k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
 
@@ -146,55 +139,44 @@ def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, conf
         w, a1, a2, b1, b2 = xs
         sin, cos = sincos(delta * w)  # [B, K, BK, BK]
         sin_g, cos_g = sin[:, :, None], cos[:, :, None]
-        acc = acc + a1 * (b1 * cos_g + b2 * sin_g) + a2 * (b2 * cos_g - b1 * sin_g)
-        return acc, ((sin, cos) if keep_trig else None)
+        return acc + a1 * (b1 * cos_g + b2 * sin_g) + a2 * (b2 * cos_g - b1 * sin_g), None
 
     init = jnp.zeros(q.shape[:-1] + (k.shape[2],), jnp.float32)
-    acc, trig = _frequency_scan(one_frequency, init, (omega, q1, q2, k1, k2), config)
-    return config.sm_scale * acc, trig
+    acc, _ = lax.scan(one_frequency, init, (omega, q1, q2, k1, k2))
+    return config.sm_scale * acc
 
 
-def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, ds: jax.Array,
-                 trig: tuple[jax.Array, jax.Array] | None, config: "_Config"
+def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, ds: jax.Array, config: _Config
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The score's cotangent ds [B, K, G, BK, BK] -> dq [B, K, G, BK, D], dk [B, K, BK, D], dΔ [B, K, BK, BK].
 
     With X = ds·cos φ, Y = ds·sin φ: dq1 = Σ_s X k1 + Y k2, dq2 = Σ_s X k2 − Y k1, dk1 = Σ_gt X q1 − Y q2,
     dk2 = Σ_gt Y q1 + X q2, dΔ = Σ_d ω_d Σ_g X (q1 k2 − q2 k1) − Y (q1 k1 + q2 k2), all times sm_scale.
-    trig: the forward's (sin, cos) [Dh, B, K, BK, BK] of this tile, else computed here (once)."""
+    A scan over the frequencies again. The contractions are einsums (XLA CPU runs them as dots, faster than its
+    reductions of the same products); dk's contract t on a transposed tile with its own sincos (cheaper than the
+    transposing copies XLA would make of X and Y at every frequency). Storing the score pass's sin/cos [Dh, BK, BK]
+    instead of computing them again was slower on CPU (memory traffic costs more than the polynomial)."""
     q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
     k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
-
-    transposed = config.transposed_dk
-    if transposed:  # dk contracts t: a second, transposed tile keeps every contraction on the minor axis
-        delta_t, ds_t = jnp.swapaxes(delta, -1, -2), jnp.swapaxes(ds, -1, -2)  # [B, K, BK(s), BK(t)], [.., G, s, t]
+    delta_t, ds_t = jnp.swapaxes(delta, -1, -2), jnp.swapaxes(ds, -1, -2)  # [B, K, BK(s), BK(t)], [.., G, s, t]
 
     def one_frequency(d_delta, xs):
-        if trig is None:
-            w, a1, a2, b1, b2 = xs
-            sin, cos = sincos(delta * w)
-        else:
-            w, a1, a2, b1, b2, sin, cos = xs
-        x, y = ds * cos[:, :, None], ds * sin[:, :, None]  # [B, K, G, BK, BK]
+        w, a1, a2, b1, b2 = xs
+        sin, cos = sincos(delta * w)  # [B, K, BK(t), BK(s)]
+        x, y = ds * cos[:, :, None], ds * sin[:, :, None]  # [B, K, G, BK(t), BK(s)]
+        sin_t, cos_t = sincos(delta_t * w)  # [B, K, BK(s), BK(t)]
+        x_t, y_t = ds_t * cos_t[:, :, None], ds_t * sin_t[:, :, None]
         b1, b2, a1, a2 = b1[:, :, 0, 0], b2[:, :, 0, 0], a1[..., 0], a2[..., 0]  # [B, K, BK(s)], [B, K, G, BK(t)]
-        # Contractions as einsums (XLA CPU runs them as dots, faster than its reductions of the same products).
         dq1 = jnp.einsum("bkgts,bks->bkgt", x, b1) + jnp.einsum("bkgts,bks->bkgt", y, b2)
         dq2 = jnp.einsum("bkgts,bks->bkgt", x, b2) - jnp.einsum("bkgts,bks->bkgt", y, b1)
-        if transposed:
-            sin_t, cos_t = sincos(delta_t * w)
-            x_t, y_t = ds_t * cos_t[:, :, None], ds_t * sin_t[:, :, None]  # [B, K, G, BK(s), BK(t)]
-            dk1 = jnp.einsum("bkgst,bkgt->bks", x_t, a1) - jnp.einsum("bkgst,bkgt->bks", y_t, a2)
-            dk2 = jnp.einsum("bkgst,bkgt->bks", y_t, a1) + jnp.einsum("bkgst,bkgt->bks", x_t, a2)
-        else:
-            dk1 = jnp.einsum("bkgts,bkgt->bks", x, a1) - jnp.einsum("bkgts,bkgt->bks", y, a2)
-            dk2 = jnp.einsum("bkgts,bkgt->bks", y, a1) + jnp.einsum("bkgts,bkgt->bks", x, a2)
+        dk1 = jnp.einsum("bkgst,bkgt->bks", x_t, a1) - jnp.einsum("bkgst,bkgt->bks", y_t, a2)
+        dk2 = jnp.einsum("bkgst,bkgt->bks", y_t, a1) + jnp.einsum("bkgst,bkgt->bks", x_t, a2)
         a1, a2 = a1[..., None], a2[..., None]
         b1, b2 = b1[:, :, None, None], b2[:, :, None, None]
         d_delta = d_delta + w * jnp.sum(x * (a1 * b2 - a2 * b1) - y * (a1 * b1 + a2 * b2), axis=2)
         return d_delta, (dq1, dq2, dk1, dk2)
 
-    xs = (omega, q1, q2, k1, k2) + (() if trig is None else tuple(trig))
-    d_delta, (dq1, dq2, dk1, dk2) = _frequency_scan(one_frequency, jnp.zeros_like(delta), xs, config)
+    d_delta, (dq1, dq2, dk1, dk2) = lax.scan(one_frequency, jnp.zeros_like(delta), (omega, q1, q2, k1, k2))
     last = lambda *parts: config.sm_scale * jnp.moveaxis(jnp.concatenate(parts, axis=0), 0, -1)
     return last(dq1, dq2), last(dk1, dk2), config.sm_scale * d_delta
 
@@ -254,7 +236,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
             mask = _visible(rows, kb * block + jnp.arange(block), seg_rows, seg_cols, config.window)
             z = _gates(q_blk[:, :, 0], k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
-            s = jnp.where(mask[:, :, None], _scores(q_blk, k_blk, delta, omega, config)[0], MASK_VALUE)
+            s = jnp.where(mask[:, :, None], _scores(q_blk, k_blk, delta, omega, config), MASK_VALUE)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
@@ -299,13 +281,12 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
             mask = mask_of(kb)
             z = _gates(q_lead, k_blk, mask, sm_scale)
             delta = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True) - z
-            scores, trig = _scores(q_blk, k_blk, delta, omega, config, keep_trig=config.keep_trig)
-            s = jnp.where(mask[:, :, None], scores, MASK_VALUE)
+            s = jnp.where(mask[:, :, None], _scores(q_blk, k_blk, delta, omega, config), MASK_VALUE)
             p = jnp.exp(s - lse_blk[..., None])  # [B, K, G, BK, BK]
             dp = jnp.einsum("bkgtd,bksd->bkgts", do_blk, v_blk)
             ds = p * (dp - row_dot_blk[..., None])
             dv_blk = jnp.einsum("bkgts,bkgtd->bksd", p, do_blk)
-            dq_tile, dk_blk, d_delta = _score_grads(q_blk, k_blk, delta, omega, ds, trig, config)
+            dq_tile, dk_blk, d_delta = _score_grads(q_blk, k_blk, delta, omega, ds, config)
             dq_blk = dq_blk + dq_tile
             suffix = dd_suffix[..., None] + lax.cumsum(d_delta, axis=3, reverse=True)  # Σ_{j≥t} dΔ_ij
             d_logit = -sm_scale * suffix * z * (1.0 - z)  # the −Suf part of dz, through the sigmoid
