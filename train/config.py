@@ -84,9 +84,9 @@ class RunConfig:
     async_checkpoints: bool = True  # orbax saves in a background thread
     eval_batch_size: int = 64  # sequences per evaluation batch (global)
     eval_splits: tuple[str, ...] = ()  # splits evaluated during training; () = all (the final eval always uses all)
-    # batch length: "multiple" pads a batch to its longest sequence rounded up to a multiple of pad_multiple,
-    # "pow2" to pad_multiple times a power of two, "block" to the task's full length L (one shape, the old behaviour);
-    # never longer than L. Only counting has sequences shorter than L; the loss and metrics do not change
+    # batch length: "multiple" pads each batch to its longest sequence rounded up to a multiple of pad_multiple,
+    # "pow2" to pad_multiple times a power of two, "block" to the task's full length L (one shape, as before); never
+    # past L. The same loss and metrics (only counting has padding to cut); dropout masks are drawn for the shape
     pad_to: str = "multiple"
     pad_multiple: int = 16  # bucket step of pad_to="multiple", the shortest bucket of "pow2"
     num_devices: int = 0  # devices in the data-parallel mesh; 0 = all
