@@ -47,3 +47,12 @@ def test_shapes_dtypes_and_identity():
     np.testing.assert_allclose(np.asarray(s) ** 2 + np.asarray(c) ** 2, 1.0, atol=1e-6)
     s0, c0 = sincos(jnp.zeros(()))
     assert float(s0) == 0.0 and float(c0) == 1.0
+
+
+def test_derivatives_are_cos_and_minus_sin():
+    x = jnp.linspace(-3000.0, 3000.0, 1001)
+    d_sin = jax.vmap(jax.grad(lambda t: sincos(t)[0]))(x)
+    d_cos = jax.vmap(jax.grad(lambda t: sincos(t)[1]))(x)
+    exact = np.asarray(x, np.float64)
+    np.testing.assert_allclose(np.asarray(d_sin), np.cos(exact), atol=TOLERANCE)
+    np.testing.assert_allclose(np.asarray(d_cos), -np.sin(exact), atol=TOLERANCE)
