@@ -242,7 +242,8 @@ def test_resuming_with_another_config_is_refused(tmp_path):
         train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
     fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0"), tmp_path / "fresh")
     assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 16
-    assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {"name": "rope", "theta": 10000.0}
+    assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {
+        "name": "rope", "theta": 10000.0, "rotary_dim": None, "interleaved": False, "scaling": None}
 
 
 def test_a_workdir_saved_before_new_config_fields_still_resumes(tmp_path):
