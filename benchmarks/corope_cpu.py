@@ -93,9 +93,9 @@ def long_worker(length: int) -> dict:
     return {"length": length, "compile_s": compile_s, "blockwise_fwd+bwd_s": run_s, "peak_rss_gib": _peak_rss_gib()}
 
 
-def seed_worker(seed_file: str, length: int, repeats: int) -> dict:
-    """The seed's attention_pytorch (imported from its file as it is) on this config: medians of forward and
-    forward+backward (their manual backward), then the peak RSS of this process."""
+def seed_worker(seed_file: str, length: int, repeats: int, mode: str) -> dict:
+    """The seed's attention_pytorch (imported from its file as it is) on this config: the median time of `mode`
+    ("fwd", or "fwd+bwd" through their manual backward), then the peak RSS of this process."""
     import importlib.util
 
     import torch
@@ -109,30 +109,34 @@ def seed_worker(seed_file: str, length: int, repeats: int) -> dict:
     v = torch.randn(B, HKV, length, D, requires_grad=True)
     do = torch.randn(B, HQ, length, D)
 
-    def forward():
-        with torch.no_grad():
-            seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
+    def run():
+        if mode == "fwd":
+            with torch.no_grad():
+                seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
+        else:
+            out = seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
+            torch.autograd.grad(out, (q, k, v), do)
 
-    def forward_backward():
-        out = seed.attention_pytorch(q, k, v, True, D ** -0.5, THETA)
-        torch.autograd.grad(out, (q, k, v), do)
-
-    row = {"length": length, "repeats": repeats, "torch_version": torch.__version__,
-           "torch_threads": torch.get_num_threads()}
-    for name, function in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - start)
-        row[f"seed_{name}_s"] = statistics.median(times)
-    row["peak_rss_gib"] = _peak_rss_gib()
-    return row
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return {"mode": mode, "length": length, "repeats": repeats, "torch_version": torch.__version__,
+            "torch_threads": torch.get_num_threads(), f"seed_{mode}_s": statistics.median(times),
+            f"seed_{mode}_peak_rss_gib": _peak_rss_gib()}
 
 
-def _subprocess(command: list[str], timeout: float) -> dict:
+def _subprocess(command: list[str], timeout: float, memory_cap_gib: float | None = None) -> dict:
+    """Run a worker; its last stdout line is its JSON row. memory_cap_gib: RLIMIT_AS of the worker, so that a dense
+    run that needs too much fails in the worker instead of waking the kernel's OOM killer on a shared machine."""
+    def cap() -> None:
+        if memory_cap_gib:
+            limit = int(memory_cap_gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=cap)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -155,6 +159,26 @@ def _seed_file(path: str | None) -> str | None:
     return str(target)
 
 
+def _summary(report: dict) -> dict:
+    """The issue's targets, read off the measurements (None where a measurement is missing)."""
+    rows = {row["length"]: row for row in report["blockwise_vs_reference"]}
+    long, seed = report.get("long", {}), report.get("seed_pytorch", {})
+    summary = {}
+    if 2048 in rows:
+        ratio = rows[2048]["blockwise_over_reference_fwd"]
+        summary["blockwise_over_reference_fwd_at_2048"] = {"value": ratio, "target": "<= 0.6", "met": ratio <= 0.6}
+    if "blockwise_fwd+bwd_s" in long:
+        met = long["blockwise_fwd+bwd_s"] <= 600 and long["peak_rss_gib"] <= 4
+        summary[f"fwd+bwd_at_{long['length']}"] = {"seconds": long["blockwise_fwd+bwd_s"],
+                                                   "peak_rss_gib": long["peak_rss_gib"],
+                                                   "target": "<= 600 s and <= 4 GiB", "met": met}
+    for mode in ("fwd", "fwd+bwd"):
+        if f"seed_over_blockwise_{mode}" in seed:
+            ratio = seed[f"seed_over_blockwise_{mode}"]
+            summary[f"seed_pytorch_over_blockwise_{mode}"] = {"value": ratio, "target": ">= 5", "met": ratio >= 5}
+    return summary
+
+
 def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
@@ -168,16 +192,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed-length", type=int, default=1024, help="0: skip the seed's PyTorch reference")
     parser.add_argument("--seed-repeats", type=int, default=1)
     parser.add_argument("--seed-file", default=None)
+    parser.add_argument("--seed-memory-cap-gib", type=float, default=16.0, help="address-space cap of the seed runs")
     parser.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "corope_cpu.json")
     parser.add_argument("--worker", choices=("long", "seed"), help=argparse.SUPPRESS)
+    parser.add_argument("--seed-mode", choices=("fwd", "fwd+bwd"), default="fwd", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker == "long":
         print(json.dumps(long_worker(args.long_length)), flush=True)
         return
     if args.worker == "seed":
-        print(json.dumps(seed_worker(args.seed_file, args.seed_length, args.seed_repeats)), flush=True)
+        print(json.dumps(seed_worker(args.seed_file, args.seed_length, args.seed_repeats, args.seed_mode)),
+              flush=True)
         return
 
     import jax
@@ -212,19 +239,25 @@ def main(argv: list[str] | None = None) -> None:
 
     seed_file = _seed_file(args.seed_file) if args.seed_length else None
     if args.seed_length and seed_file and Path(args.torch_python).exists():
-        command = [args.torch_python, str(Path(__file__).resolve()), "--worker", "seed", "--seed-file", seed_file,
-                   "--seed-length", str(args.seed_length), "--seed-repeats", str(args.seed_repeats)]
-        seed = _subprocess(command, args.long_timeout)
-        seed["source"] = f"github Superposition09m/Co-RoPE {SEED_PATH}"
+        seed = {"source": f"github Superposition09m/Co-RoPE {SEED_PATH}"}
+        for mode in ("fwd", "fwd+bwd"):  # one subprocess each: a dense backward may run out of memory
+            command = [args.torch_python, str(Path(__file__).resolve()), "--worker", "seed", "--seed-file",
+                       seed_file, "--seed-length", str(args.seed_length), "--seed-repeats", str(args.seed_repeats),
+                       "--seed-mode", mode]
+            result = _subprocess(command, args.long_timeout, args.seed_memory_cap_gib)
+            seed.update({f"{mode}_error": result["error"]} if "error" in result else result)
+            seed.pop("mode", None)
         same = [r for r in rows if r["length"] == args.seed_length]
-        if same and "error" not in seed:
-            for mode in ("fwd", "fwd+bwd"):
+        for mode in ("fwd", "fwd+bwd"):
+            if same and f"seed_{mode}_s" in seed:
                 seed[f"seed_over_blockwise_{mode}"] = seed[f"seed_{mode}_s"] / same[0][f"blockwise_{mode}_s"]
         report["seed_pytorch"] = seed
         print(json.dumps(seed), flush=True)
     else:
         report["seed_pytorch"] = {"skipped": "no --torch-python or no seed file"}
 
+    report["summary"] = _summary(report)
+    print(json.dumps(report["summary"]), flush=True)
     report["load_average_at_end"] = _load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
