@@ -3,6 +3,7 @@ the paper preset's model by eval_shape."""
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -240,7 +241,7 @@ def test_printed_config_lists_every_key_with_its_comment_and_reads_back():
         for field in dataclasses.fields(getattr(config, section)):
             if field.name != "pe_options":
                 assert f"{section}.{field.name}" in keys
-    assert "model.d_model=64                     # width of the residual stream" in text
+    assert re.search(r"^model\.d_model=64 +# width of the residual stream$", text, re.M)
     assert "run.eval_splits=valid,ood_dense" in settings and "model.num_kv_heads=none" in settings
     # the task's and the encoding's options in full, defaults filled in, with their comments
     assert any(line.startswith("task.n_blanks_sparse=32 ") and "(selective_copy option) blanks" in line

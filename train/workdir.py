@@ -21,7 +21,8 @@ LOCK_NAME = ".jaxpe.lock"
 
 # Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
-                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard")
+                        "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
+                        "pad_to", "pad_multiple")  # batch lengths change no metric and no data position
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
