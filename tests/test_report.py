@@ -1,41 +1,81 @@
-"""jaxpe.train.report: the table shows each encoding's mean ± std in the right column."""
+"""jaxpe.train.report and the intervals behind it: each encoding's mean and 95 % interval in the right column, bold
+only for a best whose interval overlaps no other."""
 import json
+import math
 
+import numpy as np
 import pytest
 
 from jaxpe.train import report
+from jaxpe.train.evaluate import interval95, summarize_seeds
 
 
-def comparison(tmp_path, name, metric, rows):
+def comparison(tmp_path, name, metric, rows=None, runs=None):
     path = tmp_path / name
     path.mkdir()
+    rows = rows if rows is not None else summarize_seeds(runs)
     data = {"task": name, "metric": metric, "splits": list(rows[0]["splits"]), "rows": rows, "seeds": [0, 1]}
+    if runs is not None:
+        data["runs"] = runs
     (path / "compare.json").write_text(json.dumps(data))
     return path
 
 
-def test_table_places_each_value(tmp_path):
-    a = comparison(tmp_path, "copy", "token_error", [
-        {"pe": "cope", "splits": {"valid": {"token_error": 0.012, "token_error_std": 0.002},
-                                  "ood": {"token_error": 0.5}}},
-        {"pe": "rope", "splits": {"valid": {"token_error": 0.25, "token_error_std": 0.05},
-                                  "ood": {"token_error": 0.75}}}])
-    b = comparison(tmp_path, "lm", "bits_per_byte", [
+def run(pe, seed, **splits):
+    """One result.json: splits as name=(error rate, evaluated sequences)."""
+    return {"pe": pe, "seed": seed, "splits": {name: {"seq_error": rate, "sequences": n}
+                                              for name, (rate, n) in splits.items()}}
+
+
+def test_interval_by_hand():
+    # two seeds at 10 % and 20 % on 96 sequences: seed variance of the mean 0.005/2, Agresti–Coull (14.4+2)/100
+    low, high = interval95([0.1, 0.2], 96, rate=True)
+    half = 1.96 * math.sqrt(0.005 / 2 + 0.164 * 0.836 / 100)
+    assert low == pytest.approx(0.15 - half) and high == pytest.approx(0.15 + half)
+    low, high = interval95([0.0], 1000, rate=True)  # no error seen: still a width, clipped at 0
+    assert low == 0.0 and high == pytest.approx(1.96 * math.sqrt((2 / 1004) * (1002 / 1004) / 1004))
+    assert interval95([2.5], None, rate=False) is None  # one seed of bits per byte: nothing measures the spread
+    low, high = interval95([2.0, 2.2, 2.4], None, rate=False)
+    assert (low + high) / 2 == pytest.approx(2.2) and high - low == pytest.approx(2 * 1.96 * 0.2 / math.sqrt(3))
+
+
+def test_interval_covers_the_truth_about_95_percent_of_the_time():
+    """Simulated experiments: three seeds whose true rates scatter around 0.2, each scored on one shared set of 500."""
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(2000):
+        truth = 0.2
+        seeds = np.clip(truth + 0.02 * rng.standard_normal(3), 0, 1)
+        shared = rng.binomial(500, truth) / 500 - truth  # the evaluation set's own luck, shared by the seeds
+        low, high = interval95(np.clip(seeds + shared, 0, 1), 500, rate=True)
+        hits += low <= truth <= high
+    assert 0.9 < hits / 2000 < 0.99
+
+
+def test_table_places_each_value_and_bolds_only_clear_bests(tmp_path):
+    a = comparison(tmp_path, "copy", "seq_error", runs=[
+        run("cope", 0, valid=(0.01, 1000), ood=(0.50, 1000)), run("cope", 1, valid=(0.014, 1000), ood=(0.52, 1000)),
+        run("rope", 0, valid=(0.20, 1000), ood=(0.51, 1000)), run("rope", 1, valid=(0.30, 1000), ood=(0.53, 1000))])
+    b = comparison(tmp_path, "lm", "bits_per_byte", rows=[
         {"pe": "rope", "splits": {"valid": {"bits_per_byte": 2.12345}}}])
     lines = report.comparison_table([a, b], splits=["valid"], labels=["copy", "lm"]).splitlines()
     assert lines[0] == "| pe | copy: valid | lm: valid |"
-    assert lines[2] == "| cope | **1.2** ± 0.2 | — |"
-    assert lines[3] == "| rope | 25.0 ± 5.0 | 2.123 |"  # alone in its column: nothing to beat
+    cope = summarize_seeds([run("cope", 0, valid=(0.01, 1000)), run("cope", 1, valid=(0.014, 1000))])[0]
+    low, high = cope["splits"]["valid"]["seq_error_ci95"]
+    assert lines[2] == f"| cope | **1.2** [{100 * low:.1f}, {100 * high:.1f}] | — |"  # far below rope's interval
+    assert lines[3].startswith("| rope | 25.0 [") and lines[3].endswith("| 2.123 |")  # alone: nothing to beat
     full = report.comparison_table([a]).splitlines()
-    assert full[0] == "| pe | copy: valid | copy: ood |" and full[2].endswith("| **50.0** |")
-    assert full[3].endswith("| 75.0 |")
-    tie = comparison(tmp_path, "tie", "seq_error", [  # equal as shown (one decimal): both bold
-        {"pe": "cope", "splits": {"test": {"seq_error": 0.0041}}},
-        {"pe": "none", "splits": {"test": {"seq_error": 0.0039}}},
-        {"pe": "rope", "splits": {"test": {"seq_error": 0.02}}}])
-    assert [line.split(" | ")[1] for line in report.comparison_table([tie]).splitlines()[2:5]] == [
-        "**0.4** |", "**0.4** |", "2.0 |"]
+    assert full[0] == "| pe | copy: valid | copy: ood |"
+    assert "**" not in full[2].split(" | ")[2] and "**" not in full[3]  # ood: 51 % against 52 %, within noise
     with pytest.raises(ValueError, match="is not a compare.json"):
         report.comparison_table([tmp_path / "missing"])
     with pytest.raises(ValueError, match="len\\(labels\\)=1"):
         report.comparison_table([a, b], labels=["x"])
+
+
+def test_older_comparisons_without_runs_still_print(tmp_path):
+    old = comparison(tmp_path, "old", "seq_error", rows=[
+        {"pe": "cope", "splits": {"test": {"seq_error": 0.004, "seq_error_std": 0.001}}},
+        {"pe": "none", "splits": {"test": {"seq_error": 0.02}}}])
+    lines = report.comparison_table([old]).splitlines()
+    assert lines[2] == "| cope | 0.4 ± 0.1 |" and lines[3] == "| none | 2.0 |"  # no intervals: nothing is bold

@@ -136,13 +136,36 @@ def metric_label(metric: str) -> str:
     return f"{metric} (%)" if metric in PERCENT_METRICS else metric
 
 
-def format_metric(split: Mapping[str, float], metric: str, digits: int) -> tuple[str, str] | None:
-    """(mean, " ± std" or "") of `metric` in one split's summary, scaled and rounded for display; None if absent."""
+def interval95(values: Sequence[float], samples: int | None, *, rate: bool) -> tuple[float, float] | None:
+    """A 95 % interval for the mean of per-seed values: normal approximation with the variance of the mean over seeds
+    (sample variance / S) plus, for an error rate on `samples` evaluation examples shared by the seeds, the binomial
+    variance of that evaluation set (Agresti–Coull: 2 errors and 2 successes added, so 0 % still has a width).
+    None when nothing measures the spread (one seed of a metric that is not a rate)."""
+    values = np.asarray(values, np.float64)
+    mean = float(values.mean())
+    variance = float(values.var(ddof=1)) / len(values) if len(values) > 1 else 0.0
+    if rate and samples:
+        shrunk = (mean * samples + 2.0) / (samples + 4.0)
+        variance += shrunk * (1.0 - shrunk) / (samples + 4.0)
+    elif len(values) == 1:
+        return None
+    half = 1.96 * float(np.sqrt(variance))
+    low, high = mean - half, mean + half
+    return (max(low, 0.0), min(high, 1.0)) if rate else (low, high)
+
+
+def format_metric(split: Mapping[str, Any], metric: str, digits: int) -> tuple[str, str] | None:
+    """(mean, " [low, high]" for the 95 % interval, else " ± std", else "") of `metric` in one split's summary,
+    scaled and rounded for display; None if absent."""
     if metric not in split:
         return None
     scale = metric_scale(metric)
-    std = f" ± {scale * split[metric + '_std']:.{digits}f}" if f"{metric}_std" in split else ""
-    return f"{scale * split[metric]:.{digits}f}", std
+    if split.get(f"{metric}_ci95") is not None:
+        low, high = split[f"{metric}_ci95"]
+        spread = f" [{scale * low:.{digits}f}, {scale * high:.{digits}f}]"
+    else:
+        spread = f" ± {scale * split[metric + '_std']:.{digits}f}" if f"{metric}_std" in split else ""
+    return f"{scale * split[metric]:.{digits}f}", spread
 
 
 def results_markdown(
@@ -179,8 +202,9 @@ def write_json(path: pathlib.Path, data: Any) -> None:
 
 
 def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "pe") -> list[dict[str, Any]]:
-    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus
-    `<name>_std` (with more than one seed)."""
+    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus `<name>_std` (with
+    more than one seed) and `<name>_ci95`, the 95 % interval of `interval95` (over seeds and, for error rates, the
+    evaluation samples; None when nothing measures it)."""
     groups: dict[Any, list[Mapping[str, Any]]] = {}
     for result in results:
         groups.setdefault(result[label_key], []).append(result)
@@ -195,5 +219,7 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "p
                 splits[split][name] = float(values.mean())
                 if len(runs) > 1:
                     splits[split][f"{name}_std"] = float(values.std())
+                samples = runs[0]["splits"][split].get("sequences")
+                splits[split][f"{name}_ci95"] = interval95(values, samples, rate=name in PERCENT_METRICS)
         rows.append({label_key: label, "seeds": ",".join(str(r["seed"]) for r in runs), "splits": splits})
     return rows

@@ -37,6 +37,17 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
+def _error_bar(split: Mapping[str, Any], metric: str) -> tuple[float, float]:
+    """(below, above) the mean: from the 95 % interval when there is one, else ± std, else 0."""
+    if metric not in split:
+        return 0.0, 0.0
+    if split.get(f"{metric}_ci95") is not None:
+        low, high = split[f"{metric}_ci95"]
+        return split[metric] - low, high - split[metric]
+    std = split.get(f"{metric}_std", 0.0)
+    return std, std
+
+
 def result_bars(
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -45,14 +56,15 @@ def result_bars(
     label_key: str = "pe",
     path: str | pathlib.Path | None = None,
 ) -> Figure:
-    """Grouped bars: one group per split, one bar per row (error bars from `<metric>_std`)."""
+    """Grouped bars: one group per split, one bar per row (error bars: the 95 % interval `<metric>_ci95`, else
+    `<metric>_std`)."""
     fig, (ax,) = _figure(max(6.0, 1.2 * len(splits) * max(len(rows), 1) / 2), 4)
     width = 0.8 / max(len(rows), 1)
     x = np.arange(len(splits))
     scale = metric_scale(metric)
     for i, row in enumerate(rows):
         values = [scale * row["splits"].get(s, {}).get(metric, np.nan) for s in splits]
-        errors = [scale * row["splits"].get(s, {}).get(f"{metric}_std", 0.0) for s in splits]
+        errors = np.array([_error_bar(row["splits"].get(s, {}), metric) for s in splits]).T * scale  # [2, splits]
         ax.bar(x + (i - (len(rows) - 1) / 2) * width, values, width, yerr=errors, label=str(row[label_key]), capsize=3)
     ax.set_xticks(x, list(splits))
     ax.set_ylabel(metric_label(metric))

@@ -1,5 +1,7 @@
-"""Gather `jaxpe-compare` results (compare.json files) into one Markdown table, encodings as rows, the best
-value of each column in bold.
+"""Gather `jaxpe-compare` results (compare.json files) into one Markdown table, encodings as rows: mean over seeds
+and its 95 % interval (`evaluate.interval95`: seed spread plus the evaluation set's binomial error), recomputed from
+the per-seed runs each compare.json holds. A column's best mean is bold only when its interval overlaps no other
+row's interval in that column: a difference the seeds and the evaluation set cannot explain.
 
   python -m jaxpe.train.report results/cpu_small/counting_1var results/cpu_small/counting_3var --splits test,len_x2
 """
@@ -11,7 +13,8 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpe.train.evaluate import PERCENT_METRICS, format_metric, metric_scale
+from jaxpe.train.evaluate import PERCENT_METRICS, format_metric, summarize_seeds
+
 
 def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     """The compare.json of a jaxpe-compare workdir (or the file itself)."""
@@ -23,23 +26,34 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _cell(split: dict[str, float], metric: str, best: float | None) -> str:
-    """mean ± std as shown; bold when the shown mean equals the column's best (lowest) shown mean."""
-    digits = 1 if metric in PERCENT_METRICS else 3
-    shown = format_metric(split, metric, digits)
+def _cell(split: dict[str, Any] | None, metric: str, bold: bool) -> str:
+    """mean [95 % interval] as shown, the mean in bold when it is a column's clear best."""
+    shown = None if split is None else format_metric(split, metric, 1 if metric in PERCENT_METRICS else 3)
     if shown is None:
         return "—"
-    mean, std = shown
-    bold = best is not None and mean == f"{metric_scale(metric) * best:.{digits}f}"
-    return (f"**{mean}**" if bold else mean) + std
+    mean, spread = shown
+    return (f"**{mean}**" if bold else mean) + spread
+
+
+def clear_best(cells: Sequence[dict[str, Any] | None], metric: str) -> int | None:
+    """Index of the lowest mean among `cells` (one split's summaries; None: absent) when its 95 % interval lies below
+    every other present cell's interval; None with fewer than two present, one without an interval, or an overlap."""
+    present = [i for i, c in enumerate(cells) if c is not None and metric in c]
+    if len(present) < 2 or any(cells[i].get(f"{metric}_ci95") is None for i in present):
+        return None
+    best = min(present, key=lambda i: cells[i][metric])
+    high = cells[best][f"{metric}_ci95"][1]
+    return best if all(high < cells[i][f"{metric}_ci95"][0] for i in present if i != best) else None
 
 
 def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[str] = (),
                      labels: Sequence[str] = ()) -> str:
     """Markdown: one row per encoding, one column per (comparison, split); errors in %, bits per byte as is,
-    mean ± std over seeds, the best mean of each column (of two or more) in bold. `splits` narrows the columns
-    (default: every split); `labels` names the comparisons (default: their directory names)."""
+    mean over seeds [95 % interval], a column's best mean in bold only when its interval overlaps no other. `splits`
+    narrows the columns (default: every split); `labels` names the comparisons (default: their directory names)."""
     comparisons = [load_comparison(p) for p in paths]
+    for c in comparisons:  # intervals from the per-seed runs, so older compare.json files get them too
+        c["rows"] = summarize_seeds(c["runs"]) if c.get("runs") else c["rows"]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
     if len(labels) != len(comparisons):
         raise ValueError(f"{len(labels)=} must equal the number of comparisons {len(comparisons)}")
@@ -48,19 +62,18 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
     pes = list(dict.fromkeys(row["pe"] for c in comparisons for row in c["rows"]))
     header = ["pe"] + [f"{label}: {split}" for _, label, split in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    values = [[r["splits"][split][c["metric"]] for r in c["rows"] if c["metric"] in r["splits"][split]]
-              for c, _, split in columns]
-    best = [min(v) if len(v) > 1 else None for v in values]  # nothing to beat in a column of one
-    for pe in pes:
-        cells = [pe]
-        for (c, _, split), column_best in zip(columns, best):
-            row = next((r for r in c["rows"] if r["pe"] == pe), None)
-            cells.append("—" if row is None else _cell(row["splits"][split], c["metric"], column_best))
+    grid = [[next((r["splits"].get(split) for r in c["rows"] if r["pe"] == pe), None) for c, _, split in columns]
+            for pe in pes]  # [encoding][column] summaries
+    best = [clear_best([grid[i][j] for i in range(len(pes))], c["metric"]) for j, (c, _, _) in enumerate(columns)]
+    for i, pe in enumerate(pes):
+        cells = [pe] + [_cell(grid[i][j], c["metric"], best[j] == i) for j, (c, _, _) in enumerate(columns)]
         lines.append("| " + " | ".join(cells) + " |")
     metrics = sorted({c["metric"] for c in comparisons})
     seeds = sorted({str(c.get("seeds", "")) for c in comparisons})
     unit = "errors in %" if set(metrics) <= set(PERCENT_METRICS) else "errors in %, bits per byte as is"
-    return "\n".join(lines) + f"\n\nmetric: {', '.join(metrics)} ({unit}; lower is better); seeds: {', '.join(seeds)}\n"
+    return ("\n".join(lines) + f"\n\nmetric: {', '.join(metrics)} ({unit}; lower is better), mean over seeds "
+            f"[95 % interval: seed spread + evaluation-set binomial error]; bold: the best interval overlaps no other; "
+            f"seeds: {', '.join(seeds)}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
