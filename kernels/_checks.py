@@ -6,6 +6,8 @@ B batch, L length, Hq query heads, Hkv key/value heads, D head dim, npos table r
 """
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -154,7 +156,7 @@ def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) ->
 
 def check_window(window: int | None) -> None:
     """Sliding window: None (the whole causal prefix) or an int >= 1, the query itself and window − 1 keys before."""
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+    if window is not None and (not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
 
 
