@@ -138,6 +138,7 @@ _COS_COEFFS = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5
 SINCOS_MAX_ARG = 32768.0  # |x| up to which `sincos` keeps its error ≤ 1e-6 (tests/test_fast_trig.py sweeps it)
 
 
+@jax.custom_jvp
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin x, cos x) of a float32 array from one range reduction: elementwise multiply-adds only, so XLA
     vectorises it (on CPU it is ~20× faster than jnp.sin and jnp.cos in Co-RoPE's loops). Max abs error ≤ 2e-7
@@ -157,7 +158,6 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     sin_x = jnp.where(odd, cos_r, sin_r)
     cos_x = jnp.where(odd, sin_r, cos_r)
     return jnp.where((n & 2) == 2, -sin_x, sin_x), jnp.where(((n + 1) & 2) == 2, -cos_x, cos_x)
-@jax.custom_jvp
 
 
 @sincos.defjvp
