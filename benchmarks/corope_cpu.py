@@ -136,7 +136,8 @@ def _subprocess(command: list[str], timeout: float, memory_cap_gib: float | None
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=cap)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              preexec_fn=cap if memory_cap_gib else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed-memory-cap-gib", type=float, default=16.0, help="address-space cap of the seed runs")
     parser.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "corope_cpu.json")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the parts of an existing --out that this run skips (e.g. --lengths '' to redo "
+                             "only the long run); each part records its own date")
     parser.add_argument("--worker", choices=("long", "seed"), help=argparse.SUPPRESS)
     parser.add_argument("--seed-mode", choices=("fwd", "fwd+bwd"), default="fwd", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -225,21 +229,26 @@ def main(argv: list[str] | None = None) -> None:
         "targets": {"blockwise_over_reference_fwd_at_2048": "<= 0.6", "long_fwd+bwd": "<= 4 GiB and <= 600 s",
                     "seed_over_blockwise_at_1024": ">= 5"},
     }
+    previous = json.loads(args.out.read_text()) if args.update and args.out.exists() else {}
+    now = lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for length in (int(x) for x in args.lengths.split(",") if x):
-        rows.append(measure_jax(length, args.repeats))
+        rows.append(dict(measure_jax(length, args.repeats), date=now()))
         print(json.dumps(rows[-1]), flush=True)
-    report["blockwise_vs_reference"] = rows
+    report["blockwise_vs_reference"] = rows or previous.get("blockwise_vs_reference", [])
 
     if args.long_length:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "long",
                    "--long-length", str(args.long_length)]
-        report["long"] = _subprocess(command, args.long_timeout)
+        report["long"] = dict(_subprocess(command, args.long_timeout), date=now())
         print(json.dumps(report["long"]), flush=True)
+    elif "long" in previous:
+        report["long"] = previous["long"]
 
     seed_file = _seed_file(args.seed_file) if args.seed_length else None
     if args.seed_length and seed_file and Path(args.torch_python).exists():
         seed = {"source": f"github Superposition09m/Co-RoPE {SEED_PATH}"}
+        rows_now = rows or report["blockwise_vs_reference"]
         for mode in ("fwd", "fwd+bwd"):  # one subprocess each: a dense backward may run out of memory
             command = [args.torch_python, str(Path(__file__).resolve()), "--worker", "seed", "--seed-file",
                        seed_file, "--seed-length", str(args.seed_length), "--seed-repeats", str(args.seed_repeats),
@@ -247,14 +256,16 @@ def main(argv: list[str] | None = None) -> None:
             result = _subprocess(command, args.long_timeout, args.seed_memory_cap_gib)
             seed.update({f"{mode}_error": result["error"]} if "error" in result else result)
             seed.pop("mode", None)
-        same = [r for r in rows if r["length"] == args.seed_length]
+        same = [r for r in rows_now if r["length"] == args.seed_length]
         for mode in ("fwd", "fwd+bwd"):
             if same and f"seed_{mode}_s" in seed:
                 seed[f"seed_over_blockwise_{mode}"] = seed[f"seed_{mode}_s"] / same[0][f"blockwise_{mode}_s"]
-        report["seed_pytorch"] = seed
+        report["seed_pytorch"] = dict(seed, date=now())
         print(json.dumps(seed), flush=True)
     else:
-        report["seed_pytorch"] = {"skipped": "no --torch-python or no seed file"}
+        report["seed_pytorch"] = previous.get("seed_pytorch", {"skipped": "no --torch-python or no seed file"})
+    if previous:
+        report["earlier_runs"] = previous.get("earlier_runs", []) + [{k: previous[k] for k in ("date", "command")}]
 
     report["summary"] = _summary(report)
     print(json.dumps(report["summary"]), flush=True)
