@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
+from jaxpe.dropout import Dropout
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig
 from jaxpe.sharding import partitioned
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
         out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                               kernel_init=partitioned(init, "heads", "head_dim", "embed"), name="out")(out)
-        return nn.Dropout(self.dropout)(out, deterministic=deterministic)
+        return Dropout(self.dropout)(out, deterministic=deterministic)
 
     def _with_cache(self, k: jax.Array, v: jax.Array, ctx: AttentionContext
                     ) -> tuple[jax.Array, jax.Array, AttentionContext]:

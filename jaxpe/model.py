@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxpe.attention import Attention, check_token_inputs, default_positions
 from jaxpe.cope import CoPEConfig
+from jaxpe.dropout import Dropout
 from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import fold_padding
@@ -185,7 +186,7 @@ class MLP(nn.Module):
             h = nn.silu(dense(hidden, ("embed", "mlp"), "gate")(x)) * dense(hidden, ("embed", "mlp"), "up")(x)
         else:
             h = nn.gelu(dense(hidden, ("embed", "mlp"), "up")(x))
-        return nn.Dropout(c.dropout)(dense(c.d_model, ("mlp", "embed"), "down")(h), deterministic=deterministic)
+        return Dropout(c.dropout)(dense(c.d_model, ("mlp", "embed"), "down")(h), deterministic=deterministic)
 
 
 class Block(nn.Module):
@@ -260,7 +261,7 @@ class TransformerLM(nn.Module):
         additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
         if additive is not None:
             x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
-        x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        x = Dropout(c.dropout)(x, deterministic=deterministic)
         shape = pe.shared_table_shape(head_dim=c.head_dim, num_heads=c.num_heads, max_len=c.max_len)
         table_axes = ("heads", "positions", "head_dim")[-len(shape):] if shape else ()
         shared = None if shape is None else self.param(

@@ -23,10 +23,18 @@ def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax
     -> [B, H, Lq, Lk] float32 q_i·r[clip(i − j, 0, npos − 1)]."""
     npos = table.shape[0]
     k_pos = jnp.arange(k_pos)[None] if isinstance(k_pos, int) else k_pos
-    z = jnp.einsum("bqhd,pd->bhqp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, H, Lq, npos]
+    b, lq, h = q.shape[:3]
     rel = jnp.clip(q_pos[:, :, None] - k_pos[:, None, :], 0, npos - 1)  # [B, Lq, Lk]
-    rel = jnp.broadcast_to(rel[:, None], z.shape[:3] + (rel.shape[-1],))
-    return jnp.take_along_axis(z, rel, axis=-1)
+    if b * lq * h * npos >= 2**31:  # int32 flat indices
+        z = jnp.einsum("bqhd,pd->bhqp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)
+        return jnp.take_along_axis(z, jnp.broadcast_to(rel[:, None], z.shape[:3] + (rel.shape[-1],)), axis=-1)
+    # A gather from the flat table z [B, Lq, H, npos], in the layout its matmul writes: on CPU ~10× cheaper than
+    # take_along_axis's batched gather, and its backward is one plain scatter-add with no transposes.
+    z = jnp.einsum("bqhd,pd->bqhp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)
+    start = ((jnp.arange(b, dtype=jnp.int32)[:, None, None] * lq + jnp.arange(lq, dtype=jnp.int32)[None, None, :]) * h
+             + jnp.arange(h, dtype=jnp.int32)[None, :, None]) * npos  # [B, H, Lq]
+    index = start[..., None] + rel[:, None]  # [B, H, Lq, Lk]
+    return z.reshape(-1).at[index].get(mode="clip")
 
 
 class RelativeCore(nn.Module):

@@ -80,10 +80,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accu
             (_, sums), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(key, index))
             return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
-        sum_shapes = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], micro), key)[1]
-        zeros = (jax.tree.map(jnp.zeros_like, state.params),
-                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum), micro))
+        if grad_accum == 1:  # no scan: a one-trip loop keeps XLA from fusing across it and copies its carry
+            (_, sums), grads = grad_fn(state.params, batch, jax.random.fold_in(key, 0))
+        else:
+            sum_shapes = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], micro), key)[1]
+            zeros = (jax.tree.map(jnp.zeros_like, state.params),
+                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
+            (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum), micro))
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
