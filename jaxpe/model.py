@@ -86,6 +86,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         check_impl(self.impl)
         check_window(self.window)
+        if self.window is not None:
+            object.__setattr__(self, "window", int(self.window))  # NumPy ints too, kept JSON-serialisable
         self.pe_config  # validates the encoding name and its options
         self._check_layer_pe()
         self._check_pattern_attends()
