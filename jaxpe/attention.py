@@ -45,8 +45,9 @@ class Attention(nn.Module):
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
         """x [B, L, d_model]; positions [B, L] int (default: the index within each run of equal document ids, or
-        0, 1, ... continuing the cache while decoding) feed the index-based encodings; segment_ids [B, L] int (packed documents: no attention across ids); padding_mask
-        [B, L] bool (False: padding, a key no real token sees)."""
+        0, 1, ... continuing the cache while decoding) feed the index-based encodings; segment_ids [B, L] int
+        (packed documents: no attention across ids); padding_mask [B, L] bool (False: padding, a key no real token
+        sees)."""
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
         if self.num_heads % self.num_kv_heads:

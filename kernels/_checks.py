@@ -141,17 +141,21 @@ def check_array(name: str, x: object) -> None:
         raise TypeError(f"{name} must be a jax or NumPy array [B, L], got {type(x).__name__}")
 
 
+def _check_per_token(name: str, x: jax.Array, batch: int, length: int, *, dtype_ok: bool, kind: str) -> None:
+    """An array [B, L] with one entry per token: TypeError unless an array whose dtype is of `kind` (dtype_ok),
+    ValueError unless its shape is [B, L]."""
+    check_array(name, x)
+    if not dtype_ok(x.dtype):
+        raise TypeError(f"{name} must be {kind} [B, L], got {name}.dtype={x.dtype}")
+    if x.shape != (batch, length):
+        raise ValueError(f"{name} must have shape [B={batch}, L={length}], got {name}.shape={tuple(x.shape)}")
+
+
 def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> None:
     """Packed documents: None, or integer ids [B, L]; keys attend only to queries with the same id."""
-    if segment_ids is None:
-        return
-    check_array("segment_ids", segment_ids)
-    dtype = segment_ids.dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"segment_ids must be an integer array [B, L], got segment_ids.dtype={dtype}")
-    if segment_ids.shape != (batch, length):
-        raise ValueError(f"segment_ids must have shape [B={batch}, L={length}], "
-                         f"got segment_ids.shape={tuple(segment_ids.shape)}")
+    if segment_ids is not None:
+        _check_per_token("segment_ids", segment_ids, batch, length,
+                         dtype_ok=lambda dtype: jnp.issubdtype(dtype, jnp.integer), kind="an integer array")
 
 
 def check_window(window: int | None) -> None:
@@ -162,12 +166,6 @@ def check_window(window: int | None) -> None:
 
 def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) -> None:
     """Padding: None, or a bool array [B, L], True on real tokens."""
-    if padding_mask is None:
-        return
-    check_array("padding_mask", padding_mask)
-    dtype = padding_mask.dtype
-    if dtype != jnp.bool_:
-        raise TypeError(f"padding_mask must be a bool array [B, L] (True: a real token), got padding_mask.dtype={dtype}")
-    if padding_mask.shape != (batch, length):
-        raise ValueError(f"padding_mask must have shape [B={batch}, L={length}], "
-                         f"got padding_mask.shape={tuple(padding_mask.shape)}")
+    if padding_mask is not None:
+        _check_per_token("padding_mask", padding_mask, batch, length, dtype_ok=lambda dtype: dtype == jnp.bool_,
+                         kind="a bool array (True: a real token)")
