@@ -83,12 +83,18 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
-def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, exact: bool = False
-        ) -> jax.Array:
-    """2-D a @ b (aᵀ with trans_a, bᵀ with trans_b) accumulated in float32; `exact` asks for IEEE float32 products
-    (no TF32 on the GPU) for float32 inputs."""
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, accurate: bool = False,
+        interpret: bool = True) -> jax.Array:
+    """2-D a @ b (aᵀ with trans_a, bᵀ with trans_b) accumulated in float32.
+
+    `accurate` asks for float32-accurate products of float32 inputs: TF32×3 (three tensor-core TF32 products,
+    ~float32 accuracy) when compiled for a GPU, IEEE float32 (`Precision.HIGHEST`) in the interpreter, where XLA's
+    CPU dot has no TF32×3. Without it, float32 inputs multiply in TF32 on the GPU.
+    """
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if exact else None
+    precision = None
+    if accurate and a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 

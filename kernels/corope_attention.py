@@ -148,9 +148,9 @@ def _query_blocks(kb: jax.Array, block_q: int, block_k: int, num_q_blocks: int, 
     return first, jnp.minimum(lax.div(kb * block_k + block_k + config.window - 2, block_q) + 1, num_q_blocks)
 
 
-def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
+def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, config: _Config) -> jax.Array:
     """q_lead [BQ, Dp], k [BK, Dp] -> gates z [BQ, BK], 0 where `mask` is False."""
-    z = jax.nn.sigmoid(sm_scale * dot(q_lead, k, trans_b=True, exact=True))
+    z = jax.nn.sigmoid(config.sm_scale * dot(q_lead, k, trans_b=True, accurate=True, interpret=config.interpret))
     return jnp.where(mask, z, 0.0)
 
 
@@ -249,7 +249,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
         cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         load_k = lambda lo: k_ref[keys, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
         mask = _visible(rows, cols, seg_rows, None if seg_k_ref is None else seg_k_ref[keys], config)
-        z = _gates(q_ref[:, 0, :], k_ref[keys, :], mask, config.sm_scale)
+        z = _gates(q_ref[:, 0, :], k_ref[keys, :], mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)  # [BQ, BK]
         scores = _scores(delta, load_q, load_k, freq_ref, config)
         v = v_ref[keys, :]
@@ -299,7 +299,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, *refs, config:
         cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         load_k = lambda lo: k_ref[keys, pl.ds(lo, config.blocks.block_d)].astype(jnp.float32)
         mask = _visible(rows, cols, seg_rows, None if seg_k_ref is None else seg_k_ref[keys], config)
-        z = _gates(q_lead, k_ref[keys, :], mask, config.sm_scale)
+        z = _gates(q_lead, k_ref[keys, :], mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)
         _, ds = _softmax_grads(_scores(delta, load_q, load_k, freq_ref, config), mask, lse, row_dot, do,
                                v_ref[keys, :])
@@ -354,7 +354,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, z_carry_ref, 
         q_lead = q_ref[span, 0, :]
         do = [do_ref[span, r, :] for r in range(config.groups)]
         mask = _visible(rows, cols, None if seg_q_ref is None else seg_q_ref[span], seg_cols, config)
-        z = _gates(q_lead, k, mask, config.sm_scale)
+        z = _gates(q_lead, k, mask, config)
         delta = z_carry_ref[kb, span][:, None] + _suffix_exclusive(z)
         p, ds = _softmax_grads(_scores(delta, load_q, load_k, freq_ref, config), mask,
                                [lse_ref[r, span] for r in range(config.groups)],
