@@ -1,34 +1,41 @@
-"""Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): forward, dq and dk/dv kernels,
-with packed documents and sliding windows.
+"""Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): a forward kernel and one
+backward kernel, with packed documents and sliding windows.
 
 Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
-dim (Dp padded to a power of two), P = npos table rows (Pp padded), NK = Lp / block_k key blocks. Einsum subscripts
-are the lower-case letters, with t for query and s for key positions. Kernel tiles are [block_q, block_k].
+dim (Dp padded to a power of two), P = npos table rows (Pp padded). Einsum subscripts are the lower-case letters,
+with t for query and s for key positions. Kernel tiles are [block_q, block_k].
 
 The maths (SPEC §3): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p (one XLA matmul outside the kernels), pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋,
 hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
+Every tile reads z_i,lo and z_i,hi with two gather loads from the program's [block_q, Pp] block of z (indices
+clamped into [0, P − 1]): O(1) work per logit whatever the table size. When the gates come from the keys
+(gate_k None) one q·kᵀ per tile gives both the logits and the gates. float32 gate logits are float32-accurate
+(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it).
 
 Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
-suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Triton cannot gather along a tile
-axis, so pos is Σ_c z_ic·max(0, 1 − |p − c|) over the table rows c the tile's positions reach (a short loop
-of column loads). Once every row's R reaches P − 1, the remaining tiles are plain attention plus the per-row
-constant z_i,P−1: a second loop with no gate work. When differentiating, the forward also saves R_i before each
-key block ([B, N, NK, Lp] float32: L·L/block_k values, never L×L).
+suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the
+remaining tiles are plain attention plus the per-row constant z_i,P−1: a second loop with no gate work. When
+differentiating it saves, per row, only R_i where the reverse walk stopped and the first key e_i of the last block
+it walked ([B, N, Lp] each: O(L)); keys before e_i are clamped (or outside the window).
 
-Backward: with ds = ∂L/∂(q·k + pos), ∂L/∂p_ij = ds_ij·(z_i,hi − z_i,lo) (0 once clamped) and the gate gradient
-dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys. The dq kernel walks key blocks forward from 0, reading the
-saved R (so p is rebuilt exactly) and carrying that prefix sum, which it also saves per key block for the
-dk/dv kernel. The dk/dv kernel (one program per key block and kv head, looping over the group's query heads and
-the query blocks below the diagonal) then has every term locally: no atomics. ∂L/∂z comes out of the dq
-kernel; the table gradient and its share of dq are XLA matmuls.
+Backward: one query-major program per (query block, batch, head) walks key blocks forward from the first visible
+one to the diagonal. Blocks wholly before min_i e_i are clamped tiles (∂L/∂z_i,P−1 += Σ_j ds_ij). Later tiles
+rebuild p from the saved R: p_ij = R_i − C_i − Σ_{e_i ≤ t < j} g_it, with C_i the sum of gates ≥ e_i in the
+blocks already walked (clamped into [0, P − 1] against rounding). With ds = ∂L/∂(q·k + pos),
+∂L/∂p_ij = ds_ij·(z_i,hi − z_i,lo) (0 once clamped) and the gate gradient dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum
+over keys, carried across blocks. dq stays in registers; dk, dv (and d gate_k) are atomic adds into float32
+zero-initialised outputs spanning the kv head's rows, ∂L/∂z atomic adds at (i, lo) and (i, hi) into the program's
+own block. The table gradient and z's share of dq are XLA matmuls. Extra work against the forward: the gates'
+dot is redone (once more per tile with gate_k), and each tile adds 2·block_q·block_k scattered atomics for ∂L/∂z
+and three [block_k, Dp] atomic tile adds (two with gates from k); the float32 atomics make the gradients'
+summation order (so their last bits) vary run to run.
 
 Documents and windows: key j is visible to query i iff j ≤ i, segment_ids[b, i] == segment_ids[b, j] (when given)
 and i − j < window (when given); invisible keys have gate 0. The document ids are an extra int32 input [B, Lp],
 passed only when given (one block of row ids and the key ids of the batch row per program), compared per tile.
-A window bounds every loop: the forward and dq kernels start at the key block of key i0 − W + 1 (i0 the block's
-first row), the dk/dv kernel stops at the query block of row j1 + W − 1 (j1 the block's last key), so the work is
-O(L·(W + block)). Every (query block, key block) pair the backward visits was visited by the forward.
+A window bounds every loop: both kernels start at the key block of key i0 − W + 1 (i0 the block's first row), so
+the work is O(L·(W + block)).
 """
 from __future__ import annotations
 
@@ -47,21 +54,34 @@ from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two >= 16). block_k is shared by all three kernels: the backward reads the gate sums
-    that the forward saved per key block. Blocks larger than the (padded) sequence are shrunk to fit."""
+    """Tile sizes (powers of two >= 16) of the forward and of the backward kernel, which need not match. Blocks
+    larger than the (padded) sequence are shrunk to fit. Defaults: `BlockSizes.default(head_dim, dtype)`."""
 
     block_q: int = 64  # query rows per forward program
-    block_k: int = 64  # keys per tile, every kernel
-    block_q_dq: int = 64  # query rows per dq program
-    block_q_dkv: int = 64  # query rows per tile of the dk/dv kernel
+    block_k: int = 32  # keys per forward tile
+    block_q_bwd: int = 32  # query rows per backward program
+    block_k_bwd: int = 32  # keys per backward tile
 
     def __post_init__(self) -> None:
         check_block_sizes(self)
+
+    @classmethod
+    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
+        """Sizes that keep every tile in registers and shared memory on an H100 for D padded to Dp."""
+        dp, wide = tile_extent(head_dim), jnp.dtype(dtype).itemsize > 2
+        if dp >= 256:
+            return cls(32, 32, 16, 32) if wide else cls(64, 32, 16, 32)
+        return cls(64, 32, 32, 32)
 
     def fitted(self, length: int) -> BlockSizes:
         """The same sizes, each capped at the next power of two >= length (and >= 16)."""
         cap = tile_extent(length)
         return BlockSizes(*(min(getattr(self, f.name), cap) for f in dataclasses.fields(self)))
+
+
+def _default_warps(head_dim: int, dtype: jnp.dtype) -> int:
+    """4 warps up to Dp = 64, 8 above."""
+    return 4 if tile_extent(head_dim) <= 64 else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,21 +98,11 @@ class _Config:
     num_stages: int
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
     segments: bool = False  # document ids are an input of every kernel
+    gates_from_k: bool = False  # gate_k is None: the gates use k, and one q·kᵀ per tile serves both
 
     def compiler_params(self):
         """Triton settings for every kernel of the call."""
         return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def _config(q: jax.Array, pos_emb: jax.Array, *, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
-            num_warps: int | None, num_stages: int | None, window: int | None = None,
-            segments: bool = False) -> _Config:
-    """The static settings for q [B, L, N, D] and a table of P rows: blocks fitted to L, 4 warps up to D = 64 and 8
-    above, 2 stages (unless given)."""
-    return _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
-                   blocks=block_sizes.fitted(q.shape[1]), interpret=interpret,
-                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages or 2,
-                   window=window, segments=segments)
 
 
 def _visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
@@ -113,47 +123,48 @@ def _first_key_block(row0: jax.Array, window: int | None, block_k: int) -> jax.A
     return lax.div(jnp.maximum(row0 - (window - 1), 0), block_k)
 
 
-def _segment_refs(refs: tuple, segments: bool) -> tuple:
-    """Split a kernel's trailing refs into (row ids, key ids) — both None without documents — and the rest."""
-    if not segments:
-        return None, None, refs
-    return refs[0], refs[1], refs[2:]
+def _split_refs(refs: tuple, config: _Config) -> tuple:
+    """Split a kernel's refs after q, k, v into (kg — None with gates from k —, row ids, key ids — both None
+    without documents —, the rest)."""
+    kg_ref, refs = (None, refs) if config.gates_from_k else (refs[0], refs[1:])
+    if not config.segments:
+        return kg_ref, None, None, refs
+    return kg_ref, refs[0], refs[1], refs[2:]
 
 
-def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array, sm_scale: float) -> jax.Array:
-    """g [block_q, block_k] float32, zero where masked."""
-    return jnp.where(mask, jax.nn.sigmoid(sm_scale * dot(q, kg, trans_b=True)), 0.0)
+def _scores_and_gates(q: jax.Array, k: jax.Array, kg_ref, keys, mask: jax.Array, config: _Config
+                      ) -> tuple[jax.Array, jax.Array]:
+    """s = q·kᵀ and the gates g (0 where masked), both [block_q, block_k] float32. float32 gate logits are
+    float32-accurate; with gates from k they are s itself."""
+    if kg_ref is None:
+        s = dot(q, k, trans_b=True, accurate=True, interpret=config.interpret)
+        logits = s
+    else:
+        s = dot(q, k, trans_b=True)
+        logits = dot(q, kg_ref[keys, :], trans_b=True, accurate=True, interpret=config.interpret)
+    return s, jnp.where(mask, jax.nn.sigmoid(config.sm_scale * logits), 0.0)
 
 
-def _suffix_positions(g: jax.Array, r: jax.Array, npos: int) -> jax.Array:
-    """p_ij = min(R_i + Σ_{t ≥ j in tile} g_it, P − 1), the in-tile suffix sum as rowtotal − cumsum + g."""
-    total = jnp.sum(g, axis=1)
-    return jnp.minimum(r[:, None] + total[:, None] - jnp.cumsum(g, axis=1) + g, npos - 1)
+def _interpolation(z_ref, p: jax.Array, npos: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1], read from z_ref [block_q, Pp]
+    by two gathers (indices clamped into [0, P − 1], so rows holding garbage read in range)."""
+    lo = jnp.clip(jnp.floor(p), 0.0, npos - 1.0)
+    w = p - lo
+    lo = lo.astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, npos - 1)
+    rows = jnp.arange(p.shape[0])[:, None]
+    return lo, hi, w, z_ref[rows, lo], z_ref[rows, hi]
 
 
-def _position_range(p: jax.Array, valid: jax.Array, npos: int) -> tuple[jax.Array, jax.Array]:
-    """First and last table rows (int32 scalars) that the valid positions of a tile interpolate between."""
-    lo = jnp.floor(jnp.min(jnp.where(valid, p, npos - 1.0)))
-    hi = jnp.minimum(jnp.floor(jnp.max(jnp.where(valid, p, 0.0))) + 1.0, npos - 1.0)
-    return lo.astype(jnp.int32), hi.astype(jnp.int32)
-
-
-def _interpolate(column, p: jax.Array, lo: jax.Array, hi: jax.Array, *, slope: bool):
-    """pos [block_q, block_k] = Σ_c z_c·max(0, 1 − |p − c|) for c in [lo, hi]; with slope, also ∂pos/∂p
-    (z_hi − z_lo: −z_c where 0 ≤ p − c < 1, +z_c where −1 ≤ p − c < 0). `column(c)` loads z[:, c] as [block_q, 1]."""
-
-    def body(c, acc):
-        z_c = column(c)
-        x = p - c.astype(jnp.float32)
-        weight = 1.0 - jnp.abs(x)
-        pos = acc[0] + jnp.where(weight > 0.0, weight * z_c, 0.0)  # rows out of reach add nothing, even NaN
-        if not slope:
-            return (pos,)
-        d = jnp.where((x >= 0.0) & (x < 1.0), -z_c, jnp.where((x >= -1.0) & (x < 0.0), z_c, 0.0))
-        return pos, acc[1] + d
-
-    init = (jnp.zeros(p.shape, jnp.float32),) * (2 if slope else 1)
-    return lax.fori_loop(lo, hi + 1, body, init)
+def _online_softmax(carry, s, mask, v, sm_scale):
+    """One tile of the forward's online softmax: carry (m, l, acc) updated with logits sm_scale·s."""
+    m, l, acc = carry
+    logits = jnp.where(mask, sm_scale * s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    correction = jnp.exp(m - m_new)
+    probs = jnp.exp(logits - m_new[:, None])
+    acc = acc * correction[:, None] + dot(probs.astype(v.dtype), v)
+    return m_new, l * correction + jnp.sum(probs, axis=1), acc
 
 
 def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
@@ -163,45 +174,33 @@ def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
     return probs, ds
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, *refs, config: _Config):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     """One query block: key blocks in reverse from the diagonal, full tiles until every row is clamped, then
     clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], (with documents: row ids [bq], key ids [Lp]),
-    lse [bq], optional r [NK, bq] (saved R)."""
-    seg_q_ref, seg_k_ref, (o_ref, lse_ref, *r_ref) = _segment_refs(refs, config.segments)
+    lse [bq], when differentiating r [bq] (R where the walk stopped) and e [bq] int32 (its first full key)."""
+    kg_ref, seg_q_ref, seg_k_ref, (z_ref, o_ref, lse_ref, *saved) = _split_refs(refs, config)
     sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     live = rows < length
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q = q_ref[...]
-    z_last = z_ref[:, pl.ds(npos - 1, 1)]  # [bq, 1]
-
-    def column(c):
-        return z_ref[:, pl.ds(c, 1)]
 
     def tile(index, carry, full: bool):
-        m, l, acc, r = carry
         keys = pl.ds(index * block_k, block_k)
         mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
                         None if seg_k_ref is None else seg_k_ref[keys])
-        s = dot(q, k_ref[keys, :], trans_b=True)  # [bq, bk]
-        if r_ref:
-            r_ref[0][pl.ds(index, 1), :] = r[None, :]
-        if full:
-            g = _gates(q, kg_ref[keys, :], mask, sm_scale)
-            p = _suffix_positions(g, r, npos)
-            lo, hi = _position_range(p, mask, npos)
-            s = s + _interpolate(column, p, lo, hi, slope=False)[0]
-            r = r + jnp.sum(g, axis=1)
-        else:
-            s = s + z_last
-        logits = jnp.where(mask, sm_scale * s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        correction = jnp.exp(m - m_new)
-        probs = jnp.exp(logits - m_new[:, None])
-        v = v_ref[keys, :]
-        acc = acc * correction[:, None] + dot(probs.astype(v.dtype), v)
-        return m_new, l * correction + jnp.sum(probs, axis=1), acc, r
+        k = k_ref[keys, :]
+        if not full:
+            s = dot(q, k, trans_b=True) + z_ref[:, pl.ds(npos - 1, 1)]
+            return _online_softmax(carry, s, mask, v_ref[keys, :], sm_scale)
+        *softmax, r = carry
+        s, g = _scores_and_gates(q, k, kg_ref, keys, mask, config)
+        total = jnp.sum(g, axis=1)
+        p = jnp.minimum(r[:, None] + total[:, None] - jnp.cumsum(g, axis=1) + g, npos - 1.0)
+        _, _, w, z_lo, z_hi = _interpolation(z_ref, p, npos)
+        s = s + z_lo + w * (z_hi - z_lo)
+        return (*_online_softmax(softmax, s, mask, v_ref[keys, :], sm_scale), r + total)
 
     first = _first_key_block(pl.program_id(0) * block_q, config.window, block_k)
 
@@ -212,144 +211,88 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, *refs, config: _Config):
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
-    index, carry = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
+    index, (*carry, r) = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
     walked = index + 1 if config.window is None else index + 1 - first  # the clamped blocks left
-    m, l, acc, _ = lax.fori_loop(0, walked, lambda i, c: tile(index - i, c, False), carry)
+    m, l, acc = lax.fori_loop(0, walked, lambda i, c: tile(index - i, c, False), tuple(carry))
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
+    if saved:
+        saved[0][...] = r
+        saved[1][...] = jnp.full((block_q,), (index + 1) * block_k, jnp.int32)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, *refs, config: _Config):
-    """One query block: key blocks forward from the first the forward walked (0 without a window) to the diagonal,
-    clamped tiles first. Carries the prefix sum of ∂L/∂p and saves it per key block. Refs: q/do/dq [bq, Dp],
-    k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta [bq], r/pdp [NK, bq], with documents row ids [bq] and key ids [Lp]."""
-    seg_q_ref, seg_k_ref, (dq_ref, dz_ref, pdp_ref) = _segment_refs(refs, config.segments)
-    sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
+def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
+    """One query block: key blocks forward from the first visible one to the diagonal, clamped tiles first.
+    Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta/r/e [bq], (with documents: row ids [bq],
+    key ids [Lp]), the zeros aliased to the outputs (unread), dk/dv/dkg [Lp, Dp] (atomic adds)."""
+    kg_ref, seg_q_ref, seg_k_ref, refs = _split_refs(refs, config)
+    z_ref, do_ref, lse_ref, delta_ref, r_ref, e_ref, *refs = refs
+    accumulated = 3 if config.gates_from_k else 4  # dz, dk, dv (, dkg)
+    dq_ref, dz_ref, dk_ref, dv_ref, *dkg_ref = refs[accumulated:]
+    sm_scale, npos, length = config.sm_scale, config.npos, config.length
+    block_k = config.blocks.block_k_bwd
     block_q = q_ref.shape[0]
-    rows = pl.program_id(0) * block_q + jnp.arange(block_q)
+    row0 = pl.program_id(0) * block_q
+    rows = row0 + jnp.arange(block_q)
+    local = jnp.arange(block_q)[:, None]
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    table_rows = jnp.arange(dz_ref.shape[1])[None, :]
-
-    def column(c):
-        return z_ref[:, pl.ds(c, 1)]
-
-    def saved_r(index):
-        seen = (rows >= index * block_k) & (rows < length)  # rows the forward wrote R for
-        return seen, jnp.where(seen, r_ref[index, :], 0.0)
+    q, do, lse, delta, r, e = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], r_ref[...], e_ref[...]
 
     def tile(index, carry, full: bool):
-        dq, dz, dp_before = carry
+        dq, dz_last, c, dp_before = carry
         keys = pl.ds(index * block_k, block_k)
+        cols = index * block_k + jnp.arange(block_k)
+        mask = _visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
         k, v = k_ref[keys, :], v_ref[keys, :]
-        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
-                        None if seg_k_ref is None else seg_k_ref[keys])
-        pdp_ref[pl.ds(index, 1), :] = dp_before[None, :]
-        s = dot(q, k, trans_b=True)
         if not full:
-            probs, ds = _softmax_grads(s + z_ref[:, pl.ds(npos - 1, 1)], mask, lse, delta, do, v, sm_scale)
-            dz = dz + jnp.sum(ds, axis=1, keepdims=True) * (table_rows == npos - 1)
-            return dq + dot(ds.astype(k.dtype), k), dz, dp_before
-        kg = kg_ref[keys, :]
-        g = _gates(q, kg, mask, sm_scale)
-        p = _suffix_positions(g, saved_r(index)[1], npos)
-        lo, hi = _position_range(p, mask, npos)
-        pos, slope = _interpolate(column, p, lo, hi, slope=True)
-        probs, ds = _softmax_grads(s + pos, mask, lse, delta, do, v, sm_scale)
-        dp = jnp.where(p < npos - 1, ds * slope, 0.0)
-        dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
-        dq = dq + dot(ds.astype(k.dtype), k) + dot(dgate.astype(kg.dtype), kg)
-
-        def dz_column(c, dz):
-            weight = jnp.maximum(0.0, 1.0 - jnp.abs(p - c.astype(jnp.float32)))
-            return dz + jnp.sum(ds * weight, axis=1, keepdims=True) * (table_rows == c)
-
-        return dq, lax.fori_loop(lo, hi + 1, dz_column, dz), dp_before + jnp.sum(dp, axis=1)
-
-    num_blocks = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k)
-
-    def clamped(state):
-        index = state[0]
-        seen, r = saved_r(jnp.minimum(index, num_blocks - 1))
-        return jnp.logical_and(index < num_blocks, jnp.min(jnp.where(seen, r, jnp.inf)) >= npos - 1)
-
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(dz_ref.shape, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    first = _first_key_block(pl.program_id(0) * block_q, config.window, block_k)
-    index, carry = lax.while_loop(clamped, lambda st: (st[0] + 1, tile(st[0], st[1], False)), (first, init))
-    dq, dz, _ = lax.fori_loop(index, num_blocks, lambda i, c: tile(i, c, True), carry)
-    dq_ref[...] = dq
-    dz_ref[...] = dz
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, kg_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref, pdp_ref, *refs,
-                config: _Config):
-    """One key block of one kv head: loops over the G query heads of the group and the query blocks from the
-    diagonal down (to the last one inside the window). Refs: k/v/kg/dk/dv/dkg [bk, Dp], q/do [Lp, G, Dp],
-    z [G, Lp, Pp], lse/delta [G, Lp], r/pdp [G, NK, Lp], with documents row ids [Lp] and key ids [bk]."""
-    seg_q_ref, seg_k_ref, (dk_ref, dv_ref, dkg_ref) = _segment_refs(refs, config.segments)
-    sm_scale, npos, length, block_q = config.sm_scale, config.npos, config.length, config.blocks.block_q_dkv
-    block_k = k_ref.shape[0]
-    index = pl.program_id(0)
-    k, v, kg = k_ref[...], v_ref[...], kg_ref[...]
-    cols = index * block_k + jnp.arange(block_k)
-    seg_cols = None if seg_k_ref is None else seg_k_ref[...]
-
-    def tile(qb, carry, head):
-        dk, dv, dkg = carry
-        span = pl.ds(qb * block_q, block_q)
-        rows = qb * block_q + jnp.arange(block_q)
-        q, do = q_ref[span, head, :], do_ref[span, head, :]
-        lse, delta = lse_ref[head, span], delta_ref[head, span]
-        seen = (rows >= index * block_k) & (rows < length)
-        r = jnp.where(seen, r_ref[head, index, span], 0.0)
-        mask = _visible(rows, cols, config.window, None if seg_q_ref is None else seg_q_ref[span], seg_cols)
-        s = dot(q, k, trans_b=True)
-
-        def attention(s):
-            probs, ds = _softmax_grads(s, mask, lse, delta, do, v, sm_scale)
-            return (ds, dk + dot(ds.astype(q.dtype), q, trans_a=True),
-                    dv + dot(probs.astype(do.dtype), do, trans_a=True))
-
-        def at_clamp():
-            _, dk_new, dv_new = attention(s + z_ref[head, span, pl.ds(npos - 1, 1)])
-            return dk_new, dv_new, dkg
-
-        def full():
-            g = _gates(q, kg, mask, sm_scale)
-            p = _suffix_positions(g, r, npos)
-            lo, hi = _position_range(p, mask, npos)
-            pos, slope = _interpolate(lambda c: z_ref[head, span, pl.ds(c, 1)], p, lo, hi, slope=True)
-            ds, dk_new, dv_new = attention(s + pos)
-            dp = jnp.where(p < npos - 1, ds * slope, 0.0)
-            dp_before = jnp.where(seen, pdp_ref[head, index, span], 0.0)
+            probs, ds = _softmax_grads(dot(q, k, trans_b=True) + z_ref[:, pl.ds(npos - 1, 1)], mask, lse, delta,
+                                       do, v, sm_scale)
+            dz_last = dz_last + jnp.sum(ds, axis=1)
+            dscore = ds
+        else:
+            s, g = _scores_and_gates(q, k, kg_ref, keys, mask, config)
+            walked = cols[None, :] >= e[:, None]  # keys whose gates the forward counted into R
+            g = jnp.where(walked, g, 0.0)
+            p = jnp.clip(r[:, None] - c[:, None] - (jnp.cumsum(g, axis=1) - g), 0.0, npos - 1.0)
+            p = jnp.where(walked, p, npos - 1.0)
+            lo, hi, w, z_lo, z_hi = _interpolation(z_ref, p, npos)
+            probs, ds = _softmax_grads(s + z_lo + w * (z_hi - z_lo), mask, lse, delta, do, v, sm_scale)
+            jax.ref.addupdate(dz_ref, (local, lo), ds * (1.0 - w))
+            jax.ref.addupdate(dz_ref, (local, hi), ds * w)
+            dp = jnp.where(p < npos - 1, ds * (z_hi - z_lo), 0.0)
             dgate = sm_scale * (dp_before[:, None] + jnp.cumsum(dp, axis=1)) * g * (1.0 - g)
-            return dk_new, dv_new, dkg + dot(dgate.astype(q.dtype), q, trans_a=True)
+            c, dp_before = c + jnp.sum(g, axis=1), dp_before + jnp.sum(dp, axis=1)
+            if kg_ref is None:
+                dscore = ds + dgate
+            else:
+                dscore = ds
+                kg = kg_ref[keys, :]
+                dq = dq + dot(dgate.astype(kg.dtype), kg)
+                jax.ref.addupdate(dkg_ref[0], (keys, slice(None)), dot(dgate.astype(q.dtype), q, trans_a=True))
+        jax.ref.addupdate(dk_ref, (keys, slice(None)), dot(dscore.astype(q.dtype), q, trans_a=True))
+        jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(probs.astype(do.dtype), do, trans_a=True))
+        return dq + dot(dscore.astype(k.dtype), k), dz_last, c, dp_before
 
-        return lax.cond(jnp.min(jnp.where(seen, r, jnp.inf)) >= npos - 1, at_clamp, full)
-
-    first = lax.div(index * block_k, block_q)
-    num_q_blocks = q_ref.shape[0] // block_q
-    if config.window is not None:  # the last query block with a row that sees this key block
-        num_q_blocks = jnp.minimum(num_q_blocks, lax.div((index + 1) * block_k + config.window - 2, block_q) + 1)
-
-    def head_loop(head, carry):
-        return lax.fori_loop(first, num_q_blocks, lambda qb, c: tile(qb, c, head), carry)
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv, dkg = lax.fori_loop(0, q_ref.shape[1], head_loop, (zeros, zeros, zeros))
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-    dkg_ref[...] = dkg
+    first = _first_key_block(row0, config.window, block_k)
+    num_blocks = lax.div(row0 + block_q + block_k - 1, block_k)
+    clamped_end = jnp.minimum(jnp.maximum(first, lax.div(jnp.min(e), block_k)), num_blocks)
+    zeros = jnp.zeros((block_q,), jnp.float32)
+    carry = (jnp.zeros(q.shape, jnp.float32), zeros, zeros, zeros)
+    carry = lax.fori_loop(first, clamped_end, lambda i, c: tile(i, c, False), carry)
+    dq, dz_last, _, _ = lax.fori_loop(clamped_end, num_blocks, lambda i, c: tile(i, c, True), carry)
+    dq_ref[...] = dq
+    jax.ref.addupdate(dz_ref, (local, jnp.full((block_q, 1), npos - 1, jnp.int32)), dz_last[:, None])
 
 
 def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
-    """Zero-pad L to a multiple of every block and D to a power of two; z [B, N, Lp, Pp] float32 = q·e."""
+    """Zero-pad L to a multiple of every block and D to a power of two (kg may be None); e the padded table and
+    z [B, N, Lp, Pp] float32 = q·e."""
     length, d = q.shape[1], q.shape[3]
-    multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_dq, blocks.block_q_dkv)
+    multiple = max(dataclasses.astuple(blocks))
     padded, dp = -(-length // multiple) * multiple, tile_extent(d)
     pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
-    q, k, v, kg = (jnp.pad(x, pad) for x in (q, k, v, kg))
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    kg = None if kg is None else jnp.pad(kg, pad)
     e = jnp.pad(pos_emb.astype(q.dtype), [(0, 0)] * (pos_emb.ndim - 1) + [(0, dp - d)])
     spec = "btnd,pd->bntp" if e.ndim == 2 else "btnd,npd->bntp"
     z = jnp.einsum(spec, q, e, preferred_element_type=jnp.float32)
@@ -361,20 +304,19 @@ def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
 @dataclasses.dataclass(frozen=True)
 class _RowSpecs:
     """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
-    (Lp / bq, B, N). Every key/value row of the head's kv head is visible; z, statistics and the per-key-block
-    row sums are blocked by rows."""
+    (Lp / bq, B, N). Every key/value row of the head's kv head is visible; z and per-row values are blocked by
+    rows."""
 
     row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, N, Dp] array
     kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, K, Dp] array, kv head n // G
     z: pl.BlockSpec  # [bq, Pp] of z [B, N, Lp, Pp]
     stat: pl.BlockSpec  # [bq] of [B, N, Lp]
-    per_key_block: pl.BlockSpec  # [NK, bq] of [B, N, NK, Lp]
     grid: tuple[int, int, int]
     seg_rows: pl.BlockSpec  # [bq] of document ids [B, Lp]
     seg_keys: pl.BlockSpec  # [Lp] of document ids [B, Lp]
 
 
-def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _RowSpecs:
+def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int) -> _RowSpecs:
     batch, padded, num_heads, dp = q.shape
     groups = num_heads // k.shape[2]
     return _RowSpecs(
@@ -382,68 +324,50 @@ def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int, bk: int) -> _R
         kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h // groups, 0)),
         z=pl.BlockSpec((None, None, bq, z.shape[-1]), lambda i, b, h: (b, h, i, 0)),
         stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        per_key_block=pl.BlockSpec((None, None, padded // bk, bq), lambda i, b, h: (b, h, 0, i)),
         grid=(padded // bq, batch, num_heads),
         seg_rows=pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
         seg_keys=pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),
     )
 
 
-def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save_r: bool):
+def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save: bool):
+    """o [B, Lp, N, Dp], lse [B, N, Lp] (and with `save` R [B, N, Lp] float32 and e [B, N, Lp] int32)."""
     batch, padded, num_heads, _ = q.shape
-    bk = config.blocks.block_k
-    specs = _row_specs(q, k, z, config.blocks.block_q, bk)
+    specs = _row_specs(q, k, z, config.blocks.block_q)
+    gates = () if kg is None else (kg,)
     segments = () if seg is None else (seg, seg)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)]
-    out_specs = [specs.row, specs.stat]
-    if save_r:
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, padded // bk, padded), jnp.float32))
-        out_specs.append(specs.per_key_block)
+    stat = jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), stat]
+    if save:
+        out_shape += [stat, jax.ShapeDtypeStruct(stat.shape, jnp.int32)]
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z,
-                  *([specs.seg_rows, specs.seg_keys] if segments else [])],
-        out_specs=out_specs, out_shape=out_shape, compiler_params=config.compiler_params(),
-        interpret=config.interpret, name="cope_forward",
-    )(q, k, v, kg, z, *segments)
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
+                  *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z],
+        out_specs=[specs.row] + [specs.stat] * (len(out_shape) - 1), out_shape=out_shape,
+        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_forward",
+    )(q, k, v, *gates, *segments, z)
 
 
-def _dq_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, seg):
-    specs = _row_specs(q, k, z, config.blocks.block_q_dq, config.blocks.block_k)
+def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
+    """dq [B, Lp, N, Dp], dz [B, N, Lp, Pp], dk, dv (, dkg) [B, Lp, K, Dp], all float32."""
+    specs = _row_specs(q, k, z, config.blocks.block_q_bwd)
+    gates = () if kg is None else (kg,)
     segments = () if seg is None else (seg, seg)
+    zeros = [jnp.zeros(z.shape, jnp.float32)] + [jnp.zeros(k.shape, jnp.float32)] * (2 + len(gates))
+    inputs = [q, k, v, *gates, *segments, z, do, lse, delta, r, e, *zeros]
+    accumulated = [specs.z] + [specs.kv_full] * (2 + len(gates))
     return pl.pallas_call(
-        functools.partial(_dq_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full, specs.z, specs.row, specs.stat,
-                  specs.stat, specs.per_key_block, *([specs.seg_rows, specs.seg_keys] if segments else [])],
-        out_specs=[specs.row, specs.z, specs.per_key_block],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(r.shape, jnp.float32)],
+        functools.partial(_backward_kernel, config=config), grid=specs.grid,
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
+                  *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z, specs.row,
+                  *[specs.stat] * 4, *accumulated],
+        out_specs=[specs.row, *accumulated],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), *(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                                 for x in zeros)],
+        input_output_aliases={len(inputs) - len(zeros) + i: 1 + i for i in range(len(zeros))},
         compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dq",
-    )(q, k, v, kg, z, do, lse, delta, r, *segments)
-
-
-def _dkv_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, pdp, seg):
-    batch, padded, num_heads, dp = q.shape
-    num_kv = k.shape[2]
-    groups = num_heads // num_kv
-    bk = config.blocks.block_k
-    num_k = padded // bk
-    key_block = pl.BlockSpec((None, bk, None, dp), lambda i, b, h: (b, i, h, 0))
-    q_group = pl.BlockSpec((None, padded, groups, dp), lambda i, b, h: (b, 0, h, 0))
-    stat_group = pl.BlockSpec((None, groups, padded), lambda i, b, h: (b, h, 0))
-    per_key_block = pl.BlockSpec((None, groups, num_k, padded), lambda i, b, h: (b, h, 0, 0))
-    segments = () if seg is None else (seg, seg)
-    seg_specs = [pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),  # every row's id
-                 pl.BlockSpec((None, bk), lambda i, b, h: (b, i))] if segments else []  # the key block's
-    out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, config=config), grid=(num_k, batch, num_kv),
-        in_specs=[q_group, key_block, key_block, key_block,
-                  pl.BlockSpec((None, groups, padded, z.shape[-1]), lambda i, b, h: (b, h, 0, 0)),
-                  q_group, stat_group, stat_group, per_key_block, per_key_block, *seg_specs],
-        out_specs=[key_block] * 3, out_shape=[out] * 3,
-        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dkv",
-    )(q, k, v, kg, z, do, lse, delta, r, pdp, *segments)
+    )(*inputs)
 
 
 def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | None:
@@ -453,40 +377,39 @@ def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | 
     return jnp.pad(segment_ids, [(0, 0), (0, padded - segment_ids.shape[1])])
 
 
-def _cope_pallas_fwd(q, k, v, kg, pos_emb, segment_ids, config: _Config):
-    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
+def _cope_pallas_fwd(q, k, v, gate_k, pos_emb, segment_ids, config: _Config):
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, gate_k, pos_emb, config.blocks)
     seg = _padded_segments(segment_ids, qp.shape[1])
-    out, lse, r = _forward_call(config, qp, kp, vp, kgp, z, seg, save_r=True)
-    return out[:, :config.length, :, :q.shape[3]], (q, k, v, kg, pos_emb, segment_ids, out, lse, r)
+    out, lse, r, e = _forward_call(config, qp, kp, vp, kgp, z, seg, save=True)
+    return out[:, :config.length, :, :q.shape[3]], (q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e)
 
 
 def _cope_pallas_bwd(config: _Config, residuals, dout):
-    q, k, v, kg, pos_emb, segment_ids, out, lse, r = residuals
-    qp, kp, vp, kgp, e, z = _padded(q, k, v, kg, pos_emb, config.blocks)
+    q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e = residuals
+    qp, kp, vp, kgp, table, z = _padded(q, k, v, gate_k, pos_emb, config.blocks)
     seg = _padded_segments(segment_ids, qp.shape[1])
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, pdp = _dq_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, seg)
-    dk, dv, dkg = _dkv_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, pdp, seg)
+    dq, dz, dk, dv, *dkg = _backward_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, e, seg)
     dz = dz[..., :config.npos]
-    if e.ndim == 2:
-        dq = dq + jnp.einsum("bntp,pd->btnd", dz, e.astype(jnp.float32))
+    if table.ndim == 2:
+        dq = dq + jnp.einsum("bntp,pd->btnd", dz, table.astype(jnp.float32))
         de = jnp.einsum("bntp,btnd->pd", dz, qp.astype(jnp.float32))
     else:
-        dq = dq + jnp.einsum("bntp,npd->btnd", dz, e.astype(jnp.float32))
+        dq = dq + jnp.einsum("bntp,npd->btnd", dz, table.astype(jnp.float32))
         de = jnp.einsum("bntp,btnd->npd", dz, qp.astype(jnp.float32))
     length, d = config.length, q.shape[3]
+    dgate_k = None if gate_k is None else dkg[0][:, :length, :, :d].astype(gate_k.dtype)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
-            dv[:, :length, :, :d].astype(v.dtype), dkg[:, :length, :, :d].astype(kg.dtype),
-            de[..., :d].astype(pos_emb.dtype), None)
+            dv[:, :length, :, :d].astype(v.dtype), dgate_k, de[..., :d].astype(pos_emb.dtype), None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _cope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array,
+def _cope_pallas(q: jax.Array, k: jax.Array, v: jax.Array, gate_k: jax.Array | None, pos_emb: jax.Array,
                  segment_ids: jax.Array | None, config: _Config) -> jax.Array:
-    qp, kp, vp, kgp, _, z = _padded(q, k, v, kg, pos_emb, config.blocks)
-    out = _forward_call(config, qp, kp, vp, kgp, z, _padded_segments(segment_ids, qp.shape[1]), save_r=False)[0]
+    qp, kp, vp, kgp, _, z = _padded(q, k, v, gate_k, pos_emb, config.blocks)
+    out = _forward_call(config, qp, kp, vp, kgp, z, _padded_segments(segment_ids, qp.shape[1]), save=False)[0]
     return out[:, :config.length, :, :q.shape[3]]
 
 
@@ -503,8 +426,9 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
 
     q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
     (gates from k) -> [B, L, N, D] in q's dtype.
-    interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU);
-    num_warps/num_stages tune the Triton lowering (defaults: 4 warps up to D = 64, else 8; 2 stages).
+    block_sizes: default `BlockSizes.default(D, q.dtype)`; interpret: run the kernels in the Pallas interpreter
+    (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering (defaults: 4 warps up to
+    D = 64, else 8; 2 stages).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
@@ -518,8 +442,10 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
         return jnp.zeros(q.shape, q.dtype)
     if window is not None and window >= q.shape[1]:  # every causal key is inside the window
         window = None
-    config = _config(q, pos_emb, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
-                     interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
-                     window=window, segments=segment_ids is not None)
+    blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype)
+    config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
+                     blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
+                     num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages or 2,
+                     window=window, segments=segment_ids is not None, gates_from_k=gate_k is None)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return _cope_pallas_jit(q, k, v, k if gate_k is None else gate_k, pos_emb, segment_ids, config)
+    return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
