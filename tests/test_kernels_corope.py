@@ -162,8 +162,11 @@ def test_backward_never_builds_length_squared(impl, key):
 def test_block_sizes_validated():
     with pytest.raises(ValueError, match="block_q=24"):
         BlockSizes(block_q=24)
-    with pytest.raises(ValueError, match="block_d=8"):
-        BlockSizes(block_d=8)
+    with pytest.raises(ValueError, match="block_q_bwd=8"):
+        BlockSizes(block_q_bwd=8)
+    with pytest.raises(ValueError, match="block_d=3"):
+        BlockSizes(block_d=3)
+    BlockSizes(block_d=1)  # block_d is elementwise only: any power of two
 
 
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
