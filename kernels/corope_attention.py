@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +93,10 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-    """The defaults, chosen with the compile report (no spills on an H100 at 4 warps, 8 for D > 128)."""
-    del head_dim, dtype
-    return BlockSizes(block_q=32, block_k=32, block_d=4, block_q_bwd=32, block_k_bwd=32)
+    """The defaults, chosen with the compile report (H100, `default_num_warps`; no spills in any kernel): the
+    forward takes 32 query rows while a row of q is at most 256 bytes (f32 D 64, bf16 D 128), else 16."""
+    block_q = 32 if head_dim * jnp.dtype(dtype).itemsize <= 256 else 16
+    return BlockSizes(block_q=block_q, block_k=32, block_d=4, block_q_bwd=16, block_k_bwd=32)
 
 
 def default_num_warps(head_dim: int) -> int:
@@ -123,6 +125,11 @@ class _Config:
     def chunks(self) -> int:
         """BD-wide chunks of rotary pairs that hold any of the D/2 real ones (the rest are zero padding)."""
         return -(-(self.head_dim // 2) // self.blocks.block_d)
+
+    @property
+    def dot_chunk(self) -> int:
+        """DC, the head-dim columns per step of the backward's and the gates' dots."""
+        return min(2 * self.half, 64)
 
     @property
     def compiler_params(self):
@@ -187,10 +194,22 @@ def _key_blocks(qb: jax.Array, block_q: int, block_k: int, config: _Config) -> t
     return last, last + 1 - lax.div(jnp.maximum(qb * block_q - config.window + 1, 0), block_k)
 
 
-def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array, config: _Config) -> jax.Array:
-    """q_lead [BQ, Dp], k [BK, Dp] -> gates z [BQ, BK], 0 where `mask` is False."""
-    z = jax.nn.sigmoid(config.sm_scale * dot(q_lead, k, trans_b=True, accurate=True, interpret=config.interpret))
-    return jnp.where(mask, z, 0.0)
+def _column_chunks(config: _Config, body: Callable[[pl.Slice, Any], Any], init: Any) -> Any:
+    """fori_loop of body(columns, carry) over the head dim in DC-wide slices (the dots' operands stay small)."""
+    dc = config.dot_chunk
+    return lax.fori_loop(0, 2 * config.half // dc, lambda c, carry: body(pl.ds(pl.multiple_of(c * dc, dc), dc), carry),
+                         init)
+
+
+def _gates(lead_ref, k_ref, keys: pl.Slice, mask: jax.Array, config: _Config) -> jax.Array:
+    """lead_ref [BQ, Dp] (the leader's rows), k_ref [Lp, Dp] at `keys` -> gates z [BQ, BK], 0 where `mask` is
+    False. The logits are float32-accurate (TF32×3 on the GPU)."""
+    def chunk(cols, logits):
+        return logits + dot(lead_ref[:, cols], k_ref[keys, cols], trans_b=True, accurate=True,
+                            interpret=config.interpret)
+
+    logits = _column_chunks(config, chunk, jnp.zeros(mask.shape, jnp.float32))
+    return jnp.where(mask, jax.nn.sigmoid(config.sm_scale * logits), 0.0)
 
 
 def _suffix_exclusive(x: jax.Array) -> jax.Array:
@@ -256,7 +275,7 @@ def _forward_kernel(q_ref, lead_ref, k_ref, v_ref, freq_ref, *refs, config: _Con
     def body(step, carry):
         z_suffix, m, l, acc = carry  # [BQ], [BQ], [BQ], [BQ, Dp]
         keys, mask = _key_tile(last_kb - step, rows, seg_rows, seg_k_ref, config, block_k)
-        z = _gates(lead_ref[...], k_ref[keys, :], mask, config)
+        z = _gates(lead_ref, k_ref, keys, mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)  # [BQ, BK]
         load_k = lambda lo: k_ref[keys, pl.ds(lo, block_d)].astype(jnp.float32)
         s = jnp.where(mask, _Tile(delta, load_q, load_k, freq_ref, config).scores(), MASK_VALUE)
@@ -289,22 +308,31 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
 
     def gate_grads(weight: jax.Array, keys: pl.Slice) -> None:
         """dq^leader += sm_scale·weight·k, dk += sm_scale·weightᵀ·q^leader for gate-logit weights [BQ, BK]."""
-        plt.atomic_add(dq_ref, (slice(None), jnp.int32(0), slice(None)),
-                       sm_scale * dot(weight, k_ref[keys, :].astype(jnp.float32)))
-        plt.atomic_add(dk_ref, (keys, slice(None)),
-                       sm_scale * dot(weight, lead_ref[...].astype(jnp.float32), trans_a=True))
+        def chunk(cols, carry):
+            plt.atomic_add(dq_ref, (slice(None), jnp.int32(0), cols),
+                           sm_scale * dot(weight, k_ref[keys, cols].astype(jnp.float32)))
+            plt.atomic_add(dk_ref, (keys, cols),
+                           sm_scale * dot(weight, lead_ref[:, cols].astype(jnp.float32), trans_a=True))
+            return carry
+
+        _column_chunks(config, chunk, 0)
 
     def body(step, carry):
         z_suffix, dd_suffix = carry  # suffix sums of z and of dΔ right of this key block, [BQ]
         keys, mask = _key_tile(last_kb - step, rows, seg_rows, seg_k_ref, config, block_k)
-        z = _gates(lead_ref[...], k_ref[keys, :], mask, config)
+        z = _gates(lead_ref, k_ref, keys, mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)
         load_k = lambda lo: k_ref[keys, pl.ds(lo, block_d)].astype(jnp.float32)
         tile = _Tile(delta, load_q, load_k, freq_ref, config)
         p = jnp.where(mask, jnp.exp(tile.scores() - lse_ref[...][:, None]), 0.0)
-        do = do_ref[...]
-        plt.atomic_add(dv_ref, (keys, slice(None)), dot(p.astype(do.dtype), do, trans_a=True))
-        ds = (p * (dot(do, v_ref[keys, :], trans_b=True) - row_dot_ref[...][:, None]))[:, :, None]
+
+        def values(cols, dp):  # dV += Pᵀ·dO; dP = dO·Vᵀ
+            do = do_ref[:, cols]
+            plt.atomic_add(dv_ref, (keys, cols), dot(p.astype(do.dtype), do, trans_a=True))
+            return dp + dot(do, v_ref[keys, cols], trans_b=True)
+
+        dp = _column_chunks(config, values, jnp.zeros(p.shape, jnp.float32))
+        ds = (p * (dp - row_dot_ref[...][:, None]))[:, :, None]
 
         def chunk(c, d_delta):  # the rotary backward of chunk c: dq, dk; dΔ accumulated
             q1, q2, omega, cos, sin, kc, ks = tile.rotated(c)
@@ -328,7 +356,7 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
 
     def gates_only(step, carry):  # dz_it's Tot_i part
         keys, mask = _key_tile(last_kb - step, rows, seg_rows, seg_k_ref, config, block_k)
-        z = _gates(lead_ref[...], k_ref[keys, :], mask, config)
+        z = _gates(lead_ref, k_ref, keys, mask, config)
         gate_grads(total[:, None] * z * (1.0 - z), keys)
         return carry
 
