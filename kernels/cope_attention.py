@@ -11,7 +11,8 @@ hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_i
 Every tile reads z_i,lo and z_i,hi with two gather loads from the program's [block_q, Pp] block of z (indices
 clamped into [0, P − 1]): O(1) work per logit whatever the table size. When the gates come from the keys
 (gate_k None) one q·kᵀ per tile gives both the logits and the gates. float32 gate logits are float32-accurate
-(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it).
+(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it) up to Dp = 64; above, the
+TF32×3 operand splits do not fit the register budget and the gates multiply in TF32 like the logits.
 
 Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
 suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the
@@ -57,9 +58,9 @@ class BlockSizes:
     """Tile sizes (powers of two >= 16) of the forward and of the backward kernel, which need not match. Blocks
     larger than the (padded) sequence are shrunk to fit. Defaults: `BlockSizes.default(head_dim, dtype)`."""
 
-    block_q: int = 64  # query rows per forward program
+    block_q: int = 32  # query rows per forward program
     block_k: int = 32  # keys per forward tile
-    block_q_bwd: int = 32  # query rows per backward program
+    block_q_bwd: int = 16  # query rows per backward program
     block_k_bwd: int = 32  # keys per backward tile
 
     def __post_init__(self) -> None:
@@ -67,11 +68,11 @@ class BlockSizes:
 
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-        """Sizes that keep every tile in registers and shared memory on an H100 for D padded to Dp."""
-        dp, wide = tile_extent(head_dim), jnp.dtype(dtype).itemsize > 2
-        if dp >= 256:
-            return cls(32, 32, 16, 32) if wide else cls(64, 32, 16, 32)
-        return cls(64, 32, 32, 32)
+        """Sizes that keep every tile in registers and shared memory on an H100 (the compile report's budget):
+        float32 tiles take twice the registers of bfloat16 ones (and TF32×3 gate dots more)."""
+        if jnp.dtype(dtype).itemsize <= 2:
+            return cls(32, 32, 16, 32)
+        return cls(16, 32, 16, 16) if tile_extent(head_dim) <= 64 else cls(16, 16, 16, 16)
 
     def fitted(self, length: int) -> BlockSizes:
         """The same sizes, each capped at the next power of two >= length (and >= 16)."""
@@ -99,6 +100,7 @@ class _Config:
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
     segments: bool = False  # document ids are an input of every kernel
     gates_from_k: bool = False  # gate_k is None: the gates use k, and one q·kᵀ per tile serves both
+    accurate_gates: bool = False  # float32-accurate gate logits (TF32×3 on the GPU)
 
     def compiler_params(self):
         """Triton settings for every kernel of the call."""
@@ -134,14 +136,14 @@ def _split_refs(refs: tuple, config: _Config) -> tuple:
 
 def _scores_and_gates(q: jax.Array, k: jax.Array, kg_ref, keys, mask: jax.Array, config: _Config
                       ) -> tuple[jax.Array, jax.Array]:
-    """s = q·kᵀ and the gates g (0 where masked), both [block_q, block_k] float32. float32 gate logits are
-    float32-accurate; with gates from k they are s itself."""
+    """s = q·kᵀ and the gates g (0 where masked), both [block_q, block_k] float32; with gates from k the gate
+    logits are s itself."""
+    accurate = functools.partial(dot, trans_b=True, accurate=config.accurate_gates, interpret=config.interpret)
     if kg_ref is None:
-        s = dot(q, k, trans_b=True, accurate=True, interpret=config.interpret)
-        logits = s
+        s = logits = accurate(q, k)
     else:
         s = dot(q, k, trans_b=True)
-        logits = dot(q, kg_ref[keys, :], trans_b=True, accurate=True, interpret=config.interpret)
+        logits = accurate(q, kg_ref[keys, :])
     return s, jnp.where(mask, jax.nn.sigmoid(config.sm_scale * logits), 0.0)
 
 
@@ -446,6 +448,7 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
                      blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
                      num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages or 2,
-                     window=window, segments=segment_ids is not None, gates_from_k=gate_k is None)
+                     window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
+                     accurate_gates=q.dtype == jnp.float32 and tile_extent(q.shape[3]) <= 64)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
