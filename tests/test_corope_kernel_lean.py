@@ -1,0 +1,118 @@
+"""The lean Co-RoPE Pallas kernels (issue 12): any chunk width of rotary pairs, head dims that are no multiple of it,
+odd lengths, large groups, the kernel-local sincos, and O(L) memory (no array of L²/32 elements or more in the
+forward and backward at L = 4096). Interpret mode, against the dense reference and NumPy."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_harness import assert_matches, outputs_and_grads
+
+import jaxpe
+from jaxpe.kernels import corope_attention as kernel
+from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
+
+THETA = 10000.0
+TOLERANCE = (2e-5, 2e-4)  # float32: output, gradients (as test_kernels_corope.py)
+SMALL = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+
+
+def inputs(length: int, head_dim: int, q_heads: int, kv_heads: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """q [2, L, N, D], k/v [2, L, K, D] and an output cotangent, float32."""
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (jax.random.normal(kq, (2, length, q_heads, head_dim)), jax.random.normal(kk, (2, length, kv_heads, head_dim)),
+            jax.random.normal(kv, (2, length, kv_heads, head_dim)),
+            jax.random.normal(kc, (2, length, q_heads, head_dim)))
+
+
+def check(length: int, head_dim: int, q_heads: int, kv_heads: int, blocks: BlockSizes) -> None:
+    q, k, v, cotangent = inputs(length, head_dim, q_heads, kv_heads)
+    sm_scale = head_dim ** -0.5
+    want = outputs_and_grads(lambda *a: jaxpe.corope_attention(*a, theta=THETA, sm_scale=sm_scale, impl="reference"),
+                             (q, k, v), cotangent)
+    got = outputs_and_grads(lambda *a: corope_attention_pallas(*a, theta=THETA, sm_scale=sm_scale, block_sizes=blocks,
+                                                               interpret=True), (q, k, v), cotangent)
+    assert_matches(got, want, names=["o", "dq", "dk", "dv"], tolerance=TOLERANCE,
+                   context=f"L{length} D{head_dim} N{q_heads}K{kv_heads} {blocks}")
+
+
+@pytest.mark.parametrize("length, head_dim, block_d", [
+    (33, 18, 4),  # 9 pairs: the last chunk of 4 half padding
+    (33, 18, 8),
+    (77, 6, 1),  # one pair per chunk
+    (17, 10, 2),
+    (50, 64, 16),  # wide chunks still work
+])
+def test_chunk_widths_and_odd_lengths(length, head_dim, block_d):
+    check(length, head_dim, 4, 2, BlockSizes(block_d=block_d, **SMALL))
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(8, 1), (6, 2)])
+def test_large_and_uneven_groups(q_heads, kv_heads):
+    """MQA (G = 8: eight programs add to one dk, dv and the leader's dq) and G = 3."""
+    check(40, 16, q_heads, kv_heads, BlockSizes(**SMALL))
+
+
+def test_default_blocks_rectangular_tiles():
+    """The defaults (D 32 f32: forward 32×32, backward 16×32 tiles) on a length no block divides."""
+    check(70, 32, 2, 1, BlockSizes())
+
+
+def test_default_block_sizes_by_head_dim_and_dtype():
+    """Forward rows 32 while a row of q is ≤ 256 bytes, else 16; the backward 16 × 32; chunks of 4 pairs."""
+    rows = {(d, t): kernel.default_block_sizes(d, t).block_q for d in (64, 128, 256) for t in (jnp.float32, jnp.bfloat16)}
+    assert rows == {(64, jnp.float32): 32, (128, jnp.float32): 16, (256, jnp.float32): 16,
+                    (64, jnp.bfloat16): 32, (128, jnp.bfloat16): 32, (256, jnp.bfloat16): 16}
+    blocks = kernel.default_block_sizes(128, jnp.float32)
+    assert (blocks.block_k, blocks.block_d, blocks.block_q_bwd, blocks.block_k_bwd) == (32, 4, 16, 32)
+    assert [kernel.default_num_warps(d) for d in (64, 128, 256)] == [4, 4, 8]
+
+
+def test_kernel_sincos_against_numpy():
+    """The kernel-local sincos within 1e-6 of float64 NumPy over Co-RoPE's angles Δ·ω ∈ [0, 32768], and negative."""
+    x = np.concatenate([np.linspace(0.0, 32768.0, 400_001), -np.linspace(0.0, 100.0, 10_001),
+                        (np.arange(1, 20_000) * np.pi / 2)]).astype(np.float32)
+    sin, cos = jax.jit(kernel._sincos)(jnp.asarray(x))
+    exact = x.astype(np.float64)
+    assert np.max(np.abs(np.asarray(sin, np.float64) - np.sin(exact))) < 1e-6
+    assert np.max(np.abs(np.asarray(cos, np.float64) - np.cos(exact))) < 1e-6
+
+
+def large_intermediates(fn, args: tuple[jax.Array, ...], size: int) -> list[tuple[int, ...]]:
+    """Shapes of every value of fn's jaxpr (nested jaxprs and kernels included) with `size` elements or more."""
+    found = []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                shape = tuple(getattr(var.aval, "shape", ()))
+                if int(np.prod(shape, dtype=np.int64)) >= size:
+                    found.append(shape)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_memory_is_linear_in_length():
+    """At L = 4096 (B 1, N 2, K 1, D 32), no value of the forward and backward (the residuals, the kernels' blocks,
+    the gradient accumulators) has L²/32 elements or more; the dense reference's do (the probe works). The former
+    backward's carries [B, K, L/32, L] were exactly that size."""
+    length = 4096
+    q = jnp.zeros((1, length, 2, 32))
+    kv = jnp.zeros((1, length, 1, 32))
+    size = length * length // 32
+
+    def grad_of(attention):
+        return jax.grad(lambda *a: jnp.sum(attention(*a)), argnums=(0, 1, 2))
+
+    reference = lambda *a: jaxpe.corope_attention(*a, theta=THETA, sm_scale=0.2, impl="reference")
+    pallas = lambda *a: corope_attention_pallas(*a, theta=THETA, sm_scale=0.2, interpret=True)
+    assert large_intermediates(grad_of(reference), (q, kv, kv), size)
+    assert large_intermediates(grad_of(pallas), (q, kv, kv), size) == []
