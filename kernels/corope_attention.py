@@ -307,12 +307,14 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
     last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
     def gate_grads(weight: jax.Array, keys: pl.Slice) -> None:
-        """dq^leader += sm_scale·weight·k, dk += sm_scale·weightᵀ·q^leader for gate-logit weights [BQ, BK]."""
+        """dq^leader += sm_scale·weight·k, dk += sm_scale·weightᵀ·q^leader for gate-logit weights [BQ, BK]; float32-
+        accurate products, since the Tot and −Suf parts of dz, added apart, may nearly cancel."""
         def chunk(cols, carry):
+            k, lead = k_ref[keys, cols].astype(jnp.float32), lead_ref[:, cols].astype(jnp.float32)
             plt.atomic_add(dq_ref, (slice(None), jnp.int32(0), cols),
-                           sm_scale * dot(weight, k_ref[keys, cols].astype(jnp.float32)))
+                           sm_scale * dot(weight, k, accurate=True, interpret=config.interpret))
             plt.atomic_add(dk_ref, (keys, cols),
-                           sm_scale * dot(weight, lead_ref[:, cols].astype(jnp.float32), trans_a=True))
+                           sm_scale * dot(weight, lead, trans_a=True, accurate=True, interpret=config.interpret))
             return carry
 
         _column_chunks(config, chunk, 0)
