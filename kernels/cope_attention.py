@@ -11,8 +11,8 @@ hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_i
 Every tile reads z_i,lo and z_i,hi with two gather loads from the program's [block_q, Pp] block of z (indices
 clamped into [0, P − 1]): O(1) work per logit whatever the table size. When the gates come from the keys
 (gate_k None) one q·kᵀ per tile gives both the logits and the gates. float32 gate logits are float32-accurate
-(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it) up to Dp = 64; above, the
-TF32×3 operand splits do not fit the register budget and the gates multiply in TF32 like the logits.
+(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it) up to Dp = 128; at 256 the
+TF32×3 operand splits do not fit the forward's register budget and the gates multiply in TF32 like the logits.
 
 Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
 suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the
@@ -96,15 +96,16 @@ class _Config:
     blocks: BlockSizes  # fitted to L
     interpret: bool
     num_warps: int
-    num_stages: int
+    num_stages: int | None  # None: 2 in the forward, 1 in the backward
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
     segments: bool = False  # document ids are an input of every kernel
     gates_from_k: bool = False  # gate_k is None: the gates use k, and one q·kᵀ per tile serves both
     accurate_gates: bool = False  # float32-accurate gate logits (TF32×3 on the GPU)
 
-    def compiler_params(self):
-        """Triton settings for every kernel of the call."""
-        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages)
+    def compiler_params(self, *, backward: bool):
+        """Triton settings of the forward or the backward kernel. The backward's loop carries too much for Triton's
+        software pipelining: with 2 stages ptxas spills kilobytes (float32, D 256), with 1 none."""
+        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
 
 
 def _visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
@@ -347,7 +348,7 @@ def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save: bool):
         in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
                   *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z],
         out_specs=[specs.row] + [specs.stat] * (len(out_shape) - 1), out_shape=out_shape,
-        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_forward",
+        compiler_params=config.compiler_params(backward=False), interpret=config.interpret, name="cope_forward",
     )(q, k, v, *gates, *segments, z)
 
 
@@ -368,7 +369,8 @@ def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), *(jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                                  for x in zeros)],
         input_output_aliases={len(inputs) - len(zeros) + i: 1 + i for i in range(len(zeros))},
-        compiler_params=config.compiler_params(), interpret=config.interpret, name="cope_backward_dq",
+        compiler_params=config.compiler_params(backward=True), interpret=config.interpret,
+        name="cope_backward_dq",
     )(*inputs)
 
 
@@ -447,8 +449,8 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype)
     config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
                      blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
-                     num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages or 2,
+                     num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages,
                      window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
-                     accurate_gates=q.dtype == jnp.float32 and tile_extent(q.shape[3]) <= 64)
+                     accurate_gates=q.dtype == jnp.float32 and tile_extent(q.shape[3]) <= 128)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
