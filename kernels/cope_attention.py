@@ -11,8 +11,8 @@ hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_i
 Every tile reads z_i,lo and z_i,hi with two gather loads from the program's [block_q, Pp] block of z (indices
 clamped into [0, P − 1]): O(1) work per logit whatever the table size. When the gates come from the keys
 (gate_k None) one q·kᵀ per tile gives both the logits and the gates. float32 gate logits are float32-accurate
-(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it) up to Dp = 128; at 256 the
-TF32×3 operand splits do not fit the forward's register budget and the gates multiply in TF32 like the logits.
+(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it); at Dp = 256 as two dots over
+128 columns each, read from the refs, since the TF32×3 operand splits of whole rows do not fit the registers.
 
 Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
 suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the
@@ -56,7 +56,7 @@ from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes (powers of two >= 16) of the forward and of the backward kernel, which need not match. Blocks
-    larger than the (padded) sequence are shrunk to fit. Defaults: `BlockSizes.default(head_dim, dtype)`."""
+    larger than the (padded) sequence are shrunk to fit. Defaults: `BlockSizes.default(head_dim, dtype, gate_k=)`."""
 
     block_q: int = 32  # query rows per forward program
     block_k: int = 32  # keys per forward tile
@@ -67,16 +67,20 @@ class BlockSizes:
         check_block_sizes(self)
 
     @classmethod
-    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-        """The largest sizes that keep every kernel within the compile report's budget on an H100 (no spills in the
-        forward, at most 64 bytes in the backward): float32 tiles take twice the registers of bfloat16 ones, and
-        TF32×3 gate dots more. Backward query blocks of 32 rows halve the atomic adds into dk and dv against 16."""
-        dp = tile_extent(head_dim)
-        if jnp.dtype(dtype).itemsize <= 2:
-            return cls(64 if dp == 128 else 32, 32, 32, 32)
-        if dp <= 64:
-            return cls(16, 32, 32, 32)
-        return cls(16, 16, 32, 16) if dp == 128 else cls(16, 16, 16, 16)
+    def default(cls, head_dim: int, dtype: jnp.dtype, *, gate_k: bool = False) -> BlockSizes:
+        """The largest sizes found to keep the kernels within the compile report's budget on an H100 (no spills in
+        the forward, a few bytes at most in the backward): float32 tiles take twice the registers of bfloat16 ones,
+        and a separate gate_k (a second dot per tile) more. Backward query blocks of 32 rows halve the atomic adds
+        into dk and dv against 16. (float32, D 256 with gate_k: the forward still spills ~220 bytes.)"""
+        dp, wide = tile_extent(head_dim), jnp.dtype(dtype).itemsize > 2
+        if not wide:
+            if gate_k and dp >= 256:
+                return cls(16, 32, 16, 32)
+            return cls(64 if dp == 128 and not gate_k else 32, 32, 32, 32)
+        backward = {64: (32, 32), 128: (32, 16)}.get(dp, (16, 16))
+        if gate_k:
+            return cls(16, 32 if dp <= 64 else 16, *backward)
+        return cls(32, 32 if dp <= 128 else 16, *backward)
 
     def fitted(self, length: int) -> BlockSizes:
         """The same sizes, each capped at the next power of two >= length (and >= 16)."""
@@ -139,16 +143,25 @@ def _split_refs(refs: tuple, config: _Config) -> tuple:
     return kg_ref, refs[0], refs[1], refs[2:]
 
 
-def _scores_and_gates(q: jax.Array, k: jax.Array, kg_ref, keys, mask: jax.Array, config: _Config
+_ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot (TF32×3 splits of wider tiles spill)
+
+
+def _scores_and_gates(q: jax.Array, k: jax.Array, q_ref, k_ref, kg_ref, keys, mask: jax.Array, config: _Config
                       ) -> tuple[jax.Array, jax.Array]:
     """s = q·kᵀ and the gates g (0 where masked), both [block_q, block_k] float32; with gates from k the gate
-    logits are s itself."""
-    accurate = functools.partial(dot, trans_b=True, accurate=config.accurate_gates, interpret=config.interpret)
-    if kg_ref is None:
-        s = logits = accurate(q, k)
+    logits are s itself. Accurate gate logits wider than _ACCURATE_CHUNK columns are summed over column chunks
+    read from the refs."""
+    gate_ref = k_ref if kg_ref is None else kg_ref
+    dp = q.shape[1]
+    if not config.accurate_gates:
+        logits = dot(q, gate_ref[keys, :], trans_b=True)
+    elif dp <= _ACCURATE_CHUNK:
+        logits = dot(q, gate_ref[keys, :], trans_b=True, accurate=True, interpret=config.interpret)
     else:
-        s = dot(q, k, trans_b=True)
-        logits = accurate(q, kg_ref[keys, :])
+        logits = sum(dot(q_ref[:, pl.ds(c, _ACCURATE_CHUNK)], gate_ref[keys, pl.ds(c, _ACCURATE_CHUNK)],
+                         trans_b=True, accurate=True, interpret=config.interpret)
+                     for c in range(0, dp, _ACCURATE_CHUNK))
+    s = logits if kg_ref is None else dot(q, k, trans_b=True)
     return s, jnp.where(mask, jax.nn.sigmoid(config.sm_scale * logits), 0.0)
 
 
@@ -202,7 +215,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
             s = dot(q, k, trans_b=True) + z_ref[:, pl.ds(npos - 1, 1)]
             return _online_softmax(carry, s, mask, v_ref[keys, :], sm_scale)
         *softmax, r = carry
-        s, g = _scores_and_gates(q, k, kg_ref, keys, mask, config)
+        s, g = _scores_and_gates(q, k, q_ref, k_ref, kg_ref, keys, mask, config)
         total = jnp.sum(g, axis=1)
         p = jnp.minimum(r[:, None] + total[:, None] - jnp.cumsum(g, axis=1) + g, npos - 1.0)
         _, _, w, z_lo, z_hi = _interpolation(z_ref, p, npos)
@@ -236,7 +249,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     z_ref, do_ref, lse_ref, delta_ref, r_ref, e_ref, *refs = refs
     accumulated = 3 if config.gates_from_k else 4  # dz, dk, dv (, dkg)
     dq_ref, dz_ref, dk_ref, dv_ref, *dkg_ref = refs[accumulated:]
-    sm_scale, npos, length = config.sm_scale, config.npos, config.length
+    sm_scale, npos = config.sm_scale, config.npos
     block_k = config.blocks.block_k_bwd
     block_q = q_ref.shape[0]
     row0 = pl.program_id(0) * block_q
@@ -257,7 +270,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
             dz_last = dz_last + jnp.sum(ds, axis=1)
             dscore = ds
         else:
-            s, g = _scores_and_gates(q, k, kg_ref, keys, mask, config)
+            s, g = _scores_and_gates(q, k, q_ref, k_ref, kg_ref, keys, mask, config)
             walked = cols[None, :] >= e[:, None]  # keys whose gates the forward counted into R
             g = jnp.where(walked, g, 0.0)
             p = jnp.clip(r[:, None] - c[:, None] - (jnp.cumsum(g, axis=1) - g), 0.0, npos - 1.0)
@@ -434,9 +447,9 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
 
     q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
     (gates from k) -> [B, L, N, D] in q's dtype.
-    block_sizes: default `BlockSizes.default(D, q.dtype)`; interpret: run the kernels in the Pallas interpreter
-    (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering (defaults: 4 warps up to
-    D = 64, else 8; 2 stages).
+    block_sizes: default `BlockSizes.default(D, q.dtype, gate_k=gate_k is not None)`; interpret: run the kernels in
+    the Pallas interpreter (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering
+    (defaults: 4 warps up to D = 64, else 8; 2 stages in the forward, 1 in the backward).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
@@ -450,11 +463,11 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
         return jnp.zeros(q.shape, q.dtype)
     if window is not None and window >= q.shape[1]:  # every causal key is inside the window
         window = None
-    blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype)
+    blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype, gate_k=gate_k is not None)
     config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
                      blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
                      num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages,
                      window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
-                     accurate_gates=q.dtype == jnp.float32 and tile_extent(q.shape[3]) <= 128)
+                     accurate_gates=q.dtype == jnp.float32)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
