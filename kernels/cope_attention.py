@@ -11,8 +11,8 @@ hi = min(lo + 1, P − 1), w = p − lo; logits_ij = sm_scale·(q_i·k_j + pos_i
 Every tile reads z_i,lo and z_i,hi with two gather loads from the program's [block_q, Pp] block of z (indices
 clamped into [0, P − 1]): O(1) work per logit whatever the table size. When the gates come from the keys
 (gate_k None) one q·kᵀ per tile gives both the logits and the gates. float32 gate logits are float32-accurate
-(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it); at Dp = 256 as two dots over
-128 columns each, read from the refs, since the TF32×3 operand splits of whole rows do not fit the registers.
+(TF32×3 on the GPU: a TF32 error in a gate shifts every position counted past it), summed over dots of 32
+head-dim columns read from the refs: the TF32×3 operand splits of whole [rows, Dp] tiles do not fit the registers.
 
 Forward: one program per (query block, batch, head) walks key blocks in reverse from the diagonal, carrying the
 suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the

@@ -144,12 +144,17 @@ def test_default_blocks_bfloat16_and_many_clamped_blocks():
     assert_matches_reference(q, k, v, pos_emb, gk, context="every gate open")
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(64, jnp.float32), (256, jnp.float32), (128, jnp.bfloat16)])
-def test_default_block_sizes_fit_the_budget_per_dtype(head_dim: int, dtype):
-    """float32 tiles are smaller than bfloat16 ones (the compile report's register budget); all are valid."""
-    blocks = BlockSizes.default(head_dim, dtype)
-    bf16 = BlockSizes.default(head_dim, jnp.bfloat16)
-    assert blocks == bf16 or blocks.block_q * blocks.block_k < bf16.block_q * bf16.block_k
+@pytest.mark.parametrize("head_dim", [16, 64, 100, 256])
+def test_default_block_sizes_shrink_with_the_registers_a_tile_takes(head_dim: int):
+    """float32 tiles are no larger than bfloat16 ones, nor tiles with a separate gate_k than without (the compile
+    report's register budget); every default is a valid BlockSizes."""
+    area = lambda b: (b.block_q * b.block_k, b.block_q_bwd * b.block_k_bwd)  # noqa: E731
+    for gate_k in (False, True):
+        f32, bf16 = (BlockSizes.default(head_dim, dtype, gate_k=gate_k) for dtype in (jnp.float32, jnp.bfloat16))
+        assert all(a <= b for a, b in zip(area(f32), area(bf16)))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        with_gate_k, from_k = (BlockSizes.default(head_dim, dtype, gate_k=g) for g in (True, False))
+        assert all(a <= b for a, b in zip(area(with_gate_k), area(from_k)))
 
 
 def test_gates_from_k_read_k_once():
