@@ -71,7 +71,7 @@ class BlockSizes:
         """The largest sizes found to keep the kernels within the compile report's budget on an H100 (no spills in
         the forward, a few bytes at most in the backward): float32 tiles take twice the registers of bfloat16 ones,
         and a separate gate_k (a second dot per tile) more. Backward query blocks of 32 rows halve the atomic adds
-        into dk and dv against 16. (float32, D 256 with gate_k: the forward still spills ~220 bytes.)"""
+        into dk and dv against 16."""
         dp, wide = tile_extent(head_dim), jnp.dtype(dtype).itemsize > 2
         if not wide:
             if gate_k and dp >= 256:
@@ -144,24 +144,36 @@ def _split_refs(refs: tuple, config: _Config) -> tuple:
 
 
 _ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot (TF32×3 splits of wider tiles spill)
+_SCORE_CHUNK = 64  # head-dim columns per q·kᵀ dot of the forward with gate_k (see _scores_and_gates)
 
 
-def _scores_and_gates(q: jax.Array, k: jax.Array, q_ref, k_ref, kg_ref, keys, mask: jax.Array, config: _Config
-                      ) -> tuple[jax.Array, jax.Array]:
+def _chunked_dot(a_ref, b_ref, keys, dp: int, width: int, *, accurate: bool, interpret: bool) -> jax.Array:
+    """a·bᵀ [block_q, block_k] summed over dots of `width` columns read from a_ref [block_q, Dp] and the rows `keys`
+    of b_ref [Lp, Dp]."""
+    width = min(width, dp)
+    return sum(dot(a_ref[:, pl.ds(c, width)], b_ref[keys, pl.ds(c, width)], trans_b=True, accurate=accurate,
+                   interpret=interpret) for c in range(0, dp, width))
+
+
+def _scores_and_gates(q: jax.Array, k: jax.Array, q_ref, k_ref, kg_ref, keys, mask: jax.Array, config: _Config, *,
+                      scores_from_refs: bool = False) -> tuple[jax.Array, jax.Array]:
     """s = q·kᵀ and the gates g (0 where masked), both [block_q, block_k] float32; with gates from k the gate
     logits are s itself. Accurate gate logits wider than _ACCURATE_CHUNK columns are summed over column chunks
-    read from the refs."""
+    read from the refs, and with `scores_from_refs` s beside them over chunks of _SCORE_CHUNK (the forward with
+    gate_k: a whole q tile kept in registers beside the chunks spills at Dp = 256)."""
     gate_ref = k_ref if kg_ref is None else kg_ref
     dp = q.shape[1]
-    if not config.accurate_gates:
-        logits = dot(q, gate_ref[keys, :], trans_b=True)
-    elif dp <= _ACCURATE_CHUNK:
-        logits = dot(q, gate_ref[keys, :], trans_b=True, accurate=True, interpret=config.interpret)
+    chunked = config.accurate_gates and dp > _ACCURATE_CHUNK
+    if chunked:
+        logits = _chunked_dot(q_ref, gate_ref, keys, dp, _ACCURATE_CHUNK, accurate=True, interpret=config.interpret)
     else:
-        logits = sum(dot(q_ref[:, pl.ds(c, _ACCURATE_CHUNK)], gate_ref[keys, pl.ds(c, _ACCURATE_CHUNK)],
-                         trans_b=True, accurate=True, interpret=config.interpret)
-                     for c in range(0, dp, _ACCURATE_CHUNK))
-    s = logits if kg_ref is None else dot(q, k, trans_b=True)
+        logits = dot(q, gate_ref[keys, :], trans_b=True, accurate=config.accurate_gates, interpret=config.interpret)
+    if kg_ref is None:
+        s = logits
+    elif chunked and scores_from_refs:
+        s = _chunked_dot(q_ref, k_ref, keys, dp, _SCORE_CHUNK, accurate=False, interpret=config.interpret)
+    else:
+        s = dot(q, k, trans_b=True)
     return s, jnp.where(mask, jax.nn.sigmoid(config.sm_scale * logits), 0.0)
 
 
@@ -215,7 +227,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
             s = dot(q, k, trans_b=True) + z_ref[:, pl.ds(npos - 1, 1)]
             return _online_softmax(carry, s, mask, v_ref[keys, :], sm_scale)
         *softmax, r = carry
-        s, g = _scores_and_gates(q, k, q_ref, k_ref, kg_ref, keys, mask, config)
+        s, g = _scores_and_gates(q, k, q_ref, k_ref, kg_ref, keys, mask, config, scores_from_refs=True)
         total = jnp.sum(g, axis=1)
         p = jnp.minimum(r[:, None] + total[:, None] - jnp.cumsum(g, axis=1) + g, npos - 1.0)
         _, _, w, z_lo, z_hi = _interpolation(z_ref, p, npos)
