@@ -16,7 +16,7 @@ Works with jax 0.10 only: from 0.11 on, jax's CUDA plugin no longer hands XLA's 
 
 Letters: B batch, L length, N query heads, K key/value heads, D head dim, P = npos (CoPE's table rows).
 Kernels per op: "forward" (inference), "forward_train" (the forward that saves residuals for the gradient, when it
-differs), "dq" and "dkv" (the two backward kernels).
+differs) and "backward" (one fused kernel: dq, dk, dv and the position/gate gradients).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ TRITON_ARCH = "9.0"  # compute capability as XLA's Triton compiler takes it
 LOWERED_FOR = "NVIDIA H100"  # the abstract device jax >= 0.12 reads the GPU generation from
 SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
 # The budgets of issue 12, in spilled bytes per thread (stores and loads each): none in forward kernels.
-SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "dq": 512, "dkv": 512}
+SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "backward": 512}
 PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
 OPS = ("cope", "corope")
 DTYPES = ("float32", "bfloat16")
@@ -114,7 +114,7 @@ class Kernel:
     """One Triton call of a case, lowered for the GPU: the kernel's role, its Triton name and settings, its IR."""
 
     case: Case
-    role: str  # "forward", "forward_train", "dq", "dkv" (or the Triton name when it says none of these)
+    role: str  # "forward", "forward_train", "backward" (or the Triton name when it says none of these)
     name: str
     num_warps: int
     num_stages: int
@@ -170,7 +170,7 @@ class Row:
         """Spills over issue 12's budget for this kernel's role (unknown when ptxas did not finish)."""
         budget = SPILL_BUDGET_BYTES.get(self.kernel)
         if budget is None:
-            return []
+            return [f"no spill budget for a {self.kernel!r} kernel (roles: {', '.join(SPILL_BUDGET_BYTES)})"]
         if self.spill_stores is None or self.spill_loads is None:
             return ["spills unknown: ptxas did not finish"]
         if max(self.spill_stores, self.spill_loads) > budget:
@@ -313,18 +313,16 @@ def _triton_calls(module: Any) -> list[dict[str, Any]]:
 
 
 def _role(name: str, training: bool) -> str:
-    if re.search(r"dk_?dv|dkv", name):
-        return "dkv"
-    if re.search(r"(^|_)dq($|_)", name):
-        return "dq"
-    if "forward" in name or "fwd" in name:
+    if "backward" in name:
+        return "backward"
+    if "forward" in name:
         return "forward_train" if training else "forward"
     return name
 
 
 def lower_kernels(case: Case) -> list[Kernel]:
     """The case's kernels for the GPU: the inference forward, then those of the gradient (forward with residuals,
-    dq, dk/dv), each distinct IR once."""
+    backward), each distinct IR once."""
     fn, args = _attention(case)
     grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=tuple(range(len(args))))
     kernels, seen = [], set()

@@ -44,7 +44,7 @@ def _measured() -> dict[tuple[str, str], cr.Row]:
 TOOLCHAIN = _toolchain()
 MEASURED = _measured()
 needs_toolchain = pytest.mark.skipif(isinstance(TOOLCHAIN, str), reason=f"no GPU compiler here: {TOOLCHAIN}")
-ROLES = ("forward", "forward_train", "dq", "dkv")
+ROLES = ("forward", "forward_train", "backward")
 FAST = cr.default_cases(ops=("cope",), heads=((8, 2),))
 SLOW = [case for case in cr.default_cases() if case not in FAST]
 
@@ -128,7 +128,7 @@ ptxas info    : Used 255 registers, used 1 barriers, 608 bytes cumulative stack 
 
 
 def test_budget_verdicts():
-    kernel = cr.Kernel(cr.Case("cope", "float32", 64, 8, 2, 64), "dq", "cope_backward_dq", 4, 2, (16, 1, 8), b"")
+    kernel = cr.Kernel(cr.Case("cope", "float32", 64, 8, 2, 64), "backward", "cope_backward", 4, 2, (16, 1, 8), b"")
     row = cr._row(kernel, registers=255, spill_stores=1016, spill_loads=1076, smem_bytes=65536, ptx_bytes=1)
     assert row.problems() == ["spills 1016/1076 bytes (store/load) > 512"]
     fits = cr._row(kernel, registers=255, spill_stores=248, spill_loads=264, smem_bytes=cr.SMEM_LIMIT_BYTES)
@@ -136,6 +136,8 @@ def test_budget_verdicts():
     forward = cr._row(dataclasses.replace(kernel, role="forward"), spill_stores=4, spill_loads=4, smem_bytes=240000)
     assert forward.problems() == ["shared memory 240000 > 232448 bytes", "spills 4/4 bytes (store/load) > 0"]
     assert cr._row(kernel, error="boom").problems() == ["failed: boom"]
+    unknown = cr._row(dataclasses.replace(kernel, role="dkv"), spill_stores=0, spill_loads=0, smem_bytes=1)
+    assert unknown.problems() == ["no spill budget for a 'dkv' kernel (roles: forward, forward_train, backward)"]
 
 
 def test_missing_toolchain_says_how_to_install(monkeypatch):
