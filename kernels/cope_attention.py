@@ -88,8 +88,8 @@ class BlockSizes:
         return BlockSizes(*(min(getattr(self, f.name), cap) for f in dataclasses.fields(self)))
 
 
-def _default_warps(head_dim: int, dtype: jnp.dtype) -> int:
-    """4 warps up to Dp = 64, 8 above."""
+def _default_warps(head_dim: int) -> int:
+    """4 warps up to Dp = 64, 8 above (in float32 and bfloat16 alike: the block sizes absorb the dtype)."""
     return 4 if tile_extent(head_dim) <= 64 else 8
 
 
@@ -478,7 +478,7 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype, gate_k=gate_k is not None)
     config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
                      blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
-                     num_warps=num_warps or _default_warps(q.shape[3], q.dtype), num_stages=num_stages,
+                     num_warps=num_warps or _default_warps(q.shape[3]), num_stages=num_stages,
                      window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
                      accurate_gates=q.dtype == jnp.float32)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

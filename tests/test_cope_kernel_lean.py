@@ -112,6 +112,14 @@ def test_positions_on_table_rows(npos: int):
     assert_matches_reference(q, k, v, pos_emb, gk, blocks=blocks, context=f"saturated npos={npos}")
 
 
+def test_rejects_a_table_of_one_row():
+    """npos = 1 has no interpolation (lo = hi = 0 for every position): the entry point refuses it, as the reference
+    does; npos = 2, the smallest table, runs in test_positions_on_table_rows and the odd-length test."""
+    q, k, v, _, _ = inputs(8)
+    with pytest.raises(ValueError, match="npos=1 must be"):
+        cope_attention_pallas(q, k, v, jnp.zeros((1, q.shape[-1])), sm_scale=0.2, interpret=True)
+
+
 @pytest.mark.parametrize("length", [1, 37, 100])
 @pytest.mark.parametrize("npos", [2, 300])
 def test_lengths_that_are_no_multiple_of_a_block(length: int, npos: int):
