@@ -77,7 +77,7 @@ class BlockSizes:
             if gate_k and dp >= 256:
                 return cls(16, 32, 16, 32)
             return cls(64 if dp == 128 and not gate_k else 32, 32, 32, 32)
-        backward = {64: (32, 32), 128: (32, 16)}.get(dp, (16, 16))
+        backward = (32, 32) if dp <= 64 else (32, 16) if dp == 128 else (16, 16)
         if gate_k:
             return cls(16, 32 if dp <= 64 else 16, *backward)
         return cls(32, 32 if dp <= 128 else 16, *backward)
