@@ -73,35 +73,51 @@ class BlockSizes:
     block_d: int | None = None  # rotary pairs per chunk (all kernels)
     block_q_bwd: int | None = None  # backward: query rows per program instance
     block_k_bwd: int | None = None  # backward: keys per step
+    block_h: int | None = None  # forward: query heads of one group per program (they share the trig)
+    block_h_bwd: int | None = None  # backward: the same
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None:
+                continue
+            if field.name.startswith("block_h"):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{field.name}={value!r} must be a positive int (or None)")
+                continue
             least = 1 if field.name == "block_d" else MIN_BLOCK
-            if value is not None and (not isinstance(value, int) or value < least or value & (value - 1)):
+            if not isinstance(value, int) or value < least or value & (value - 1):
                 raise ValueError(f"{field.name}={value!r} must be a power of two >= {least} (or None)")
 
-    def fitted(self, length: int, half: int, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
+    def fitted(self, length: int, half: int, head_dim: int, dtype: jnp.dtype, groups: int) -> BlockSizes:
         """Every size given (defaults filled in for D and dtype), the row and key blocks capped at the next power of
-        two >= length (and >= 16), block_d at the padded half head dim."""
-        default = default_block_sizes(head_dim, dtype)
+        two >= length (and >= 16), block_d at the padded half head dim, the head blocks at the largest divisor of
+        the group size G not above them."""
+        default = default_block_sizes(head_dim, dtype, groups)
         pick = lambda name: getattr(self, name) if getattr(self, name) is not None else getattr(default, name)
         cap = tile_extent(length)
+        heads = lambda name: max(h for h in range(1, min(pick(name), groups) + 1) if groups % h == 0)
         return BlockSizes(block_q=min(pick("block_q"), cap), block_k=min(pick("block_k"), cap),
                           block_d=min(pick("block_d"), half), block_q_bwd=min(pick("block_q_bwd"), cap),
-                          block_k_bwd=min(pick("block_k_bwd"), cap))
+                          block_k_bwd=min(pick("block_k_bwd"), cap), block_h=heads("block_h"),
+                          block_h_bwd=heads("block_h_bwd"))
 
 
-def default_block_sizes(head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-    """The defaults, chosen with the compile report (H100, `default_num_warps`; no spills in any kernel): the
-    forward takes 32 query rows while a row of q is at most 256 bytes (f32 D 64, bf16 D 128), else 16."""
-    block_q = 32 if head_dim * jnp.dtype(dtype).itemsize <= 256 else 16
-    return BlockSizes(block_q=block_q, block_k=32, block_d=4, block_q_bwd=16, block_k_bwd=32)
+def default_block_sizes(head_dim: int, dtype: jnp.dtype, groups: int) -> BlockSizes:
+    """The defaults, chosen with the compile report (H100, 8 warps: no spills in any kernel for D 64-256, float32
+    and bfloat16, GQA 8/2 and MHA): tiles of 32 keys, chunks of 4 rotary pairs; up to 4 heads of a group per
+    forward program and 2 per backward program (their trig shared), 16 query rows per tile — 32 in a forward
+    program of one head while a row of q is at most 512 bytes."""
+    block_h = max(h for h in range(1, 5) if groups % h == 0)
+    block_q = 32 if block_h == 1 and head_dim * jnp.dtype(dtype).itemsize <= 512 else 16
+    return BlockSizes(block_q=block_q, block_k=32, block_d=4, block_q_bwd=16, block_k_bwd=32, block_h=block_h,
+                      block_h_bwd=2)
 
 
 def default_num_warps(head_dim: int) -> int:
-    """Warps per program: 4, or 8 for D > 128 (the [BQ, Dp] accumulators)."""
-    return 4 if head_dim <= 128 else 8
+    """Warps per program (see `default_block_sizes`)."""
+    del head_dim
+    return 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +158,7 @@ def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSi
     each half of D to a power of two >= 16."""
     length, d = q.shape[1], q.shape[3]
     half = tile_extent(d // 2)
-    blocks = block_sizes.fitted(length, half, d, q.dtype)
+    blocks = block_sizes.fitted(length, half, d, q.dtype, q.shape[2] // k.shape[2])
     multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
     return _Config(sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
                    padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
@@ -217,33 +233,39 @@ def _suffix_exclusive(x: jax.Array) -> jax.Array:
     return jnp.sum(x, axis=1, keepdims=True) - jnp.cumsum(x, axis=1)
 
 
-Loader = Callable[[jax.Array], jax.Array]  # the first pair of a chunk -> that chunk of one half, float32
-
-
 class _Tile:
-    """One tile's rotary pieces: loaders of the query rows' and the keys' chunks, ω and Δ [BQ, BK]."""
+    """One tile's rotary pieces: the program's H query heads' rows q_ref [BQ, H, Dp], the keys' rows k_ref at
+    `keys`, ω and Δ [BQ, BK]."""
 
-    def __init__(self, delta: jax.Array, load_q: Loader, load_k: Loader, freq_ref, config: _Config):
-        self.delta, self.load_q, self.load_k, self.freq_ref, self.config = delta, load_q, load_k, freq_ref, config
+    def __init__(self, delta: jax.Array, q_ref, k_ref, keys: pl.Slice, freq_ref, config: _Config):
+        self.delta, self.q_ref, self.k_ref, self.keys, self.freq_ref = delta, q_ref, k_ref, keys, freq_ref
+        self.config, self.heads = config, q_ref.shape[1]
+
+    def queries(self, head: int, lo: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q1, q2) [BQ, 1, BD] of one head for the chunk of pairs from lo, float32."""
+        bd, half = self.config.blocks.block_d, self.config.half
+        load = lambda at: self.q_ref[:, head, pl.ds(at, bd)].astype(jnp.float32)[:, None, :]
+        return load(lo), load(half + lo)
 
     def rotated(self, c: jax.Array) -> tuple[jax.Array, ...]:
-        """Chunk c: (q1, q2) [BQ, 1, BD], ω [BD], cos φ, sin φ, kc, ks [BQ, BK, BD]."""
+        """Chunk c: its first pair lo, ω [BD], cos φ, sin φ, kc, ks [BQ, BK, BD] (shared by the H heads)."""
         bd, half = self.config.blocks.block_d, self.config.half
         lo = pl.multiple_of(c * bd, bd)
         omega = self.freq_ref[pl.ds(lo, bd)]
         sin, cos = _sincos(self.delta[:, :, None] * omega[None, None, :])
-        k1, k2 = self.load_k(lo)[None], self.load_k(half + lo)[None]  # [1, BK, BD]
-        q1, q2 = self.load_q(lo)[:, None, :], self.load_q(half + lo)[:, None, :]
-        return q1, q2, omega, cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
+        load = lambda at: self.k_ref[self.keys, pl.ds(at, bd)].astype(jnp.float32)[None]  # [1, BK, BD]
+        k1, k2 = load(lo), load(half + lo)
+        return lo, omega, cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
 
-    def scores(self) -> jax.Array:
-        """[BQ, BK] sm_scale·Σ_d (q1·kc + q2·ks)."""
+    def scores(self) -> list[jax.Array]:
+        """H scores [BQ, BK] sm_scale·Σ_d (q1·kc + q2·ks)."""
         def chunk(c, acc):
-            q1, q2, _, _, _, kc, ks = self.rotated(c)
-            return acc + jnp.sum(q1 * kc + q2 * ks, axis=2)
+            lo, _, _, _, kc, ks = self.rotated(c)
+            return tuple(a + jnp.sum(q1 * kc + q2 * ks, axis=2)
+                         for a, (q1, q2) in zip(acc, (self.queries(h, lo) for h in range(self.heads))))
 
-        acc = lax.fori_loop(0, self.config.chunks, chunk, jnp.zeros(self.delta.shape, jnp.float32))
-        return self.config.sm_scale * acc
+        zeros = tuple(jnp.zeros(self.delta.shape, jnp.float32) for _ in range(self.heads))
+        return [self.config.sm_scale * a for a in lax.fori_loop(0, self.config.chunks, chunk, zeros)]
 
 
 def _split_refs(refs: tuple, config: _Config) -> tuple:
@@ -262,48 +284,53 @@ def _key_tile(kb: jax.Array, rows: jax.Array, seg_rows: jax.Array | None, seg_k_
 
 
 def _forward_kernel(q_ref, lead_ref, k_ref, v_ref, freq_ref, *refs, config: _Config):
-    """q_ref/lead_ref [BQ, Dp] (the head's rows, its group leader's), k_ref/v_ref [Lp, Dp], freq_ref [Dp/2],
-    seg_q_ref [BQ], seg_k_ref [Lp] (with documents) -> o_ref [BQ, Dp], lse_ref [BQ]."""
+    """q_ref [BQ, H, Dp] (the program's heads' rows), lead_ref [BQ, Dp] (their group leader's), k_ref/v_ref
+    [Lp, Dp], freq_ref [Dp/2], seg_q_ref [BQ], seg_k_ref [Lp] (with documents) -> o_ref [BQ, H, Dp],
+    lse_ref [H, BQ]."""
     seg_q_ref, seg_k_ref, o_ref, lse_ref = _split_refs(refs, config)
-    block_q, block_k, block_d = config.blocks.block_q, config.blocks.block_k, config.blocks.block_d
+    block_q, block_k, heads = config.blocks.block_q, config.blocks.block_k, q_ref.shape[1]
     qb = pl.program_id(0)
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
-    load_q = lambda lo: q_ref[:, pl.ds(lo, block_d)].astype(jnp.float32)
     last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
     def body(step, carry):
-        z_suffix, m, l, acc = carry  # [BQ], [BQ], [BQ], [BQ, Dp]
+        z_suffix, m, l, acc = carry  # [BQ]; H × [BQ]; H × [BQ]; H × [BQ, Dp]
         keys, mask = _key_tile(last_kb - step, rows, seg_rows, seg_k_ref, config, block_k)
         z = _gates(lead_ref, k_ref, keys, mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)  # [BQ, BK]
-        load_k = lambda lo: k_ref[keys, pl.ds(lo, block_d)].astype(jnp.float32)
-        s = jnp.where(mask, _Tile(delta, load_q, load_k, freq_ref, config).scores(), MASK_VALUE)
-        new_m = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - new_m[:, None])
-        correction = jnp.exp(m - new_m)
+        scores = _Tile(delta, q_ref, k_ref, keys, freq_ref, config).scores()
         v = v_ref[keys, :]
-        acc = correction[:, None] * acc + dot(p.astype(v.dtype), v)
-        return z_suffix + jnp.sum(z, axis=1), new_m, correction * l + jnp.sum(p, axis=1), acc
+        new_m, new_l, new_acc = [], [], []
+        for s, m_h, l_h, acc_h in zip(scores, m, l, acc):
+            s = jnp.where(mask, s, MASK_VALUE)
+            new_m.append(jnp.maximum(m_h, jnp.max(s, axis=1)))
+            p = jnp.exp(s - new_m[-1][:, None])
+            correction = jnp.exp(m_h - new_m[-1])
+            new_l.append(correction * l_h + jnp.sum(p, axis=1))
+            new_acc.append(correction[:, None] * acc_h + dot(p.astype(v.dtype), v))
+        return z_suffix + jnp.sum(z, axis=1), new_m, new_l, new_acc
 
     row = jnp.zeros((block_q,), jnp.float32)
-    init = (row, jnp.full((block_q,), -jnp.inf, jnp.float32), row, jnp.zeros(o_ref.shape, jnp.float32))
+    init = (row, [jnp.full((block_q,), -jnp.inf, jnp.float32)] * heads, [row] * heads,
+            [jnp.zeros((block_q, o_ref.shape[2]), jnp.float32)] * heads)
     _, m, l, acc = lax.fori_loop(0, key_steps, body, init)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    for h in range(heads):
+        o_ref[:, h, :] = (acc[h] / l[h][:, None]).astype(o_ref.dtype)
+        lse_ref[h, :] = m[h] + jnp.log(l[h])
 
 
 def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, freq_ref, *refs, config: _Config):
-    """q_ref/lead_ref/do_ref [BQ, Dp] (the head's rows, its group leader's), k_ref/v_ref [Lp, Dp],
-    lse_ref/row_dot_ref [BQ], freq_ref [Dp/2], seg_q_ref [BQ], seg_k_ref [Lp] (with documents), then the
-    accumulators (aliased to the outputs) -> dq_ref [BQ, G, Dp], dk_ref/dv_ref [Lp, Dp] float32, added to."""
+    """q_ref/do_ref [BQ, H, Dp] (the program's heads' rows), lead_ref [BQ, Dp] (their group leader's), k_ref/v_ref
+    [Lp, Dp], lse_ref/row_dot_ref [H, BQ], freq_ref [Dp/2], seg_q_ref [BQ], seg_k_ref [Lp] (with documents), then
+    the accumulators (aliased to the outputs) -> dq_ref [BQ, G, Dp], dk_ref/dv_ref [Lp, Dp] float32, added to."""
     seg_q_ref, seg_k_ref, _, _, _, dq_ref, dk_ref, dv_ref = _split_refs(refs, config)
     block_q, block_k, block_d = config.blocks.block_q_bwd, config.blocks.block_k_bwd, config.blocks.block_d
-    half, sm_scale = config.half, config.sm_scale
-    qb, head = pl.program_id(0), lax.rem(pl.program_id(2), config.groups)  # the head's index in its group
+    half, sm_scale, heads = config.half, config.sm_scale, q_ref.shape[1]
+    qb = pl.program_id(0)
+    first = lax.rem(pl.program_id(2) * heads, config.groups)  # the index of the program's first head in its group
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
-    load_q = lambda lo: q_ref[:, pl.ds(lo, block_d)].astype(jnp.float32)
     last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
     def gate_grads(weight: jax.Array, keys: pl.Slice) -> None:
@@ -324,31 +351,35 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
         keys, mask = _key_tile(last_kb - step, rows, seg_rows, seg_k_ref, config, block_k)
         z = _gates(lead_ref, k_ref, keys, mask, config)
         delta = z_suffix[:, None] + _suffix_exclusive(z)
-        load_k = lambda lo: k_ref[keys, pl.ds(lo, block_d)].astype(jnp.float32)
-        tile = _Tile(delta, load_q, load_k, freq_ref, config)
-        p = jnp.where(mask, jnp.exp(tile.scores() - lse_ref[...][:, None]), 0.0)
+        tile = _Tile(delta, q_ref, k_ref, keys, freq_ref, config)
+        p = [jnp.where(mask, jnp.exp(s - lse_ref[h, :][:, None]), 0.0) for h, s in enumerate(tile.scores())]
 
-        def values(cols, dp):  # dV += Pᵀ·dO; dP = dO·Vᵀ
-            do = do_ref[:, cols]
-            plt.atomic_add(dv_ref, (keys, cols), dot(p.astype(do.dtype), do, trans_a=True))
-            return dp + dot(do, v_ref[keys, cols], trans_b=True)
+        def values(cols, dp):  # dV += Σ_h Pᵀ·dO; dP = dO·Vᵀ per head
+            do = [do_ref[:, h, cols] for h in range(heads)]
+            plt.atomic_add(dv_ref, (keys, cols), sum(dot(p_h.astype(do_h.dtype), do_h, trans_a=True)
+                                                     for p_h, do_h in zip(p, do)))
+            v = v_ref[keys, cols]
+            return tuple(dp_h + dot(do_h, v, trans_b=True) for dp_h, do_h in zip(dp, do))
 
-        dp = _column_chunks(config, values, jnp.zeros(p.shape, jnp.float32))
-        ds = (p * (dp - row_dot_ref[...][:, None]))[:, :, None]
+        dp = _column_chunks(config, values, tuple(jnp.zeros(mask.shape, jnp.float32) for _ in range(heads)))
+        ds = [(p_h * (dp_h - row_dot_ref[h, :][:, None]))[:, :, None] for h, (p_h, dp_h) in enumerate(zip(p, dp))]
 
         def chunk(c, d_delta):  # the rotary backward of chunk c: dq, dk; dΔ accumulated
-            q1, q2, omega, cos, sin, kc, ks = tile.rotated(c)
-            lo = pl.multiple_of(c * block_d, block_d)
-            dsq1, dsq2 = ds * q1, ds * q2  # [BQ, BK, BD]
-            plt.atomic_add(dq_ref, (slice(None), head, pl.ds(lo, block_d)), sm_scale * jnp.sum(ds * kc, axis=1))
-            plt.atomic_add(dq_ref, (slice(None), head, pl.ds(half + lo, block_d)),
-                           sm_scale * jnp.sum(ds * ks, axis=1))
+            lo, omega, cos, sin, kc, ks = tile.rotated(c)
+            dsq1 = dsq2 = jnp.zeros(kc.shape, jnp.float32)  # Σ_h dS^h q1^h, Σ_h dS^h q2^h, [BQ, BK, BD]
+            for h, ds_h in enumerate(ds):
+                q1, q2 = tile.queries(h, lo)
+                dsq1, dsq2 = dsq1 + ds_h * q1, dsq2 + ds_h * q2
+                plt.atomic_add(dq_ref, (slice(None), first + h, pl.ds(lo, block_d)),
+                               sm_scale * jnp.sum(ds_h * kc, axis=1))
+                plt.atomic_add(dq_ref, (slice(None), first + h, pl.ds(half + lo, block_d)),
+                               sm_scale * jnp.sum(ds_h * ks, axis=1))
             plt.atomic_add(dk_ref, (keys, pl.ds(lo, block_d)), sm_scale * jnp.sum(dsq1 * cos - dsq2 * sin, axis=0))
             plt.atomic_add(dk_ref, (keys, pl.ds(half + lo, block_d)),
                            sm_scale * jnp.sum(dsq1 * sin + dsq2 * cos, axis=0))
             return d_delta + jnp.sum((dsq1 * ks - dsq2 * kc) * omega[None, None, :], axis=2)
 
-        d_delta = sm_scale * lax.fori_loop(0, config.chunks, chunk, jnp.zeros(delta.shape, jnp.float32))
+        d_delta = sm_scale * lax.fori_loop(0, config.chunks, chunk, jnp.zeros(mask.shape, jnp.float32))
         suffix = dd_suffix[:, None] + _suffix_exclusive(d_delta) + d_delta  # Σ_{j≥t} dΔ_ij, [BQ, BK]
         gate_grads(-suffix * z * (1.0 - z), keys)  # z' = z(1 − z) is 0 where invisible
         return z_suffix + jnp.sum(z, axis=1), dd_suffix + jnp.sum(d_delta, axis=1)
@@ -377,16 +408,18 @@ def _unpad(x: jax.Array, length: int, head_dim: int) -> jax.Array:
     return jnp.concatenate([x[:, :length, :, : head_dim // 2], x[:, :length, :, half: half + head_dim // 2]], -1)
 
 
-def _specs(config: _Config, block_q: int, dp: int, seg: jax.Array | None) -> dict[str, pl.BlockSpec]:
-    """BlockSpecs over grid (Lp/BQ, B, N): a head's query rows, its leader's, its group's, its k/v head (all rows),
-    its row statistics [B, N, Lp], ω, and (with documents) the ids of its query rows and of all keys."""
+def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | None) -> dict[str, pl.BlockSpec]:
+    """BlockSpecs over grid (Lp/BQ, B, N/H), H = `heads` query heads of one group per program: their query rows,
+    their leader's, their group's, their k/v head (all rows), their row statistics [B, N, Lp], ω, and (with
+    documents) the ids of their query rows and of all keys."""
     g, lp = config.groups, config.padded
+    group = lambda h: lax.div(h * heads, g)
     specs = {
-        "head": pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, h, 0)),
-        "leader": pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, lax.div(h, g) * g, 0)),
-        "group": pl.BlockSpec((None, block_q, g, dp), lambda i, b, h: (b, i, lax.div(h, g), 0)),
-        "kv": pl.BlockSpec((None, lp, None, dp), lambda i, b, h: (b, 0, lax.div(h, g), 0)),
-        "stats": pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+        "heads": pl.BlockSpec((None, block_q, heads, dp), lambda i, b, h: (b, i, h, 0)),
+        "leader": pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, group(h) * g, 0)),
+        "group": pl.BlockSpec((None, block_q, g, dp), lambda i, b, h: (b, i, group(h), 0)),
+        "kv": pl.BlockSpec((None, lp, None, dp), lambda i, b, h: (b, 0, group(h), 0)),
+        "stats": pl.BlockSpec((None, heads, block_q), lambda i, b, h: (b, h, i)),
         "freq": pl.BlockSpec((config.half,), lambda i, b, h: (0,)),
     }
     if seg is not None:
@@ -400,13 +433,13 @@ def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, fre
     """Padded q [B, Lp, N, Dp], k/v [B, Lp, K, Dp], ω [Dp/2], segment ids [B, Lp] or None -> o [B, Lp, N, Dp],
     lse [B, N, Lp] float32."""
     batch, lp, num_heads, dp = q.shape
-    bq = config.blocks.block_q
-    s = _specs(config, bq, dp, seg)
+    bq, bh = config.blocks.block_q, config.blocks.block_h
+    s = _specs(config, bq, bh, dp, seg)
     seg_specs, segs = ([s["seg_rows"], s["seg_all"]], [seg, seg]) if seg is not None else ([], [])
     return pl.pallas_call(
-        functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, num_heads),
-        in_specs=[s["head"], s["leader"], s["kv"], s["kv"], s["freq"], *seg_specs],
-        out_specs=[s["head"], s["stats"]],
+        functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
+        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["freq"], *seg_specs],
+        out_specs=[s["heads"], s["stats"]],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, lp), jnp.float32)],
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_forward",
     )(q, q, k, v, freq, *segs)
@@ -415,14 +448,14 @@ def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, fre
 def _backward_call(config: _Config, q, k, v, do, lse, row_dot, freq, seg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Padded inputs, do [B, Lp, N, Dp], lse/row_dot [B, N, Lp] -> dq [B, Lp, N, Dp], dk, dv [B, Lp, K, Dp], float32."""
     batch, lp, num_heads, dp = q.shape
-    bq = config.blocks.block_q_bwd
-    s = _specs(config, bq, dp, seg)
+    bq, bh = config.blocks.block_q_bwd, config.blocks.block_h_bwd
+    s = _specs(config, bq, bh, dp, seg)
     seg_specs, segs = ([s["seg_rows"], s["seg_all"]], [seg, seg]) if seg is not None else ([], [])
     inputs = [q, q, k, v, do, lse, row_dot, freq, *segs]
     zeros = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
     return pl.pallas_call(
-        functools.partial(_backward_kernel, config=config), grid=(lp // bq, batch, num_heads),
-        in_specs=[s["head"], s["leader"], s["kv"], s["kv"], s["head"], s["stats"], s["stats"], s["freq"], *seg_specs,
+        functools.partial(_backward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
+        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["heads"], s["stats"], s["stats"], s["freq"], *seg_specs,
                   s["group"], s["kv"], s["kv"]],
         out_specs=[s["group"], s["kv"], s["kv"]],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in zeros],

@@ -55,18 +55,29 @@ def test_large_and_uneven_groups(q_heads, kv_heads):
 
 
 def test_default_blocks_rectangular_tiles():
-    """The defaults (D 32 f32: forward 32×32, backward 16×32 tiles) on a length no block divides."""
+    """The defaults (D 32 f32, G 2: forward 16×32 tiles of 2 heads, backward 16×32) on a length no block divides."""
     check(70, 32, 2, 1, BlockSizes())
 
 
-def test_default_block_sizes_by_head_dim_and_dtype():
-    """Forward rows 32 while a row of q is ≤ 256 bytes, else 16; the backward 16 × 32; chunks of 4 pairs."""
-    rows = {(d, t): kernel.default_block_sizes(d, t).block_q for d in (64, 128, 256) for t in (jnp.float32, jnp.bfloat16)}
-    assert rows == {(64, jnp.float32): 32, (128, jnp.float32): 16, (256, jnp.float32): 16,
-                    (64, jnp.bfloat16): 32, (128, jnp.bfloat16): 32, (256, jnp.bfloat16): 16}
-    blocks = kernel.default_block_sizes(128, jnp.float32)
-    assert (blocks.block_k, blocks.block_d, blocks.block_q_bwd, blocks.block_k_bwd) == (32, 4, 16, 32)
-    assert [kernel.default_num_warps(d) for d in (64, 128, 256)] == [4, 4, 8]
+def test_default_block_sizes():
+    """Up to 4 heads per forward program (a divisor of G), 16 rows; 32 rows for one head while a q row is ≤ 512
+    bytes; the backward 16 × 32 tiles, 2 heads; chunks of 4 pairs; 8 warps."""
+    fwd = lambda d, t, g: (kernel.default_block_sizes(d, t, g).block_h, kernel.default_block_sizes(d, t, g).block_q)
+    assert [fwd(64, jnp.float32, g) for g in (1, 2, 3, 4, 5, 6, 8)] == [(1, 32), (2, 16), (3, 16), (4, 16), (1, 32),
+                                                                        (3, 16), (4, 16)]
+    assert fwd(256, jnp.float32, 1) == (1, 16) and fwd(256, jnp.bfloat16, 1) == (1, 32)
+    blocks = kernel.default_block_sizes(128, jnp.float32, 4)
+    assert (blocks.block_k, blocks.block_d, blocks.block_q_bwd, blocks.block_k_bwd, blocks.block_h_bwd) == (32, 4, 16,
+                                                                                                          32, 2)
+    assert kernel.default_num_warps(128) == 8
+    fitted = BlockSizes(block_h=4, block_h_bwd=4).fitted(100, 32, 64, jnp.float32, 6)
+    assert (fitted.block_h, fitted.block_h_bwd) == (3, 3)  # the largest divisor of G = 6 not above 4
+
+
+@pytest.mark.parametrize("block_h, block_h_bwd", [(1, 4), (2, 1), (4, 2)])
+def test_heads_per_program(block_h, block_h_bwd):
+    """Programs of 1, 2 or 4 heads of a group (trig shared) give the same as the reference (G = 4)."""
+    check(35, 16, 8, 2, BlockSizes(block_h=block_h, block_h_bwd=block_h_bwd, **SMALL))
 
 
 def test_kernel_sincos_against_numpy():
