@@ -15,22 +15,27 @@ and i − j < window (optional); invisible gates are 0. Every walk below covers 
 the window, so the work with a window is O(L·window); documents are masked per tile. ω [Dp/2] (θ^(−2d/D) or the
 caller's, zero-padded) is an input of every kernel.
 
-One program per query head (grid (Lp/BQ, B, N): enough programs for MQA and batch 1); the gates come from the
-group's leader query head (read through a second view of q). cos/sin are a kernel-local polynomial `_sincos` (no
-libdevice), computed per head: G× the trig of sharing it across a group, in exchange for one head's accumulators in
-registers whatever G is. The chunks are a `lax.fori_loop` over dynamic ref slices (no Python unrolling).
+One program per H query heads of one group (grid (Lp/BQ, B, N/H); H = block_h, a divisor of G, 4 or fewer by
+default, so MQA and batch 1 still have N/H programs per row block); the gates come from the group's leader query
+head (read through a second view of q), so Δ and cos/sin are shared by the H heads: G/H× the trig of sharing it
+across the whole group, in exchange for only H heads' accumulators in registers whatever G is. cos/sin are a
+kernel-local polynomial `_sincos` (no libdevice). The chunks are a `lax.fori_loop` over dynamic ref slices (no
+Python unrolling), as are the dots over the head dim in DC = 64 wide column slices (gates, dP, the gradients).
 
 Kernels:
-- forward, grid (Lp/BQ, B, N): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
+- forward, grid (Lp/BQ, B, N/H): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
   (one pass, causal early exit), online softmax; writes o and the per-row logsumexp.
-- backward, grid (Lp/BQ, B, N), one kernel for dq, dk and dv: the same reverse walk. Per tile it recomputes the
-  scores (one trig pass), P and dS, then a second trig pass adds sm_scale·Σ_s dS (kc, ks) to dq, the keys' share
-  to dk, and accumulates dΔ_ij = sm_scale·Σ_d ω_d dS (q1 ks − q2 kc); dV += Pᵀ dO. The gate gradient
+- backward, grid (Lp/BQ, B, N/H_bwd), one kernel for dq, dk and dv: the same reverse walk. Per tile it recomputes
+  the scores (one trig pass), P and dS, then a second trig pass adds sm_scale·Σ_s dS (kc, ks) to dq, the keys'
+  share (summed over the H heads) to dk, and accumulates dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc);
+  dV += Σ_h Pᵀ dO. Two trig passes per tile in all (the former dq and dk/dv kernels took two each): the scores
+  must be complete before dS exists, and a tile's cos/sin ([BQ, BK, Dh]) fit neither registers nor shared memory. The gate gradient
   dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it with Suf_it = Σ_{j≥t} dΔ_ij (carried along the walk): the −Suf part is
   added at once (dq^leader −= sm_scale·(Suf·z')·k, dk −= sm_scale·(Suf·z')ᵀ·q^leader); the Tot part, known only
   at the walk's end, by a second gates-only walk over the same key blocks (the gate logits again, two dots per
   tile, no trig). dq, dk, dv are float32 accumulators (zeros in, aliased out) that every program adds to
-  atomically: the heads of a group share dk, dv and the leader's dq.
+  atomically: the heads of a group share dk, dv and the leader's dq (so their float32 sums are not bitwise
+  reproducible from run to run on a GPU).
 Memory: O(L) per head — o, lse and the float32 gradient accumulators; no carries between kernels, no L×L or
 L×L×D array anywhere. Extra work against a two-kernel backward with saved carries: the gates-only walk (per tile
 one accurate [BQ, Dp]×[Dp, BK] gate dot and two gradient dots) and the float32 atomic adds.
@@ -65,7 +70,9 @@ class BlockSizes:
     """Tile sizes; None: the default for the head dim and dtype (`default_block_sizes`). Rows and keys must be powers
     of two ≥ 16 (Triton dots), block_d a power of two ≥ 1; blocks larger than the padded problem shrink.
 
-    A tile's temporaries are [block_q, block_k, block_d] float32, held in registers: keep that product small.
+    A tile's temporaries are [block_q, block_k, block_d] float32, held in registers, and a program carries block_h
+    heads' [block_q, Dp] accumulators: keep those small. block_h, block_h_bwd: positive ints, fitted to a divisor of
+    the group size G.
     """
 
     block_q: int | None = None  # forward: query rows per program instance
