@@ -29,11 +29,11 @@ Kernels:
   the scores (one trig pass), P and dS, then a second trig pass adds sm_scale·Σ_s dS (kc, ks) to dq, the keys'
   share (summed over the H heads) to dk, and accumulates dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc);
   dV += Σ_h Pᵀ dO. Two trig passes per tile in all (the former dq and dk/dv kernels took two each): the scores
-  must be complete before dS exists, and a tile's cos/sin ([BQ, BK, Dh]) fit neither registers nor shared memory. The gate gradient
-  dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it with Suf_it = Σ_{j≥t} dΔ_ij (carried along the walk): the −Suf part is
-  added at once (dq^leader −= sm_scale·(Suf·z')·k, dk −= sm_scale·(Suf·z')ᵀ·q^leader); the Tot part, known only
-  at the walk's end, by a second gates-only walk over the same key blocks (the gate logits again, two dots per
-  tile, no trig). dq, dk, dv are float32 accumulators (zeros in, aliased out) that every program adds to
+  must be complete before dS exists, and a tile's cos/sin ([BQ, BK, Dh]) fit neither registers nor shared memory.
+  The gate gradient dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it with Suf_it = Σ_{j≥t} dΔ_ij (carried along the
+  walk): the −Suf part is added at once (dq^leader −= sm_scale·(Suf·z')·k, dk −= sm_scale·(Suf·z')ᵀ·q^leader);
+  the Tot part, known only at the walk's end, by a second gates-only walk over the same key blocks (the gate
+  logits again, two dots per tile, no trig). dq, dk, dv are float32 accumulators (zeros in, aliased out) that every program adds to
   atomically: the heads of a group share dk, dv and the leader's dq (so their float32 sums are not bitwise
   reproducible from run to run on a GPU).
 Memory: O(L) per head — o, lse and the float32 gradient accumulators; no carries between kernels, no L×L or

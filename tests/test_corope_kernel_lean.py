@@ -21,7 +21,8 @@ SMALL = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 def inputs(length: int, head_dim: int, q_heads: int, kv_heads: int, seed: int = 0) -> tuple[jax.Array, ...]:
     """q [2, L, N, D], k/v [2, L, K, D] and an output cotangent, float32."""
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(kq, (2, length, q_heads, head_dim)), jax.random.normal(kk, (2, length, kv_heads, head_dim)),
+    return (jax.random.normal(kq, (2, length, q_heads, head_dim)),
+            jax.random.normal(kk, (2, length, kv_heads, head_dim)),
             jax.random.normal(kv, (2, length, kv_heads, head_dim)),
             jax.random.normal(kc, (2, length, q_heads, head_dim)))
 
