@@ -533,12 +533,15 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1,
 # ------------------------------------------------------------------------------------------------------ reports
 
 
-def _kernel_sources_sha256() -> str:
-    """A fingerprint of the kernel sources the numbers belong to."""
+KERNEL_SOURCES = ("_common.py", "cope_attention.py", "corope_attention.py")  # what the compiled kernels are made of
+
+
+def kernel_sources_sha256() -> str:
+    """A fingerprint of the Pallas kernel sources the numbers belong to."""
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(cope_attention.__file__).parent.glob("*.py")):
-        if path.name != "compile_report.py":
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    folder = pathlib.Path(cope_attention.__file__).parent
+    for name in KERNEL_SOURCES:
+        digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
     return digest.hexdigest()
 
 
@@ -553,7 +556,7 @@ def report(rows: Sequence[Row], toolchain: Toolchain, *, seconds: float | None =
                      "ptxas": toolchain.ptxas_version},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "kernel_sources_sha256": _kernel_sources_sha256(),
+        "kernel_sources_sha256": kernel_sources_sha256(),
         "settings": settings or {},
         "wall_seconds": None if seconds is None else round(seconds, 1),
         "rows": [dataclasses.asdict(row) for row in rows],
@@ -587,7 +590,7 @@ def markdown(data: dict[str, Any]) -> str:
         + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
         f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
         f"{data['target']['smem_limit_bytes']} bytes). Budget (issue 12): no spills in forward kernels, ≤ 512 bytes "
-        "in backward kernels."
+        "in the backward kernel."
         + _settings_sentence(data),
         "",
         "| op | dtype | D | N/K | npos | L | kernel | warps/stages | registers | spill store/load B | smem B | PTX KiB "
