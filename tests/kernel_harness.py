@@ -1,9 +1,9 @@
 """What the kernel tests share (test_kernels_cope.py, test_kernels_corope.py): an attention's output and gradients
-in one compiled run, the per-dtype tolerance assertion against a reference, and the jaxpr probe that finds arrays of
-size L×L built by a backward pass."""
+in one compiled run, the per-dtype tolerance assertion against a reference, the walk over every equation of a jaxpr,
+and the jaxpr probe that finds arrays of size L×L built by a backward pass."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import chex
 import jax
@@ -42,25 +42,24 @@ def assert_matches(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names
         chex.assert_trees_all_close(x, y, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {context}")
 
 
+def equations(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters (scan/while/cond bodies,
+    custom VJPs, Pallas kernels)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    yield from equations(sub.jaxpr)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    yield from equations(sub)
+
+
 def square_intermediates_of_grad(attention: Callable[..., jax.Array], *args: jax.Array, size: int
                                  ) -> list[tuple[int, ...]]:
     """Shapes of every intermediate of jax.grad(sum(attention(*args))) with respect to every arg (nested jaxprs
     included: scan/while/cond bodies, custom VJPs, kernels) with two axes of `size` or more."""
     grad = jax.grad(lambda *a: jnp.sum(attention(*a)), argnums=tuple(range(len(args))))
-    found = []
-
-    def walk(jaxpr: jex_core.Jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                shape = tuple(getattr(var.aval, "shape", ()))
-                if sum(dim >= size for dim in shape) >= 2:
-                    found.append(shape)
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    if isinstance(sub, jex_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jex_core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(grad)(*args).jaxpr)
-    return found
+    shapes = (tuple(getattr(var.aval, "shape", ())) for eqn in equations(jax.make_jaxpr(grad)(*args).jaxpr)
+              for var in eqn.outvars)
+    return [shape for shape in shapes if sum(dim >= size for dim in shape) >= 2]

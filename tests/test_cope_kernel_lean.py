@@ -12,7 +12,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, outputs_and_grads
+from kernel_harness import assert_matches, equations, outputs_and_grads
 
 import jaxpe
 from jaxpe.kernels.cope_attention import BlockSizes, cope_attention_pallas
@@ -66,16 +66,7 @@ def saturated(q, kg, open_keys: np.ndarray):
 
 def _shapes(jaxpr: jex_core.Jaxpr) -> list[tuple[int, ...]]:
     """The shape of every value read or written in the jaxpr, nested jaxprs (loops, custom VJPs, kernels) included."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        shapes += [tuple(getattr(var.aval, "shape", ())) for var in (*eqn.invars, *eqn.outvars)]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    shapes += _shapes(sub.jaxpr)
-                elif isinstance(sub, jex_core.Jaxpr):
-                    shapes += _shapes(sub)
-    return shapes
+    return [tuple(getattr(var.aval, "shape", ())) for eqn in equations(jaxpr) for var in (*eqn.invars, *eqn.outvars)]
 
 
 @pytest.mark.parametrize("gate_k", [False, True], ids=["gates_from_k", "gate_k"])
@@ -172,21 +163,7 @@ def test_gates_from_k_read_k_once():
 
     def operands(*args) -> list[int]:
         jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(kernel(*a)), argnums=(0, 1)))(*args).jaxpr
-        found = []
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "pallas_call":
-                    found.append(len(eqn.invars))
-                for param in eqn.params.values():
-                    for sub in param if isinstance(param, (tuple, list)) else (param,):
-                        if isinstance(sub, jex_core.ClosedJaxpr):
-                            walk(sub.jaxpr)
-                        elif isinstance(sub, jex_core.Jaxpr):
-                            walk(sub)
-
-        walk(jaxpr)
-        return found
+        return [len(eqn.invars) for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
 
     with_gate_k, from_k = operands(q, k, v, pos_emb, gk), operands(q, k, v, pos_emb)
     assert len(with_gate_k) == len(from_k) == 2  # forward, backward

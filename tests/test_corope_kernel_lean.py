@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, outputs_and_grads
+from kernel_harness import assert_matches, equations, outputs_and_grads
 
 import jaxpe
 from jaxpe.kernels import corope_attention as kernel
@@ -93,23 +93,9 @@ def test_kernel_sincos_against_numpy():
 
 def large_intermediates(fn, args: tuple[jax.Array, ...], size: int) -> list[tuple[int, ...]]:
     """Shapes of every value of fn's jaxpr (nested jaxprs and kernels included) with `size` elements or more."""
-    found = []
-
-    def walk(jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                shape = tuple(getattr(var.aval, "shape", ()))
-                if int(np.prod(shape, dtype=np.int64)) >= size:
-                    found.append(shape)
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    shapes = (tuple(getattr(var.aval, "shape", ())) for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr)
+              for var in eqn.outvars)
+    return [shape for shape in shapes if int(np.prod(shape, dtype=np.int64)) >= size]
 
 
 def test_memory_is_linear_in_length():
