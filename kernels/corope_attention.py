@@ -19,7 +19,7 @@ One program per H query heads of one group (grid (Lp/BQ, B, N/H); H = block_h, a
 default, so MQA and batch 1 still have N/H programs per row block); the gates come from the group's leader query
 head (read through a second view of q), so Δ and cos/sin are shared by the H heads: G/H× the trig of sharing it
 across the whole group, in exchange for only H heads' accumulators in registers whatever G is. cos/sin are a
-kernel-local polynomial `_sincos` (no libdevice). The chunks are a `lax.fori_loop` over dynamic ref slices (no
+polynomial `_common.sincos` (no libdevice). The chunks are a `lax.fori_loop` over dynamic ref slices (no
 Python unrolling), as are the dots over the head dim in DC = 64 wide column slices (gates, dP, the gradients).
 
 Kernels:
@@ -61,7 +61,7 @@ from jax.experimental.pallas import triton as plt
 from jaxpe.kernels._checks import (check_corope_inputs, check_kernel_dtype, check_pallas_settings, check_segment_ids,
                                    check_window)
 from jaxpe.kernels._common import (MASK_VALUE, MIN_BLOCK, check_head_dim, dot, resolve_interpret, rotary_frequencies,
-                                   tile_extent, triton_compiler_params)
+                                   sincos, tile_extent, triton_compiler_params)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq, effective_window
 
 
@@ -173,30 +173,6 @@ def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSi
                    window=effective_window(window, length), segmented=segmented)
 
 
-# sincos as kernels/_common.sincos (Cody–Waite reduction by π/2, Cephes float32 polynomials on [−π/4, π/4], error
-# ≤ 2e-7 for |x| ≤ 32768), the quadrant by floor(x·2/π + 1/2): Triton has no round-half-even.
-_TWO_OVER_PI = 0.63661977236758134308
-_PIO2 = (1.5703125, 4.837512969970703125e-4, 7.54978995489188216e-8)
-_SIN_COEFFS = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)
-_COS_COEFFS = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)
-
-
-def _sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sin x, cos x) of a float32 array: multiply-adds and selects only (no libdevice)."""
-    k = jnp.floor(x * _TWO_OVER_PI + 0.5)
-    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
-    r2 = r * r
-    p1, p2, p3 = _SIN_COEFFS
-    c1, c2, c3 = _COS_COEFFS
-    sin_r = r + r * r2 * (p1 + r2 * (p2 + r2 * p3))
-    cos_r = 1.0 - 0.5 * r2 + r2 * r2 * (c1 + r2 * (c2 + r2 * c3))
-    n = k.astype(jnp.int32)
-    odd = (n & 1) == 1  # quadrants 1 and 3 swap sin and cos
-    sin_x = jnp.where(odd, cos_r, sin_r)
-    cos_x = jnp.where(odd, sin_r, cos_r)
-    return jnp.where((n & 2) == 2, -sin_x, sin_x), jnp.where(((n + 1) & 2) == 2, -cos_x, cos_x)
-
-
 def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
              config: _Config) -> jax.Array:
     """Mask [BQ, BK]: causal, inside the window, same document (seg_rows [BQ], seg_cols [BK], or None)."""
@@ -259,7 +235,7 @@ class _Tile:
         bd, half = self.config.blocks.block_d, self.config.half
         lo = pl.multiple_of(c * bd, bd)
         omega = self.freq_ref[pl.ds(lo, bd)]
-        sin, cos = _sincos(self.delta[:, :, None] * omega[None, None, :])
+        sin, cos = sincos(self.delta[:, :, None] * omega[None, None, :])
         load = lambda at: self.k_ref[self.keys, pl.ds(at, bd)].astype(jnp.float32)[None]  # [1, BK, BD]
         k1, k2 = load(lo), load(half + lo)
         return lo, omega, cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin

@@ -1,5 +1,5 @@
 """The lean Co-RoPE Pallas kernels (issue 12): any chunk width of rotary pairs, head dims that are no multiple of it,
-odd lengths, large groups, the kernel-local sincos, and O(L) memory (no array of L²/32 elements or more in the
+odd lengths, large groups, the kernels' sincos, and O(L) memory (no array of L²/32 elements or more in the
 forward and backward at L = 4096). Interpret mode, against the dense reference and NumPy."""
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ def test_heads_per_program(block_h, block_h_bwd):
 
 
 def test_kernel_sincos_against_numpy():
-    """The kernel-local sincos within 1e-6 of float64 NumPy over Co-RoPE's angles Δ·ω ∈ [0, 32768], and negative."""
+    """The kernels' sincos within 1e-6 of float64 NumPy over Co-RoPE's angles Δ·ω ∈ [0, 32768], and negative."""
     x = np.concatenate([np.linspace(0.0, 32768.0, 400_001), -np.linspace(0.0, 100.0, 10_001),
                         (np.arange(1, 20_000) * np.pi / 2)]).astype(np.float32)
-    sin, cos = jax.jit(kernel._sincos)(jnp.asarray(x))
+    sin, cos = jax.jit(kernel.sincos)(jnp.asarray(x))
     exact = x.astype(np.float64)
     assert np.max(np.abs(np.asarray(sin, np.float64) - np.sin(exact))) < 1e-6
     assert np.max(np.abs(np.asarray(cos, np.float64) - np.cos(exact))) < 1e-6
