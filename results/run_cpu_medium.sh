@@ -2,7 +2,7 @@
 # Reproduces results/cpu_medium/: the paper's counting comparison (Table 3: 3 and 5 variables) at the cpu-medium
 # preset — programs of up to 64 statements in 128-token blocks, 10k training / 1k evaluation programs per split —
 # for CoPE, relative, learned, RoPE, no positions and Co-RoPE, 3 seeds: 36 runs, the two variable counts side by side
-# with one XLA thread each (about 2 minutes a run on this 2-core machine, so about 40 minutes in all).
+# with one XLA thread each (53 minutes in all on this 2-core machine).
 # Usage: bash results/run_cpu_medium.sh [counting_3var|counting_5var ...]   (resumes; PES=... SEEDS=... narrow it)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,3 +16,6 @@ echo; echo "**Counting** (answer error %, programs of 3–16 statements in 64-to
 $PY -m jaxpe.train.report $R/counting_1var $R/counting_3var $R/counting_5var --splits test,len_x2 --labels "1 var,3 vars,5 vars"
 echo; echo "**Language modelling** (bits per byte, standard-library Python bytes, trained at 64, evaluated at 64/128/256):"; echo
 $PY -m jaxpe.train.report $R/lm --labels lm
+M=results/cpu_medium
+echo; echo "**Counting at cpu-medium** (answer error %, programs of 3–64 statements in 128-token blocks, 10k training programs, 1000 steps; len_x2: 65–128 statements at 256):"; echo
+$PY -m jaxpe.train.report $M/counting_3var $M/counting_5var --splits test,len_x2 --labels "3 vars,5 vars"
