@@ -148,6 +148,8 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
     events = read_events(tmp_path / "tb")
     restart = [i for i, e in enumerate(events) if e.session_log.status == event_pb2.SessionLog.START]
     assert [events[i].step for i in restart] == [3]  # TensorBoard hides the first run's steps >= 3
+    before = [(e.step, v.simple_value) for e in events[:restart[0]] for v in e.summary.value if v.tag == "train/loss"]
+    assert before == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]  # the first run's file survives the resume
     after = [(e.step, v.simple_value) for e in events[restart[0]:] for v in e.summary.value if v.tag == "train/loss"]
     assert after == [(3, 30.0)]
     assert jax.process_index() == 0

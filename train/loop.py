@@ -58,7 +58,7 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = None
         if enabled and tensorboard:
-            self.writer = _tensorboard_writer(workdir / "tb", purge_step=resume_step + 1)
+            self.writer = _tensorboard_writer(workdir / "tb", purge_step=resume_step + 1 if resume_step else None)
 
     @staticmethod
     def _step(line: str) -> float:
@@ -85,15 +85,20 @@ class MetricsLog:
             self.writer.close()
 
 
-def _tensorboard_writer(logdir: pathlib.Path, *, purge_step: int) -> Any:
-    """A tensorboardX SummaryWriter, or None (with a note) when tensorboardX is not installed."""
+def _tensorboard_writer(logdir: pathlib.Path, *, purge_step: int | None) -> Any:
+    """A tensorboardX SummaryWriter, or None (with a note) when tensorboardX is not installed.
+
+    Its event file name ends in the time in nanoseconds: tensorboardX names files by the second and opens them for
+    writing, so a resume within the same second would otherwise overwrite the run it resumes; TensorBoard reads files
+    in name order, so the resumed run's file (and its purge) still comes after.
+    """
     try:
         from tensorboardX import SummaryWriter  # an optional extra (jaxpe[tensorboard]): absent is fine
     except ImportError:
         log.info("tensorboardX is not installed: no TensorBoard event files (pip install 'jaxpe[tensorboard]'); "
                  "metrics.jsonl has every metric")
         return None
-    return SummaryWriter(str(logdir), purge_step=purge_step)
+    return SummaryWriter(str(logdir), purge_step=purge_step, filename_suffix=f".{time.time_ns():020d}")
 
 
 def progress_bar(run: RunConfig, start: int, *, enabled: bool) -> Any:
