@@ -4,10 +4,12 @@ Config (issue 13): the official counting generator's jsonl (3 variables, program
 tokens), 2 layers, width 128, 4 heads, block 128, batch 32, post-norm, tied embeddings, dropout 0.1; CoPE, absolute
 (learned) and relative positions. Both sides pad a batch to its longest sequence (jaxpe rounds it up to a multiple
 of 16, as `run.pad_to="multiple"` does). The official side (facebookresearch/RAM, projects/cope) runs as it is, in
-its own PyTorch interpreter, through benchmarks/official_counting_step.py. Each side runs at its default thread
-count and at one thread (torch.set_num_threads(1); XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1" for jaxpe, in a subprocess each), and the faster median of each side counts: on 2 busy
-cores both run several times slower with 2 threads. Sides alternate in rounds so that a change of load hits both. Without PyTorch or a RAM checkout only jaxpe runs, saying why.
+its own PyTorch interpreter, through benchmarks/official_counting_step.py. The official side runs at its default
+thread count and at one thread (torch.set_num_threads(1)); jaxpe runs as its entry points do (a CPU device per core,
+the batch split over them: jaxpe.train.distributed.split_host_cpu), on one device, and on one device with one thread
+(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"), each in a fresh subprocess; the
+fastest median of each side counts: on 2 busy cores both can run several times slower with 2 threads. Sides alternate
+in rounds so that a change of load hits both. Without PyTorch or a RAM checkout only jaxpe runs, saying why.
 
     python benchmarks/train_step.py --torch-python /tmp/torchvenv/bin/python --ram /path/to/RAM
     python benchmarks/train_step.py --quick          # fewer steps
@@ -82,7 +84,10 @@ class JaxpeSide:
         import numpy as np
         from jaxpe.train.tasks import make_task
 
+        from jaxpe.train import distributed
+
         self.jax = jax
+        self.mesh = distributed.make_mesh(0, divides=(BATCH,))
         task = make_task("counting", nvars=NVARS, data_dir=str(data_dir), seq_len=BLOCK)
         self.vocab_size = task.vocab_size
         self.batches, self.lengths = [], []
@@ -91,13 +96,14 @@ class JaxpeSide:
             used = batch["weights"] > 0
             longest = int((BLOCK - np.argmax(used[:, ::-1], axis=1))[used.any(axis=1)].max())
             length = min(BLOCK, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
-            self.batches.append(jax.device_put({k: v[:, :length] for k, v in batch.items()}))
+            self.batches.append(distributed.put_batch({k: v[:, :length] for k, v in batch.items()}, self.mesh))
             self.lengths.append(length)
         self.states, self.steps = {}, {}
 
     def build(self, name: str) -> None:
         import flax.linen as nn
         import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
         from jaxpe.model import ModelConfig, TransformerLM
         from jaxpe.train.config import OptimConfig
         from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
@@ -111,8 +117,9 @@ class JaxpeSide:
             return model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": key})
 
         params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, BLOCK), jnp.int32))["params"])
-        self.states[name] = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
-                                       rng=jax.random.PRNGKey(1))
+        state = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                           rng=jax.random.PRNGKey(1))
+        self.states[name] = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
         self.steps[name] = jax.jit(make_train_step(weighted_loss(logits_train), tx), donate_argnums=0)
         for length in sorted(set(self.lengths)):  # compile every length before timing
             batch = self.batches[self.lengths.index(length)]
@@ -129,14 +136,17 @@ class JaxpeSide:
         return times
 
 
-ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+ONE_DEVICE_XLA = "--xla_force_host_platform_device_count=1"
+# jaxpe's ways to run, the entry points' first: XLA_FLAGS added to the environment's (None: split_host_cpu's)
+JAXPE_MODES = {"device_per_core": None, "one_device": ONE_DEVICE_XLA,
+               "one_device_one_thread": f"{ONE_DEVICE_XLA} {ONE_THREAD_XLA}"}
 
 
-def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, threads: int) -> dict:
-    """jaxpe's step times in a fresh process (XLA reads its thread settings once, at start)."""
+def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, mode: str) -> dict:
+    """jaxpe's step times in a fresh process (XLA reads its device and thread settings once, at start)."""
     env = dict(os.environ)
-    if threads == 1:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + ONE_THREAD_XLA).strip()
+    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), JAXPE_MODES[mode]) if f)
     out = subprocess.run([sys.executable, __file__, "--worker", str(data_dir), "--pe", name, "--first", str(first),
                           "--steps", str(steps)], capture_output=True, text=True, env=env)
     if out.returncode:
@@ -145,10 +155,13 @@ def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, threads
 
 
 def worker(data_dir: str, name: str, first: int, steps: int) -> None:
+    from jaxpe.train import distributed
+
+    distributed.split_host_cpu()  # as the entry points do (a no-op when XLA_FLAGS sets a device count)
     side = JaxpeSide(pathlib.Path(data_dir), first + steps)
     side.build(name)
     times = side.time(name, range(first, first + steps))
-    print(json.dumps({"times": times, "lengths": side.lengths[first:first + steps]}))
+    print(json.dumps({"times": times, "lengths": side.lengths[first:first + steps], "devices": side.mesh.size}))
 
 
 def run_official(python: str, ram: pathlib.Path, data_dir: pathlib.Path, pos_emb: str, steps: int,
@@ -194,18 +207,20 @@ def main() -> None:
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="train-step-"))
     data_dir, data_note = official_data(ram, python, workdir)
-    ours = {(name, threads): [] for name in names for threads in (0, 1)}
+    ours = {(name, mode): [] for name in names for mode in JAXPE_MODES}
+    our_devices = {}
     theirs = {(name, threads): [] for name in names for threads in (0, 1)}
     our_lengths = {name: [] for name in names}
     their_lengths = {name: [] for name in names}
     torch_version, default_threads = None, None
     for r in range(args.rounds):
         for name in names:
-            for threads in (0, 1):
-                result = run_jaxpe(data_dir, name, r * args.steps, args.steps, threads)
-                ours[name, threads] += result["times"]
+            for mode in JAXPE_MODES:
+                result = run_jaxpe(data_dir, name, r * args.steps, args.steps, mode)
+                ours[name, mode] += result["times"]
                 our_lengths[name] += result["lengths"]
-                print(f"round {r} {name} jaxpe threads={threads or 'default'}: "
+                our_devices[mode] = result["devices"]
+                print(f"round {r} {name} jaxpe {mode} ({result['devices']} devices): "
                       f"{statistics.median(result['times']):.3f} s", flush=True)
             if why_not:
                 continue
@@ -225,10 +240,9 @@ def main() -> None:
     rows = {}
     print(f"{'':10s} {'jaxpe s/step':>13s} {'official s/step':>16s} {'ratio':>7s}")
     for name in names:
-        mine = {threads: statistics.median(ours[name, threads]) for threads in (0, 1)}
+        mine = {mode: statistics.median(ours[name, mode]) for mode in JAXPE_MODES}
         fast = min(mine, key=mine.get)
-        row = {"jaxpe_s": mine[fast], "jaxpe_threads": "default" if fast == 0 else 1,
-               "jaxpe_s_default_threads": mine[0], "jaxpe_s_one_thread": mine[1],
+        row = {"jaxpe_s": mine[fast], "jaxpe_mode": fast, **{f"jaxpe_s_{mode}": t for mode, t in mine.items()},
                "jaxpe_length_median": statistics.median(our_lengths[name])}
         if not why_not:
             by_threads = {threads: statistics.median(theirs[name, threads]) for threads in (0, 1)}
@@ -256,7 +270,8 @@ def main() -> None:
         "config": {"model": MODEL, "block": BLOCK, "batch": BATCH, "nvars": NVARS, "max_steps": MAX_STEPS,
                    "pad": f"longest of the batch (jaxpe: rounded up to a multiple of {PAD_MULTIPLE})",
                    "encodings": {name: ENCODINGS[name] for name in names}, "steps": args.steps,
-                   "rounds": args.rounds, "data": data_note, "xla_one_thread": ONE_THREAD_XLA, "official": None if why_not else ram_note},
+                   "rounds": args.rounds, "data": data_note, "jaxpe_modes": {mode: flags or f"split_host_cpu: {our_devices.get(mode)} devices"
+                                   for mode, flags in JAXPE_MODES.items()}, "official": None if why_not else ram_note},
         "official_missing": why_not,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "results": rows,

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-cope,relative,learned,rope,none,corope}
 SEEDS=${SEEDS:-0,1,2}
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" JAXPE_CPU_DEVICES=1  # a core each
 mkdir -p runs/cpu_medium
 for name in "${@:-counting_3var counting_5var}"; do
   for one in $name; do

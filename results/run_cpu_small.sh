@@ -30,7 +30,7 @@ declare -A SETTINGS=(
 ORDER=(lm counting_5var counting_3var counting_1var selective_copy flipflop flipflop_1500steps flipflop_cope_npos8
        flipflop_cope_npos16)
 if [ "$JOBS" -gt 1 ]; then
-  export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" JAXPE_CPU_DEVICES=1  # a core each
 fi
 mkdir -p runs/cpu_small
 run_setting() {

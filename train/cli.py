@@ -119,6 +119,7 @@ def _start(args: argparse.Namespace) -> None:
     INFO chatter stays off); the jaxpe loggers pass INFO."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
+    distributed.split_host_cpu()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 

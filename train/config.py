@@ -89,7 +89,7 @@ class RunConfig:
     # past L. The same loss and metrics (only counting has padding to cut); dropout masks are drawn for the shape
     pad_to: str = "multiple"
     pad_multiple: int = 16  # bucket step of pad_to="multiple", the shortest bucket of "pow2"
-    num_devices: int = 0  # devices in the data-parallel mesh; 0 = all
+    num_devices: int = 0  # devices in the data-parallel mesh; 0 = all (on one CPU: the most that divide the batches)
     fsdp: bool = False  # shard params and optimizer state over the "data" axis instead of replicating
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,11 +132,42 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"${name}={text!r} must be an integer") from None
 
 
-def make_mesh(num_devices: int = 0) -> Mesh:
-    """A 1-D ("data",) mesh over the first `num_devices` devices (0 = all, of every process)."""
+CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+MAX_CPU_DEVICES = 8  # beyond this a shard per core gets too small to keep a core busy
+
+
+def split_host_cpu() -> int | None:
+    """Present the host CPU as one device per core, so that data parallelism runs a batch shard on each core.
+
+    XLA's CPU backend runs a small model's ops one after another on a pool that stays half idle; a shard per core
+    keeps every core busy: on 2 cores a counting training step takes ~0.8× the time (benchmarks/train_step.py).
+    Call before JAX starts its backends (XLA reads $XLA_FLAGS once); the entry points do. Puts
+    --xla_force_host_platform_device_count=N to $XLA_FLAGS, N = $JAXPE_CPU_DEVICES, else the cores this process may
+    use (at most MAX_CPU_DEVICES), in front; leaves $XLA_FLAGS alone when it already sets a count. CPU devices go unused where
+    an accelerator is the default backend. Returns the N added, or None.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_DEVICES_FLAG in flags:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = _env_int("JAXPE_CPU_DEVICES", min(cores, MAX_CPU_DEVICES))
+    if count < 1:
+        raise ValueError(f"$JAXPE_CPU_DEVICES={count} must be >= 1")
+    os.environ["XLA_FLAGS"] = f"{CPU_DEVICES_FLAG}={count} {flags}".strip()  # first: XLA stops at a word without --
+    return count
+
+
+def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = ()) -> Mesh:
+    """A 1-D ("data",) mesh over the first `num_devices` devices (0 = all, of every process).
+
+    With 0 on a single-process CPU, the most devices that split every size in `divides` (the batch sizes) evenly:
+    the host's per-core devices (`split_host_cpu`) need not divide a user's batch.
+    """
     devices = jax.devices()
     if num_devices == 0:
         num_devices = len(devices)
+        if devices[0].platform == "cpu" and jax.process_count() == 1:
+            num_devices = max(n for n in range(1, num_devices + 1) if all(size % n == 0 for size in divides))
     if not 1 <= num_devices <= len(devices):
         raise ValueError(f"{num_devices=} must be in [1, {len(devices)}] (the devices present)")
     if num_devices != len(devices) and jax.process_count() > 1:

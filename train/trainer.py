@@ -79,7 +79,9 @@ class Trainer:
             log.warning("run.pad_to=%s: the encoding's positions depend on the padded length (dynamic NTK "
                         "scaling), so every batch is padded to the full block", self.pad_to)
             self.pad_to = "block"
-        self.mesh = distributed.make_mesh(config.run.num_devices)
+        batch_sizes = (config.optim.batch_size, config.optim.batch_size // config.optim.grad_accum,
+                       config.run.eval_batch_size)
+        self.mesh = distributed.make_mesh(config.run.num_devices, divides=batch_sizes)
         distributed.check_batch_size(config.optim.batch_size, self.mesh)
         distributed.check_batch_size(config.optim.batch_size // config.optim.grad_accum, self.mesh,
                                      "optim.batch_size / optim.grad_accum")
