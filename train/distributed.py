@@ -140,11 +140,12 @@ def split_host_cpu() -> int | None:
     """Present the host CPU as one device per core, so that data parallelism runs a batch shard on each core.
 
     XLA's CPU backend runs a small model's ops one after another on a pool that stays half idle; a shard per core
-    keeps every core busy: on 2 cores a counting training step takes ~0.8× the time (benchmarks/train_step.py).
+    keeps every core busy: on 2 cores a counting training step takes ~0.85× the time (benchmarks/train_step.py).
     Call before JAX starts its backends (XLA reads $XLA_FLAGS once); the entry points do. Puts
-    --xla_force_host_platform_device_count=N to $XLA_FLAGS, N = $JAXPE_CPU_DEVICES, else the cores this process may
-    use (at most MAX_CPU_DEVICES), in front; leaves $XLA_FLAGS alone when it already sets a count. CPU devices go unused where
-    an accelerator is the default backend. Returns the N added, or None.
+    --xla_force_host_platform_device_count=N first in $XLA_FLAGS (XLA stops reading at a word without "--"),
+    N = $JAXPE_CPU_DEVICES, else the cores this process may use, at most MAX_CPU_DEVICES; leaves $XLA_FLAGS alone
+    when it already sets a count. Where an accelerator is the default backend the CPU devices go unused. Returns
+    the N put there, or None.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     if CPU_DEVICES_FLAG in flags:
@@ -153,7 +154,7 @@ def split_host_cpu() -> int | None:
     count = _env_int("JAXPE_CPU_DEVICES", min(cores, MAX_CPU_DEVICES))
     if count < 1:
         raise ValueError(f"$JAXPE_CPU_DEVICES={count} must be >= 1")
-    os.environ["XLA_FLAGS"] = f"{CPU_DEVICES_FLAG}={count} {flags}".strip()  # first: XLA stops at a word without --
+    os.environ["XLA_FLAGS"] = f"{CPU_DEVICES_FLAG}={count} {flags}".strip()
     return count
 
 
