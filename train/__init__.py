@@ -22,7 +22,7 @@ from jaxpe.train.config import (
     load_preset,
     preset_names,
 )
-from jaxpe.train.distributed import initialize, make_mesh
+from jaxpe.train.distributed import initialize, make_mesh, split_host_cpu
 from jaxpe.train.evaluate import METRICS, compute_metrics, metrics_from_sums
 from jaxpe.train.tasks import TASK_NAMES, make_task
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
@@ -35,5 +35,5 @@ __all__ = [
     "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "build_model", "build_task",
     "compare_encodings", "compute_metrics", "evaluate_checkpoint", "format_config", "initialize", "load_config",
     "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step", "metrics_from_sums", "preset_names",
-    "restore_run", "train_and_evaluate", "weighted_loss",
+    "restore_run", "split_host_cpu", "train_and_evaluate", "weighted_loss",
 ]
