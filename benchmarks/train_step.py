@@ -103,8 +103,8 @@ class JaxpeSide:
     def build(self, name: str) -> None:
         import flax.linen as nn
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec
         from jaxpe.model import ModelConfig, TransformerLM
+        from jaxpe.train import distributed
         from jaxpe.train.config import OptimConfig
         from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 
@@ -119,7 +119,7 @@ class JaxpeSide:
         params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, BLOCK), jnp.int32))["params"])
         state = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                            rng=jax.random.PRNGKey(1))
-        self.states[name] = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+        self.states[name] = jax.device_put(state, distributed.replicated(self.mesh))
         self.steps[name] = jax.jit(make_train_step(weighted_loss(logits_train), tx), donate_argnums=0)
         for length in sorted(set(self.lengths)):  # compile every length before timing
             batch = self.batches[self.lengths.index(length)]
@@ -138,7 +138,7 @@ class JaxpeSide:
 
 ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 ONE_DEVICE_XLA = "--xla_force_host_platform_device_count=1"
-# jaxpe's ways to run, the entry points' first: XLA_FLAGS added to the environment's (None: split_host_cpu's)
+# jaxpe's ways to run, the entry points' first: XLA_FLAGS put before the environment's (None: split_host_cpu's)
 JAXPE_MODES = {"device_per_core": None, "one_device": ONE_DEVICE_XLA,
                "one_device_one_thread": f"{ONE_DEVICE_XLA} {ONE_THREAD_XLA}"}
 
@@ -146,7 +146,8 @@ JAXPE_MODES = {"device_per_core": None, "one_device": ONE_DEVICE_XLA,
 def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, mode: str) -> dict:
     """jaxpe's step times in a fresh process (XLA reads its device and thread settings once, at start)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), JAXPE_MODES[mode]) if f)
+    # the mode's flags first: XLA stops reading at a word without "--"
+    env["XLA_FLAGS"] = " ".join(f for f in (JAXPE_MODES[mode], env.get("XLA_FLAGS", "")) if f)
     out = subprocess.run([sys.executable, __file__, "--worker", str(data_dir), "--pe", name, "--first", str(first),
                           "--steps", str(steps)], capture_output=True, text=True, env=env)
     if out.returncode:
@@ -270,8 +271,10 @@ def main() -> None:
         "config": {"model": MODEL, "block": BLOCK, "batch": BATCH, "nvars": NVARS, "max_steps": MAX_STEPS,
                    "pad": f"longest of the batch (jaxpe: rounded up to a multiple of {PAD_MULTIPLE})",
                    "encodings": {name: ENCODINGS[name] for name in names}, "steps": args.steps,
-                   "rounds": args.rounds, "data": data_note, "jaxpe_modes": {mode: flags or f"split_host_cpu: {our_devices.get(mode)} devices"
-                                   for mode, flags in JAXPE_MODES.items()}, "official": None if why_not else ram_note},
+                   "rounds": args.rounds, "data": data_note,
+                   "jaxpe_modes": {mode: flags or f"split_host_cpu: {our_devices.get(mode)} devices"
+                                   for mode, flags in JAXPE_MODES.items()},
+                   "official": None if why_not else ram_note},
         "official_missing": why_not,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "results": rows,

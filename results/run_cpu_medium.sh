@@ -2,7 +2,7 @@
 # Reproduces results/cpu_medium/: the paper's counting comparison (Table 3: 3 and 5 variables) at the cpu-medium
 # preset — programs of up to 64 statements in 128-token blocks, 10k training / 1k evaluation programs per split —
 # for CoPE, relative, learned, RoPE, no positions and Co-RoPE, 3 seeds: 36 runs, the two variable counts side by side
-# with one XLA thread each (53 minutes in all on this 2-core machine).
+# with one XLA thread and one device each (53 minutes in all on this 2-core machine).
 # Usage: bash results/run_cpu_medium.sh [counting_3var|counting_5var ...]   (resumes; PES=... SEEDS=... narrow it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,15 +10,14 @@ PES=${PES:-cope,relative,learned,rope,none,corope}
 SEEDS=${SEEDS:-0,1,2}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" JAXPE_CPU_DEVICES=1  # a core each
 mkdir -p runs/cpu_medium
-for name in "${@:-counting_3var counting_5var}"; do
-  for one in $name; do
-    nvars=${one#counting_}; nvars=${nvars%var}
-    case $nvars in ''|*[!0-9]*) echo "unknown setting $one (counting_<N>var)"; exit 2;; esac
-    ( ${COMPARE:-.venv/bin/jaxpe-compare} --preset cpu-medium --pe "$PES" --seeds "$SEEDS" \
-        --workdir "runs/cpu_medium/$one" task.nvars="$nvars" run.progress=false > "runs/cpu_medium/$one.log" 2>&1 &&
-      mkdir -p "results/cpu_medium/$one" && cp "runs/cpu_medium/$one"/compare.{json,md,png} "results/cpu_medium/$one/" &&
-      echo "$one done ($SECONDS s)" ) &
-  done
+DEFAULT=(counting_3var counting_5var)
+for one in "${@:-${DEFAULT[@]}}"; do
+  nvars=${one#counting_}; nvars=${nvars%var}
+  case $nvars in ''|*[!0-9]*) echo "unknown setting $one (counting_<N>var)"; exit 2;; esac
+  ( ${COMPARE:-.venv/bin/jaxpe-compare} --preset cpu-medium --pe "$PES" --seeds "$SEEDS" \
+      --workdir "runs/cpu_medium/$one" task.nvars="$nvars" run.progress=false > "runs/cpu_medium/$one.log" 2>&1 &&
+    mkdir -p "results/cpu_medium/$one" && cp "runs/cpu_medium/$one"/compare.{json,md,png} "results/cpu_medium/$one/" &&
+    echo "$one done ($SECONDS s)" ) &
 done
 status=0
 for job in $(jobs -p); do wait "$job" || status=1; done
