@@ -70,7 +70,7 @@ class Attention(nn.Module):
             k, v, ctx = self._with_cache(k, v, ctx)
         elif q_pos is None:
             q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-            ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=q_pos)
+            ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=q_pos, indexed=True)
         core = self.pe.core(head_dim=self.head_dim, max_len=self.max_len, impl=self.impl).clone(parent=self, name="pe")
         out = core(q, k, v, ctx)  # [B, Lq, Hq, D]
         out = nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,

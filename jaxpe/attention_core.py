@@ -30,6 +30,8 @@ class AttentionContext:
     decode: bool = dataclasses.field(default=False, metadata=dict(static=True))  # keys come from the KV cache
     cache_index: jax.Array | None = None  # int32 scalar: where this call's keys go in the cache; None: q_pos[0, 0]
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
+    # True when q_pos and k_pos are known to be 0..L−1 in every row (no caller positions, documents or cache)
+    indexed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         if self.k_pos is None and self.q_pos is not None:

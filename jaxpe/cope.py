@@ -29,11 +29,10 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
-from jaxpe.kernels._common import interpolate
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
-from jaxpe.relative import gather_table_rows, relative_logits
+from jaxpe.relative import gather_table_row_pairs, relative_logits
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                     visibility_mask)
@@ -116,9 +115,14 @@ def reverse_cumsum_keys(gates: jax.Array) -> jax.Array:
 
 def interpolate_table_rows(z: jax.Array, positions: jax.Array) -> jax.Array:
     """z [B, Lq, Hq, P] (query i's logit for each table row), positions [B, Hq, Lq, Lk] in [0, P − 1] -> float32
-    [B, Hq, Lq, Lk], position p of query i in head h read as `interpolate` of z[b, i, h] (gradient through w and z;
-    both reads are `gather_table_rows`)."""
-    return interpolate(lambda index: gather_table_rows(z, index), positions, z.shape[-1]).value
+    [B, Hq, Lq, Lk], position p of query i in head h read as `interpolate` of z[b, i, h] does (gradient through w
+    and z), in the form z[lo] + w·(z[hi] − z[lo]) so that one gather reads both terms (`gather_table_row_pairs`);
+    at w = 0 the step to a non-finite next row adds nothing."""
+    lo = jax.lax.stop_gradient(jnp.floor(positions))
+    w = positions - lo
+    step = jnp.concatenate([z[..., 1:], z[..., -1:]], axis=-1) - z  # z[min(k + 1, P − 1)] − z[k]
+    at_lo, step_at_lo = gather_table_row_pairs(z, step, lo.astype(jnp.int32))
+    return at_lo + w * jnp.where((w > 0.0) | jnp.isfinite(step_at_lo), step_at_lo, 0.0)
 
 
 def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array, *,

@@ -6,6 +6,7 @@ B batch, Lq/Lk query/key length, H heads, D head dim.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,18 @@ from jaxpe.softmax_attention import attend
 from jaxpe.validation import check_npos
 
 
+def _flat_row_index(z_shape: tuple[int, ...], index: jax.Array) -> jax.Array:
+    """int32 [B, H·Lq·Lk]: where z[b, i, h, index[b, h, i, j]] sits in batch row b of z [B, Lq, H, P] read flat."""
+    b, lq, h, size = z_shape
+    start = (jnp.arange(lq, dtype=jnp.int32)[None, None, :, None] * h
+             + jnp.arange(h, dtype=jnp.int32)[None, :, None, None]) * size  # [1, H, Lq, 1]: where z[b, i, h] starts
+    return (start + index).reshape(b, -1)
+
+
+def _fits_int32(z_shape: tuple[int, ...]) -> bool:
+    return z_shape[1] * z_shape[2] * z_shape[3] < 2**31
+
+
 def gather_table_rows(z: jax.Array, index: jax.Array) -> jax.Array:
     """z [B, Lq, H, P] (query i's logit for each table row in head h), index int32 [B, H, Lq, Lk] in [0, P) ->
     [B, H, Lq, Lk], z[b, i, h, index[b, h, i, j]].
@@ -28,13 +41,42 @@ def gather_table_rows(z: jax.Array, index: jax.Array) -> jax.Array:
     (an index into all of z would make every device gather all of it). Rows of more than 2³¹ entries gather by
     take_along_axis.
     """
-    b, lq, h, size = z.shape
-    if lq * h * size >= 2**31:  # int32 flat indices
+    if not _fits_int32(z.shape):  # int32 flat indices
         return jnp.take_along_axis(jnp.transpose(z, (0, 2, 1, 3)), index, axis=-1)
-    start = (jnp.arange(lq, dtype=jnp.int32)[None, None, :, None] * h
-             + jnp.arange(h, dtype=jnp.int32)[None, :, None, None]) * size  # [1, H, Lq, 1]: where z[b, i, h] starts
-    flat = (start + index).reshape(b, -1)
-    return jnp.take_along_axis(z.reshape(b, -1), flat, axis=1, mode="clip").reshape(index.shape)
+    flat = _flat_row_index(z.shape, index)
+    return jnp.take_along_axis(z.reshape(z.shape[0], -1), flat, axis=1, mode="clip").reshape(index.shape)
+
+
+def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`gather_table_rows` of two tables at the same index, (z[..index..], y[..index..]) float32, in one gather and
+    a one scatter-add backward: the pair travels as one complex64 (real z, imaginary y), so the per-entry cost of
+    XLA's CPU gather and scatter, which does not depend on the entry's width, is paid once instead of twice."""
+    if not _fits_int32(z.shape):
+        return gather_table_rows(z, index), gather_table_rows(y, index)
+    at_z, at_y = _gather_pairs(z.astype(jnp.float32), y.astype(jnp.float32), _flat_row_index(z.shape, index))
+    return at_z.reshape(index.shape), at_y.reshape(index.shape)
+
+
+@jax.custom_vjp
+def _gather_pairs(z: jax.Array, y: jax.Array, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """z, y float32 [B, ...], flat int32 [B, N] -> (z, y) read at flat in each batch row's flat slice, [B, N] each."""
+    pairs = jax.lax.complex(z, y).reshape(z.shape[0], -1)
+    got = jnp.take_along_axis(pairs, flat, axis=1, mode="clip")
+    return jnp.real(got), jnp.imag(got)
+
+
+def _gather_pairs_fwd(z: jax.Array, y: jax.Array, flat: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+    return _gather_pairs(z, y, flat), (flat, z.shape)
+
+
+def _gather_pairs_bwd(res: tuple, cotangents: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, None]:
+    flat, shape = res
+    updates = jax.lax.complex(*cotangents)  # [B, N]
+    summed = jax.vmap(lambda u, i: jnp.zeros(math.prod(shape[1:]), jnp.complex64).at[i].add(u, mode="clip"))(updates, flat)
+    return jnp.real(summed).reshape(shape), jnp.imag(summed).reshape(shape), None
+
+
+_gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
 
 
 def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax.Array | int) -> jax.Array:
@@ -48,6 +90,24 @@ def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax
     return gather_table_rows(z, jnp.broadcast_to(rel[:, None], (b, h) + rel.shape[1:]).astype(jnp.int32))
 
 
+def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
+    """q [B, L, H, D], table [npos, D] -> [B, H, L, L] float32, `relative_logits` with queries and keys at 0..L − 1
+    (q_i·r[clip(i − j, 0, npos − 1)]) without a gather: Music Transformer's skew (Huang et al., 2018).
+
+    x[b, h, i, c] = q_i·r[clip(L − c, 0, npos − 1)] for c = 0..L, [B, H, L, L + 1]; read flat, row i's entries
+    start i·(L + 1) apart, so the L·L window starting at L puts x[i, j + L − i] (distance i − j) at (i, j) for j ≤ i.
+    Past the diagonal it reads the next row, so those entries are set to distance 0 as `relative_logits` gives.
+    Forward and backward are a matmul, slices, pads and reshapes (on CPU several times cheaper than a gather of
+    every entry and its scatter-add).
+    """
+    b, length, h, _ = q.shape
+    distance = jnp.clip(length - jnp.arange(length + 1), 0, table.shape[0] - 1)  # [L + 1]
+    x = jnp.einsum("bqhd,cd->bhqc", q, table[distance].astype(q.dtype), preferred_element_type=jnp.float32)
+    skewed = x.reshape(b, h, length * (length + 1))[..., length:length + length * length].reshape(b, h, length, length)
+    causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [L, L]
+    return jnp.where(causal, skewed, x[..., length:])  # x[..., L] is distance 0
+
+
 class RelativeCore(nn.Module):
     """Causal softmax attention with learned relative position logits; param "rel_table" [npos, D]."""
 
@@ -58,7 +118,10 @@ class RelativeCore(nn.Module):
         table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                            (self.npos, q.shape[-1]))
         sm_scale = q.shape[-1] ** -0.5
-        bias = sm_scale * relative_logits(q, table, ctx.q_pos, ctx.k_pos)
+        if ctx.indexed and q.shape[1] == k.shape[1]:
+            bias = sm_scale * relative_logits_indexed(q, table)
+        else:
+            bias = sm_scale * relative_logits(q, table, ctx.q_pos, ctx.k_pos)
         return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
                       window=ctx.window)
 

@@ -6,6 +6,7 @@ Shapes: B batch, L length, Hq query heads, Hkv key/value heads, D head dim.
 from __future__ import annotations
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -18,7 +19,7 @@ import numpy_reference as ref
 from jaxpe import cope as jaxpe_cope
 from jaxpe import corope as jaxpe_corope
 from jaxpe.learned import LearnedPE
-from jaxpe.relative import relative_logits
+from jaxpe.relative import relative_logits, relative_logits_indexed
 from jaxpe.sinusoidal import SinusoidalPE
 
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -218,6 +219,46 @@ def test_relative_logits_decode_positions():
     visible = np.arange(6)[None, :] <= q_pos[0][:, None]  # the future key 5 of query 4 is masked anyway
     np.testing.assert_allclose(got[..., visible], ref.relative_logits(f64(q), f64(table), q_pos, 6)[..., visible],
                                **TOL)
+
+
+@pytest.mark.parametrize("length, npos", [(1, 3), (6, 2), (6, 6), (6, 7), (9, 20), (33, 1)])
+def test_relative_logits_indexed_against_numpy(length, npos):
+    """The skewed (gather-free) relative logits: the NumPy restatement on and below the diagonal, distance 0
+    (q_i·r[0], as `relative_logits` gives) above it; gradients equal those of the gathering version."""
+    rng = np.random.default_rng(length + npos)
+    q, table = normal(rng, 2, length, 3, 4), normal(rng, npos, 4)
+    q_pos = np.broadcast_to(np.arange(length), (2, length))
+    got = np.asarray(jax.jit(relative_logits_indexed)(jnp.asarray(q), jnp.asarray(table)))
+    want = ref.relative_logits(f64(q), f64(table), q_pos, length)
+    causal = np.tril(np.ones((length, length), bool))
+    np.testing.assert_allclose(got[..., causal], want[..., causal], **TOL)
+    above = np.einsum("bqhd,d->bhq", f64(q), f64(table)[0])[..., None] * np.ones(length)
+    np.testing.assert_allclose(got[..., ~causal], above[..., ~causal], **TOL)
+    weights = jnp.asarray(normal(rng, 2, 3, length, length))
+    loss = lambda fn: lambda q, t: jnp.sum(weights * fn(q, t))  # noqa: E731
+    gathered = jax.grad(loss(lambda q, t: relative_logits(q, t, jnp.asarray(q_pos), length)), (0, 1))
+    skewed = jax.grad(loss(relative_logits_indexed), (0, 1))
+    for a, b in zip(skewed(jnp.asarray(q), jnp.asarray(table)), gathered(jnp.asarray(q), jnp.asarray(table))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_relative_attention_reads_no_pairwise_gather_by_default():
+    """A relative-position layer without caller positions or documents takes the skewed path (no gather of
+    [B, H, L, L] entries) and gives the output that the same layer with explicit positions 0..L−1 (the gather)
+    gives."""
+    attn = jaxpe.Attention(num_heads=2, num_kv_heads=2, head_dim=4, pe=jaxpe.pe_config("relative", npos=5),
+                           max_len=7)
+    x = jnp.asarray(normal(np.random.default_rng(9), 2, 7, 8))
+    params = randomized(attn.init(jax.random.PRNGKey(0), x)["params"], np.random.default_rng(10))
+
+    def largest_gather(**kw) -> int:
+        jaxpr = str(jax.make_jaxpr(lambda p: attn.apply({"params": p}, x, **kw))(params))
+        return max([math.prod(map(int, shape.split(","))) for shape in re.findall(r"f32\[([\d,]+)\] = gather", jaxpr)],
+                   default=0)
+
+    assert largest_gather() < 2 * 2 * 7 * 7 <= largest_gather(positions=jnp.arange(7))
+    explicit = attn.apply({"params": params}, x, positions=jnp.arange(7))
+    np.testing.assert_allclose(attn.apply({"params": params}, x), explicit, **TOL)
 
 
 @pytest.mark.parametrize("name", ["none", "rope", "alibi", "relative"])

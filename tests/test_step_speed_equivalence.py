@@ -3,6 +3,7 @@
 - CoPE's interpolation from flat gathers (`interpolate_table_rows`) == take_along_axis reads, values and
   gradients;
 - the gate suffix sums as a triangular matmul (`reverse_cumsum_keys`) == the associative scan;
+- two tables read by one complex gather (`gather_table_row_pairs`) == two gathers, values and gradients;
 - relative position logits from a flat gather == take_along_axis;
 - dropout masks from a counter hash (`jaxpe.dropout`) are Bernoulli(1 − rate): rate, independence of neighbours,
   of calls and of keys, and flax's scaling.
@@ -17,7 +18,7 @@ import pytest
 from jaxpe.cope import interpolate_table_rows, reverse_cumsum_keys
 from jaxpe.dropout import Dropout, dropout, keep_mask
 from jaxpe.kernels._common import interpolate
-from jaxpe.relative import relative_logits
+from jaxpe.relative import gather_table_row_pairs, gather_table_rows, relative_logits
 from jaxpe.softmax_attention import reverse_cumsum
 
 
@@ -49,6 +50,23 @@ def test_interpolate_table_rows_ignores_a_non_finite_next_row_at_integer_positio
     got = interpolate_table_rows(z, jnp.array([1.0, 0.5, 1.5]).reshape(1, 1, 1, 3))
     np.testing.assert_array_equal(got[..., :2], [[[[2.0, 1.5]]]])
     assert np.isnan(got[..., 2]).all()
+
+
+@pytest.mark.parametrize("b,lq,h,lk,size", [(2, 5, 3, 7, 9), (1, 1, 1, 1, 1), (3, 4, 2, 9, 6)])
+def test_gather_table_row_pairs_equals_two_gathers_with_gradients(key, b, lq, h, lk, size):
+    """One complex gather of (z, y) == two real gathers, values and gradients (a repeated index sums)."""
+    kz, ky, ki, kc, kd = jax.random.split(key, 5)
+    z, y = jax.random.normal(kz, (b, lq, h, size)), jax.random.normal(ky, (b, lq, h, size))
+    index = jax.random.randint(ki, (b, h, lq, lk), 0, size)
+    cts = jax.random.normal(kc, index.shape), jax.random.normal(kd, index.shape)
+    pairs = lambda z, y: gather_table_row_pairs(z, y, index)  # noqa: E731
+    twice = lambda z, y: (gather_table_rows(z, index), gather_table_rows(y, index))  # noqa: E731
+    for got, want in zip(pairs(z, y), twice(z, y)):
+        np.testing.assert_array_equal(got, want)
+    # by hand: entry (0, 0, 0, 0) reads row index[0, 0, 0, 0] of query 0, head 0
+    assert pairs(z, y)[1][0, 0, 0, 0] == y[0, 0, 0, index[0, 0, 0, 0]]
+    for got, want in zip(jax.vjp(pairs, z, y)[1](cts), jax.vjp(twice, z, y)[1](cts)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("length", [1, 7, 80, 300])
