@@ -32,10 +32,10 @@ from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
-from jaxpe.relative import gather_table_row_pairs, relative_logits
+from jaxpe.relative import gather_table_row_pairs, relative_logits, relative_logits_indexed
 from jaxpe.sharding import partitioned
-from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
-                                    visibility_mask)
+from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
+                                    qk_logits, reverse_cumsum, visibility_mask)
 from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_padding_mask, check_positive,
                               check_qkv, check_segment_ids, check_window)
 
@@ -165,6 +165,23 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     return masked_softmax_attention(sm_scale * logits, v, mask).astype(q.dtype)
 
 
+def cope_attention_causal(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float,
+                          gate_k: jax.Array | None = None, mask: jax.Array | None = None,
+                          extra_logits: jax.Array | None = None, soft_onehot_temp: float | None = None,
+                          talking_heads: jax.Array | None = None) -> jax.Array:
+    """`cope_attention_reference` for self-attention (Lq == Lk = L) under a causal mask (None, or [B|1, L, L] that
+    hides every j > i), run by `causal_query_blocks`: block [s, e) against keys [0, e), whose gates are all that its
+    positions sum. The same result with a third fewer [B, H, L, L] entries in every dense pass (longer sequences)."""
+    outputs = []
+    for start, end in causal_query_blocks(q.shape[1]):
+        outputs.append(cope_attention_reference(
+            q[:, start:end], k[:, :end], v[:, :end], pos_emb, sm_scale=sm_scale,
+            gate_k=None if gate_k is None else gate_k[:, :end], mask=None if mask is None else mask[:, start:end, :end],
+            extra_logits=None if extra_logits is None else extra_logits[:, :, start:end, :end],
+            soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads))
+    return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=1)
+
+
 def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | None = None,
                    causal: bool = True, gate_k: jax.Array | None = None, segment_ids: jax.Array | None = None,
                    window: int | None = None, soft_onehot_temp: float | None = None,
@@ -201,8 +218,8 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
         mask = None
         if segment_ids is not None or window is not None:
             mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
-        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask,
-                                        soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
+        return cope_attention_causal(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask,
+                                     soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
     if impl == "blockwise":
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
                                         window=window)
@@ -256,10 +273,11 @@ class CoPECore(nn.Module):
         if self.add_relative:
             table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                                (self.npos, d))
-            extra = relative_logits(q, table, ctx.q_pos, ctx.k_pos)
-        return cope_attention_reference(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k,
-                                        mask=ctx.dense_mask(q.shape[1], k.shape[1]), extra_logits=extra,
-                                        soft_onehot_temp=temp, talking_heads=talking)
+            extra = (relative_logits_indexed(q, table) if ctx.indexed
+                     else relative_logits(q, table, ctx.q_pos, ctx.k_pos))
+        dense = cope_attention_reference if ctx.mask is not None else cope_attention_causal  # a mask: decoding
+        return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.dense_mask(q.shape[1], k.shape[1]),
+                     extra_logits=extra, soft_onehot_temp=temp, talking_heads=talking)
 
 
 @register("cope")

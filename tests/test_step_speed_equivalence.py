@@ -3,6 +3,8 @@
 - CoPE's interpolation from flat gathers (`interpolate_table_rows`) == take_along_axis reads, values and
   gradients;
 - the gate suffix sums as a triangular matmul (`reverse_cumsum_keys`) == the associative scan;
+- CoPE by causal query blocks (`cope_attention_causal`) == one block (`cope_attention_reference`), with documents,
+  windows, separate gate keys, x-transformers' variants and cope+rel logits, values and gradients, and NumPy;
 - two tables read by one complex gather (`gather_table_row_pairs`) == two gathers, values and gradients;
 - relative position logits from a flat gather == take_along_axis;
 - dropout masks from a counter hash (`jaxpe.dropout`) are Bernoulli(1 − rate): rate, independence of neighbours,
@@ -15,11 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpe.cope import interpolate_table_rows, reverse_cumsum_keys
+import numpy_reference as ref
+from jaxpe.cope import (cope_attention, cope_attention_causal, cope_attention_reference, interpolate_table_rows,
+                        reverse_cumsum_keys)
 from jaxpe.dropout import Dropout, dropout, keep_mask
 from jaxpe.kernels._common import interpolate
 from jaxpe.relative import gather_table_row_pairs, gather_table_rows, relative_logits
-from jaxpe.softmax_attention import reverse_cumsum
+from jaxpe.softmax_attention import causal_query_blocks, reverse_cumsum, visibility_mask
 
 
 def _positions(key, shape, size):
@@ -50,6 +54,56 @@ def test_interpolate_table_rows_ignores_a_non_finite_next_row_at_integer_positio
     got = interpolate_table_rows(z, jnp.array([1.0, 0.5, 1.5]).reshape(1, 1, 1, 3))
     np.testing.assert_array_equal(got[..., :2], [[[[2.0, 1.5]]]])
     assert np.isnan(got[..., 2]).all()
+
+
+@pytest.mark.parametrize("length", [1, 47, 48, 61, 97])
+def test_causal_query_blocks_tile_the_queries(length):
+    blocks = causal_query_blocks(length)
+    assert blocks[0][0] == 0 and blocks[-1][1] == length
+    assert all(end == start for (_, end), (start, _) in zip(blocks[:-1], blocks[1:]))
+    assert len(blocks) == (1 if length < 48 else 3)
+
+
+@pytest.mark.parametrize("length, case", [(48, "plain"), (61, "documents"), (97, "variants"), (50, "relative")])
+def test_cope_query_blocks_equal_one_block(key, length, case):
+    """Query blocks give the one-block result: values and all gradients, under documents and windows, with
+    separate gate keys, talking heads with the soft one-hot readout, and cope+rel logits."""
+    kq, kk, kv, ke, kg, kx, kc, kt = jax.random.split(key, 8)
+    q = 2.0 * jax.random.normal(kq, (2, length, 4, 8))  # spread the gates so positions are fractional
+    k, v = jax.random.normal(kk, (2, length, 2, 8)), jax.random.normal(kv, (2, length, 2, 8))
+    pos_emb = jax.random.normal(ke, (40, 8))  # fewer rows than keys: positions clamp
+    gate_k = jax.random.normal(kg, k.shape) if case == "documents" else None
+    ids = jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(-(-length // 4), 1)[:, :length])
+    mask = visibility_mask(length, length, segment_ids=ids, window=30) if case == "documents" else None
+    extra = jax.random.normal(kx, (2, 4, length, length)) if case == "relative" else None
+    kw = dict(soft_onehot_temp=0.3, talking_heads=jnp.eye(4) + 0.1 * jax.random.normal(kt, (4, 4))) if (
+        case == "variants") else {}
+    ct = jax.random.normal(kc, q.shape)
+
+    def run(fn):
+        @jax.jit
+        def with_grads(*args):
+            out, pullback = jax.vjp(lambda *a: fn(*a[:4], sm_scale=0.4, gate_k=a[4], mask=mask, extra_logits=extra,
+                                                    **kw), *args)
+            return out, pullback(ct)
+
+        return with_grads(q, k, v, pos_emb, gate_k)
+
+    (out, grads), (want, want_grads) = run(cope_attention_causal), run(cope_attention_reference)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    for got, expected in zip(grads, want_grads):
+        if expected is not None:
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cope_attention_by_query_blocks_matches_numpy(key):
+    kq, kk, kv, ke = jax.random.split(key, 4)
+    q = 2.0 * jax.random.normal(kq, (1, 49, 2, 4))
+    k, v, pos_emb = jax.random.normal(kk, (1, 49, 2, 4)), jax.random.normal(kv, (1, 49, 2, 4)), jax.random.normal(
+        ke, (50, 4))
+    out = jax.jit(cope_attention, static_argnames="impl")(q, k, v, pos_emb, impl="reference")
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    np.testing.assert_allclose(out, ref.cope_attention(f64(q), f64(k), f64(v), f64(pos_emb)), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("b,lq,h,lk,size", [(2, 5, 3, 7, 9), (1, 1, 1, 1, 1), (3, 4, 2, 9, 6)])
