@@ -86,12 +86,18 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | N
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
-    logits = sm_scale * qk_logits(q, k if gate_k is None else gate_k)  # [B, Hq, Lq, Lk]
+    return _positions_from_logits(sm_scale * qk_logits(q, k if gate_k is None else gate_k), mask, npos=npos,
+                                  talking_heads=talking_heads)
+
+
+def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int,
+                           talking_heads: jax.Array | None) -> jax.Array:
+    """`cope_positions` from the scaled gate logits [B, Hq, Lq, Lk] and mask [B|1, Lq, Lk]."""
     if talking_heads is not None:
         logits = jnp.einsum("hg,bgqk->bhqk", talking_heads.astype(jnp.float32), jnp.where(mask[:, None], logits, 0.0))
     gates = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hq, Lq, Lk]
     positions = reverse_cumsum_keys(gates)
-    if k.shape[1] < npos - 1:  # gates are <= 1, so p <= Lk < npos − 1: the clamp never binds (skip its passes)
+    if logits.shape[-1] < npos - 1:  # gates are <= 1, so p <= Lk < npos − 1: the clamp never binds (skip its passes)
         return positions
     return jnp.minimum(positions, npos - 1)
 
@@ -155,11 +161,18 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     """
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
-    positions = cope_positions(q, k, npos=pos_emb.shape[-2], sm_scale=sm_scale, gate_k=gate_k, mask=mask,
-                               talking_heads=talking_heads)
+    check_qkv(q, k, v)
+    if gate_k is not None:
+        check_qkv(q, gate_k, gate_k)
+    check_npos(pos_emb.shape[-2])
+    check_talking_heads(talking_heads, q.shape[2])
+    content = qk_logits(q, k)  # one q·k for the gates (when they read k) and the logits: one backward through it
+    gate_logits = content if gate_k is None else qk_logits(q, gate_k)
+    positions = _positions_from_logits(sm_scale * gate_logits, mask, npos=pos_emb.shape[-2],
+                                       talking_heads=talking_heads)
     if soft_onehot_temp is None:  # gates are <= 1, so p <= Lk: rows past Lk + 1 are never read (the readout is)
         pos_emb = pos_emb[..., :min(pos_emb.shape[-2], k.shape[1] + 2), :]
-    logits = qk_logits(q, k) + cope_position_logits(q, pos_emb, positions, soft_onehot_temp=soft_onehot_temp)
+    logits = content + cope_position_logits(q, pos_emb, positions, soft_onehot_temp=soft_onehot_temp)
     if extra_logits is not None:
         logits = logits + extra_logits
     return masked_softmax_attention(sm_scale * logits, v, mask).astype(q.dtype)
