@@ -208,7 +208,9 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     padding are meaningless); window: each query sees itself and the window − 1 keys before it (blocks outside are
     skipped by "blockwise" and "pallas"). soft_onehot_temp (> 0) and talking_heads [Hq, Hq]: x-transformers' variants, dense
     only (the reference path).
-    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
+    impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel)
+    or "auto" (dense ones run by causal query blocks, `cope_attention_causal`: the same result up to float rounding,
+    which can move a position across an integer and so pick the other one-sided slope of the interpolation).
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
@@ -226,13 +228,14 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    dense = cope_attention_reference if impl == "reference" else cope_attention_causal  # "auto": by query blocks
     impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3])
     if impl == "reference":
         mask = None
         if segment_ids is not None or window is not None:
             mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
-        return cope_attention_causal(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask,
-                                     soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
+        return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask, soft_onehot_temp=soft_onehot_temp,
+                     talking_heads=talking_heads)
     if impl == "blockwise":
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
                                         window=window)
@@ -288,7 +291,8 @@ class CoPECore(nn.Module):
                                (self.npos, d))
             extra = (relative_logits_indexed(q, table) if ctx.indexed
                      else relative_logits(q, table, ctx.q_pos, ctx.k_pos))
-        dense = cope_attention_reference if ctx.mask is not None else cope_attention_causal  # a mask: decoding
+        by_blocks = ctx.mask is None and self.impl != "reference"  # a mask: decoding
+        dense = cope_attention_causal if by_blocks else cope_attention_reference
         return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.dense_mask(q.shape[1], k.shape[1]),
                      extra_logits=extra, soft_onehot_temp=temp, talking_heads=talking)
 

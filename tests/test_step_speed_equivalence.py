@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import numpy_reference as ref
 from jaxpe.cope import (cope_attention, cope_attention_causal, cope_attention_reference, interpolate_table_rows,
                         reverse_cumsum_keys)
 from jaxpe.dropout import Dropout, dropout, keep_mask
+from kernel_harness import square_intermediates_of_grad
 from jaxpe.kernels._common import interpolate
 from jaxpe.relative import gather_table_row_pairs, gather_table_rows, relative_logits
 from jaxpe.softmax_attention import causal_query_blocks, reverse_cumsum, visibility_mask
@@ -101,9 +104,22 @@ def test_cope_attention_by_query_blocks_matches_numpy(key):
     q = 2.0 * jax.random.normal(kq, (1, 49, 2, 4))
     k, v, pos_emb = jax.random.normal(kk, (1, 49, 2, 4)), jax.random.normal(kv, (1, 49, 2, 4)), jax.random.normal(
         ke, (50, 4))
-    out = jax.jit(cope_attention, static_argnames="impl")(q, k, v, pos_emb, impl="reference")
+    out = jax.jit(functools.partial(cope_attention_causal, sm_scale=0.5))(q, k, v, pos_emb)
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     np.testing.assert_allclose(out, ref.cope_attention(f64(q), f64(k), f64(v), f64(pos_emb)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="impl='auto' picks the dense path on CPU only")
+def test_auto_runs_query_blocks_and_reference_one_block():
+    """On CPU impl="auto" takes the query blocks (no [B, H, L, L] intermediate in the gradient's jaxpr at L = 48;
+    the suffix sums' [L, L] triangle is no score), the explicit "reference" the one-block ground truth (which has
+    them)."""
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 48, 2, 4))
+    pos_emb = jnp.zeros((49, 4))
+    scores = lambda impl: [shape for shape in square_intermediates_of_grad(  # noqa: E731
+        functools.partial(cope_attention, impl=impl), q, q, q, pos_emb, size=48) if len(shape) == 4]
+    squares = {impl: scores(impl) for impl in ("auto", "reference")}
+    assert squares["auto"] == [] and squares["reference"]
 
 
 @pytest.mark.parametrize("b,lq,h,lk,size", [(2, 5, 3, 7, 9), (1, 1, 1, 1, 1), (3, 4, 2, 9, 6)])
