@@ -6,6 +6,7 @@ B batch, Lq/Lk query/key length, H heads, D head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -53,27 +54,29 @@ def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tupl
     XLA's CPU gather and scatter, which does not depend on the entry's width, is paid once instead of twice."""
     if not _fits_int32(z.shape):
         return gather_table_rows(z, index), gather_table_rows(y, index)
-    at_z, at_y = _gather_pairs(z.astype(jnp.float32), y.astype(jnp.float32), _flat_row_index(z.shape, index))
+    rows = lambda t: t.astype(jnp.float32).reshape(t.shape[0], -1)  # noqa: E731  [B, Lq·H·P]
+    at_z, at_y = _gather_pairs(rows(z), rows(y), _flat_row_index(z.shape, index), math.prod(z.shape[1:]))
     return at_z.reshape(index.shape), at_y.reshape(index.shape)
 
 
-@jax.custom_vjp
-def _gather_pairs(z: jax.Array, y: jax.Array, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """z, y float32 [B, ...], flat int32 [B, N] -> (z, y) read at flat in each batch row's flat slice, [B, N] each."""
-    pairs = jax.lax.complex(z, y).reshape(z.shape[0], -1)
-    got = jnp.take_along_axis(pairs, flat, axis=1, mode="clip")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_pairs(z: jax.Array, y: jax.Array, flat: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """z, y float32 [B, M = size], flat int32 [B, N] in [0, M) -> (z, y) read at flat in each row, [B, N] each."""
+    got = jnp.take_along_axis(jax.lax.complex(z, y), flat, axis=1, mode="clip")
     return jnp.real(got), jnp.imag(got)
 
 
-def _gather_pairs_fwd(z: jax.Array, y: jax.Array, flat: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    return _gather_pairs(z, y, flat), (flat, z.shape)
+def _gather_pairs_fwd(z: jax.Array, y: jax.Array, flat: jax.Array, size: int
+                      ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    return _gather_pairs(z, y, flat, size), flat
 
 
-def _gather_pairs_bwd(res: tuple, cotangents: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, None]:
-    flat, shape = res
-    updates = jax.lax.complex(*cotangents)  # [B, N]
-    summed = jax.vmap(lambda u, i: jnp.zeros(math.prod(shape[1:]), jnp.complex64).at[i].add(u, mode="clip"))(updates, flat)
-    return jnp.real(summed).reshape(shape), jnp.imag(summed).reshape(shape), None
+def _gather_pairs_bwd(size: int, flat: jax.Array, cotangents: tuple[jax.Array, jax.Array]
+                      ) -> tuple[jax.Array, jax.Array, None]:
+    """One complex scatter-add per batch row: real parts are z's cotangent, imaginary parts y's."""
+    add_row = lambda i, u: jnp.zeros(size, jnp.complex64).at[i].add(u, mode="clip")  # noqa: E731
+    summed = jax.vmap(add_row)(flat, jax.lax.complex(*cotangents))
+    return jnp.real(summed), jnp.imag(summed), None
 
 
 _gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
@@ -103,7 +106,8 @@ def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
     b, length, h, _ = q.shape
     distance = jnp.clip(length - jnp.arange(length + 1), 0, table.shape[0] - 1)  # [L + 1]
     x = jnp.einsum("bqhd,cd->bhqc", q, table[distance].astype(q.dtype), preferred_element_type=jnp.float32)
-    skewed = x.reshape(b, h, length * (length + 1))[..., length:length + length * length].reshape(b, h, length, length)
+    flat = x.reshape(b, h, length * (length + 1))
+    skewed = flat[..., length:length + length * length].reshape(b, h, length, length)
     causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [L, L]
     return jnp.where(causal, skewed, x[..., length:])  # x[..., L] is distance 0
 
