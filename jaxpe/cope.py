@@ -32,7 +32,7 @@ from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, register
-from jaxpe.relative import gather_table_row_pairs, relative_logits, relative_logits_indexed
+from jaxpe.relative import context_relative_logits, gather_table_row_pairs
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask)
@@ -78,16 +78,22 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | N
     q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None for causal (queries last);
     talking_heads [Hq, Hq] mixes the gate logits across heads before the sigmoid (x-transformers).
     """
-    check_qkv(q, k, k)
-    check_npos(npos)
-    if gate_k is not None:
-        check_qkv(q, gate_k, gate_k)
-    check_talking_heads(talking_heads, q.shape[2])
+    _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
     return _positions_from_logits(sm_scale * qk_logits(q, k if gate_k is None else gate_k), mask, npos=npos,
                                   talking_heads=talking_heads)
+
+
+def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None, *, npos: int,
+                           talking_heads: jax.Array | None) -> None:
+    """ValueError/TypeError naming the argument unless q, k (and gate_k), npos and talking_heads fit together."""
+    check_qkv(q, k, k)
+    check_npos(npos)
+    if gate_k is not None:
+        check_qkv(q, gate_k, gate_k)
+    check_talking_heads(talking_heads, q.shape[2])
 
 
 def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int,
@@ -162,10 +168,7 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
     check_qkv(q, k, v)
-    if gate_k is not None:
-        check_qkv(q, gate_k, gate_k)
-    check_npos(pos_emb.shape[-2])
-    check_talking_heads(talking_heads, q.shape[2])
+    _check_position_inputs(q, k, gate_k, npos=pos_emb.shape[-2], talking_heads=talking_heads)
     content = qk_logits(q, k)  # one q·k for the gates (when they read k) and the logits: one backward through it
     gate_logits = content if gate_k is None else qk_logits(q, gate_k)
     positions = _positions_from_logits(sm_scale * gate_logits, mask, npos=pos_emb.shape[-2],
@@ -289,8 +292,7 @@ class CoPECore(nn.Module):
         if self.add_relative:
             table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                                (self.npos, d))
-            extra = (relative_logits_indexed(q, table) if ctx.indexed
-                     else relative_logits(q, table, ctx.q_pos, ctx.k_pos))
+            extra = context_relative_logits(q, table, ctx)
         by_blocks = ctx.mask is None and self.impl != "reference"  # a mask: decoding
         dense = cope_attention_causal if by_blocks else cope_attention_reference
         return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.dense_mask(q.shape[1], k.shape[1]),

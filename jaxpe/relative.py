@@ -112,6 +112,14 @@ def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
     return jnp.where(causal, skewed, x[..., length:])  # x[..., L] is distance 0
 
 
+def context_relative_logits(q: jax.Array, table: jax.Array, ctx: AttentionContext) -> jax.Array:
+    """q [B, Lq, H, D], table [npos, D] -> [B, H, Lq, Lk] float32 relative logits at the context's positions: the
+    skew (`relative_logits_indexed`) when they are 0..L − 1 on both sides, else the gather (`relative_logits`)."""
+    if ctx.indexed and ctx.k_pos is not None and ctx.k_pos.shape[1] == q.shape[1]:
+        return relative_logits_indexed(q, table)
+    return relative_logits(q, table, ctx.q_pos, ctx.k_pos)
+
+
 class RelativeCore(nn.Module):
     """Causal softmax attention with learned relative position logits; param "rel_table" [npos, D]."""
 
@@ -122,10 +130,7 @@ class RelativeCore(nn.Module):
         table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                            (self.npos, q.shape[-1]))
         sm_scale = q.shape[-1] ** -0.5
-        if ctx.indexed and q.shape[1] == k.shape[1]:
-            bias = sm_scale * relative_logits_indexed(q, table)
-        else:
-            bias = sm_scale * relative_logits(q, table, ctx.q_pos, ctx.k_pos)
+        bias = sm_scale * context_relative_logits(q, table, ctx)
         return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
                       window=ctx.window)
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import numpy_reference as ref
+from kernel_harness import square_intermediates_of_grad
 from jaxpe.cope import (cope_attention, cope_attention_causal, cope_attention_reference, interpolate_table_rows,
                         reverse_cumsum_keys)
 from jaxpe.dropout import Dropout, dropout, keep_mask
-from kernel_harness import square_intermediates_of_grad
 from jaxpe.kernels._common import interpolate
 from jaxpe.relative import gather_table_row_pairs, gather_table_rows, relative_logits
 from jaxpe.softmax_attention import causal_query_blocks, reverse_cumsum, visibility_mask
