@@ -72,20 +72,60 @@ def qk_logits(q: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
 
 
+def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The softmax's unnormalised weights e [B, Hq, Lq, Lk] (0 where masked) and 1 / Σ_k e [B, Hq, Lq, 1] (1 for a
+    row with no visible key)."""
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    return e, 1.0 / jnp.where(denom > 0, denom, 1.0)
+
+
+def _weighted_values(e: jax.Array, inverse_sum: jax.Array, v: jax.Array) -> jax.Array:
+    """Σ_k e[b, h, q, k] v[b, k, h // G] / Σ_k e: [B, Lq, Hq, D] float32. The normalisation is applied to the D
+    outputs of a row, not to its Lk weights."""
+    v = repeat_kv(v, e.shape[1] // v.shape[2]).astype(jnp.float32)
+    return jnp.einsum("bhqk,bkhd->bqhd", e, v) * _per_query(inverse_sum)
+
+
+def _per_query(x: jax.Array) -> jax.Array:
+    """[B, Hq, Lq, 1] -> [B, Lq, Hq, 1]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+@jax.custom_vjp
 def masked_softmax_attention(logits: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """logits [B, Hq, Lq, Lk] (float32), v [B, Lk, Hkv, D], mask [B|1, Lq, Lk] -> [B, Lq, Hq, D] in v's dtype.
 
-    Rows with no visible key give zeros.
+    Rows with no visible key give zeros. The backward is written out (as flash attention's): with p = e / Σe and
+    out = p·v, d logits = p ⊙ (dout·vᵀ − δ) where δ_q = dout_q · out_q is a D-long sum, so no [B, H, Lq, Lk] pass is
+    spent on the softmax's own reduction or on normalising p; it saves e and 1 / Σe, no more than autodiff saves.
     """
-    logits = jnp.where(mask[:, None], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    v = repeat_kv(v, logits.shape[1] // v.shape[2])
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
-    return out.astype(v.dtype)
+    e, inverse_sum = _exp_and_inverse_sum(logits, mask)
+    return _weighted_values(e, inverse_sum, v).astype(v.dtype)
+
+
+def _masked_softmax_attention_fwd(logits: jax.Array, v: jax.Array, mask: jax.Array):
+    e, inverse_sum = _exp_and_inverse_sum(logits, mask)
+    out = _weighted_values(e, inverse_sum, v)
+    return out.astype(v.dtype), (e, inverse_sum, v, out)
+
+
+def _masked_softmax_attention_bwd(residuals, d_out: jax.Array):
+    e, inverse_sum, v, out = residuals
+    groups = e.shape[1] // v.shape[2]
+    d_out = d_out.astype(jnp.float32)
+    d_scaled = d_out * _per_query(inverse_sum)  # dout / Σe  [B, Lq, Hq, D]
+    v_full = repeat_kv(v, groups).astype(jnp.float32)
+    delta = jnp.swapaxes(jnp.sum(d_scaled * out, axis=-1, keepdims=True), 1, 2)  # δ / Σe  [B, Hq, Lq, 1]
+    d_logits = e * (jnp.einsum("bqhd,bkhd->bhqk", d_scaled, v_full) - delta)
+    d_v = jnp.einsum("bhqk,bqhd->bkhd", e, d_scaled)  # [B, Lk, Hq, D]
+    d_v = d_v.reshape(*d_v.shape[:2], v.shape[2], groups, d_v.shape[-1]).sum(axis=3)
+    return d_logits.astype(jnp.float32), d_v.astype(v.dtype), None
+
+
+masked_softmax_attention.defvjp(_masked_softmax_attention_fwd, _masked_softmax_attention_bwd)
 
 
 def reverse_cumsum(x: jax.Array) -> jax.Array:
@@ -96,17 +136,15 @@ def reverse_cumsum(x: jax.Array) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: jax.Array | None,
            bias: jax.Array | None = None, segment_ids: jax.Array | None = None, window: int | None = None
            ) -> jax.Array:
-    """Softmax attention through `jax.nn.dot_product_attention` (cuDNN on GPU where it applies).
+    """Dense softmax attention (`masked_softmax_attention`'s lean backward).
 
-    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, or None: causal with Lq == Lk, restricted to
-    the same document (segment_ids [B, L]) and the last `window` keys; bias [B|1, Hq, Lq, Lk] is added to the scaled
-    logits. Returns [B, Lq, Hq, D].
+    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, or None: causal (queries last), restricted to
+    the same document (segment_ids [B, Lk]) and the last `window` keys; bias [B|1, Hq, Lq, Lk] is added to the
+    scaled logits. Returns [B, Lq, Hq, D] in v's dtype.
     """
-    if mask is None and segment_ids is not None:
+    if mask is None:
         mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
+    logits = sm_scale * qk_logits(q, k)
     if bias is not None:
-        bias = bias.astype(q.dtype)
-    if mask is not None:
-        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask[:, None], scale=sm_scale)
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=sm_scale, is_causal=True, local_window_size=local)
+        logits = logits + bias.astype(jnp.float32)
+    return masked_softmax_attention(logits, v, mask)

@@ -168,3 +168,43 @@ def test_only_process_zero_writes_metrics_and_names_the_outputs(monkeypatch, tmp
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     cli._print_outputs(tmp_path, cli.RUN_OUTPUTS)
     assert capsys.readouterr().err == f"outputs in {tmp_path}: result.json\n"
+
+
+def test_programs_run_one_at_a_time_only_on_several_cpu_devices():
+    """XLA's in-process CPU all-reduce (jax 0.10) can deadlock when programs queue up on several CPU devices."""
+    devices = jax.devices()
+    assert distributed.one_program_at_a_time(jax.sharding.Mesh(devices[:2], ("data",))) == (
+        devices[0].platform == "cpu")
+    assert not distributed.one_program_at_a_time(jax.sharding.Mesh(devices[:1], ("data",)))
+
+
+def test_train_loop_waits_for_each_step_on_several_cpu_devices(monkeypatch, tmp_path):
+    """On a mesh of CPU devices the loop dispatches step k + 1 only after step k finished (and before any hook):
+    a jax 0.10 process with back-to-back dispatches aborted at a stuck all-reduce rendezvous."""
+    from tiny_config import tiny
+    from jaxpe.train.trainer import Trainer
+
+    events = []
+    real_wait, real_init = jax.block_until_ready, Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        step = self.train_step
+
+        def dispatch(state, batch):
+            state, metrics = step(state, batch)
+            events.append(("step", id(metrics)))
+            return state, metrics
+        self.train_step = dispatch
+
+    def wait(tree):
+        events.append(("wait", id(tree)))
+        return real_wait(tree)
+
+    monkeypatch.setattr(Trainer, "__init__", init)
+    monkeypatch.setattr(loop.jax, "block_until_ready", wait)
+    experiments.train_and_evaluate(tiny("run.steps=4", "run.num_devices=2"), tmp_path)
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    assert len(steps) == 4
+    for this, following in zip(steps, steps[1:]):
+        assert ("wait", events[this][1]) in events[this + 1:following], events

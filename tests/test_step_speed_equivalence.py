@@ -7,6 +7,10 @@
   windows, separate gate keys, x-transformers' variants and cope+rel logits, values and gradients, and NumPy;
 - two tables read by one complex gather (`gather_table_row_pairs`) == two gathers, values and gradients;
 - relative position logits from a flat gather == take_along_axis;
+- softmax attention with its written-out backward (`masked_softmax_attention`, `attend`) == autodiff of the
+  softmax formula and `jax.nn.dot_product_attention`, values and gradients (GQA, bias, documents, windows, rows
+  with no visible key);
+- GELU with its one-pass backward (`jaxpe.model.gelu`) == `jax.nn.gelu(approximate=True)`;
 - dropout masks from a counter hash (`jaxpe.dropout`) are Bernoulli(1 − rate): rate, independence of neighbours,
   of calls and of keys, and flax's scaling.
 """
@@ -24,9 +28,11 @@ from kernel_harness import square_intermediates_of_grad
 from jaxpe.cope import (cope_attention, cope_attention_causal, cope_attention_reference, interpolate_table_rows,
                         reverse_cumsum_keys)
 from jaxpe.dropout import Dropout, dropout, keep_mask
+from jaxpe.model import gelu
 from jaxpe.kernels._common import interpolate
 from jaxpe.relative import gather_table_row_pairs, gather_table_rows, relative_logits
-from jaxpe.softmax_attention import causal_query_blocks, reverse_cumsum, visibility_mask
+from jaxpe.softmax_attention import (attend, causal_mask, causal_query_blocks, masked_softmax_attention, reverse_cumsum,
+                                     visibility_mask)
 
 
 def _positions(key, shape, size):
@@ -200,3 +206,80 @@ def test_dropout_scales_kept_values_and_passes_through_when_deterministic(key):
     with pytest.raises(ValueError, match="rate"):
         dropout(x, 1.0, key)
 
+
+
+def _softmax_attention_by_formula(logits, v, mask):
+    """p = softmax over the visible keys (0 for a row with none), out = p·v with query head h reading head h // G."""
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+    p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+    v = jnp.repeat(v, logits.shape[1] // v.shape[2], axis=2)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("b,hq,hkv,lq,lk,d", [(2, 4, 2, 7, 7, 5), (1, 3, 3, 4, 9, 8), (2, 6, 1, 1, 5, 4)])
+def test_masked_softmax_attention_backward_matches_autodiff_of_the_formula(key, b, hq, hkv, lq, lk, d):
+    kl, kv, kw, km = jax.random.split(key, 4)
+    logits = 3.0 * jax.random.normal(kl, (b, hq, lq, lk))
+    v = jax.random.normal(kv, (b, lk, hkv, d))
+    w = jax.random.normal(kw, (b, lq, hq, d))
+    mask = causal_mask(lq, lk) & jax.random.bernoulli(km, 0.7, (b, lq, lk))
+    mask = mask.at[0, 0].set(False)  # a row with no visible key: zeros, and no gradient
+    loss = lambda fn: lambda x, y: jnp.sum(fn(x, y, mask) * w)
+    out = masked_softmax_attention(logits, v, mask)
+    np.testing.assert_allclose(out, _softmax_attention_by_formula(logits, v, mask), atol=1e-6)
+    np.testing.assert_array_equal(out[0, 0], 0.0)
+    ours = jax.grad(loss(masked_softmax_attention), argnums=(0, 1))(logits, v)
+    theirs = jax.grad(loss(_softmax_attention_by_formula), argnums=(0, 1))(logits, v)
+    for a, b_ in zip(ours, theirs):
+        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(jnp.where(mask[:, None], 0.0, ours[0]), 0.0)  # hidden logits get no gradient
+
+
+def test_masked_softmax_attention_keeps_low_precision_values_and_their_gradient_dtype(key):
+    logits = jax.random.normal(key, (1, 2, 3, 3))
+    v = jax.random.normal(jax.random.fold_in(key, 1), (1, 3, 2, 4)).astype(jnp.bfloat16)
+    mask = causal_mask(3, 3)
+    out = masked_softmax_attention(logits, v, mask)
+    dv = jax.grad(lambda v: masked_softmax_attention(logits, v, mask).astype(jnp.float32).sum())(v)
+    assert out.dtype == dv.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), _softmax_attention_by_formula(logits, v.astype(jnp.float32),
+                                                                                      mask), atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "documents", "bias", "mask"])
+def test_attend_matches_jax_dot_product_attention_with_gradients(key, case):
+    b, l, hq, hkv, d = 2, 9, 4, 2, 8
+    kq, kk, kv, kb, kw, ks = jax.random.split(key, 6)
+    q, k, v = (jax.random.normal(kx, (b, l, h, d)) for kx, h in ((kq, hq), (kk, hkv), (kv, hkv)))
+    w = jax.random.normal(kw, (b, l, hq, d))
+    bias = jax.random.normal(kb, (1, hq, l, l)) if case == "bias" else None
+    segments = jnp.array([[0] * 4 + [1] * 5, [0] * 9]) if case == "documents" else None
+    window = 3 if case == "window" else None
+    mask = (causal_mask(l, l) & jax.random.bernoulli(ks, 0.8, (b, l, l))).at[:, :, 0].set(True) \
+        if case == "mask" else None
+    full = visibility_mask(l, l, segment_ids=segments, window=window) if mask is None else mask
+
+    def ours(q, k, v):
+        return jnp.sum(attend(q, k, v, sm_scale=d ** -0.5, mask=mask, bias=bias, segment_ids=segments,
+                              window=window) * w)
+
+    def theirs(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, bias=bias, mask=full[:, None], scale=d ** -0.5) * w)
+
+    np.testing.assert_allclose(ours(q, k, v), theirs(q, k, v), rtol=1e-5)
+    for a, b_ in zip(jax.grad(ours, argnums=(0, 1, 2))(q, k, v), jax.grad(theirs, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b_, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gelu_matches_jax_tanh_gelu_with_gradients(dtype):
+    x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 601), jnp.array([0.0, -1e-4, 1e-4])]).astype(dtype)
+    np.testing.assert_allclose(gelu(x).astype(jnp.float32), jax.nn.gelu(x, approximate=True).astype(jnp.float32),
+                               atol=1e-6 if dtype == jnp.float32 else 1e-2, rtol=1e-6 if dtype == jnp.float32 else 1e-2)
+    grad = lambda fn: jax.grad(lambda x: jnp.sum(fn(x).astype(jnp.float32)))(x)
+    assert grad(gelu).dtype == dtype
+    np.testing.assert_allclose(grad(gelu).astype(jnp.float32),
+                               grad(lambda x: jax.nn.gelu(x, approximate=True)).astype(jnp.float32),
+                               atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=1e-5 if dtype == jnp.float32 else 2e-2)

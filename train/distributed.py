@@ -226,6 +226,14 @@ def put_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     return out
 
 
+def one_program_at_a_time(mesh: Mesh) -> bool:
+    """Whether programs on this mesh must run one after another: several CPU devices in one process (e.g.
+    `split_host_cpu`'s). XLA's in-process CPU all-reduce can deadlock when a program is queued on the devices while
+    the previous one is still running (jax 0.10, a device per core on 2 cores: "waiting for `all reduce
+    RendezvousKey...` ... may be stuck", then the process aborts), so callers wait for each before the next."""
+    return mesh.size > 1 and all(device.platform == "cpu" for device in mesh.devices.flat)
+
+
 def to_host(tree: Any) -> Any:
     """NumPy copies of replicated (e.g. reduced metrics) arrays; works in every process."""
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

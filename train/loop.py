@@ -253,16 +253,21 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
     completed.
     """
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
-    done = start
+    serial = distributed.one_program_at_a_time(trainer.mesh)  # then the next batch is built while a step runs
+    done, running = start, None
     try:
         with _SigintAtStepEnd() as sigint:
             for step in range(start + 1, last_step + 1):
                 batch = task.train_batch(step - 1, batch_size)
                 real_tokens = int(scored_lengths(batch["weights"]).sum())
                 batch = trainer.pad(batch, "train")
+                jax.block_until_ready(running)
                 state, metrics = trainer.train_step(state, trainer.put(batch))
+                running = metrics if serial else None
                 train_log.add(metrics, tokens=batch["inputs"].size, real_tokens=real_tokens)
                 due = [hook for hook in hooks if hook.due(step, last_step)]
+                if due:
+                    jax.block_until_ready(running)
                 for hook in due:
                     hook(step, state)
                 if due:
