@@ -105,7 +105,8 @@ def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
     """
     b, length, h, _ = q.shape
     distance = jnp.clip(length - jnp.arange(length + 1), 0, table.shape[0] - 1)  # [L + 1]
-    x = jnp.einsum("bqhd,cd->bhqc", q, table[distance].astype(q.dtype), preferred_element_type=jnp.float32)
+    heads_first = jnp.swapaxes(q, 1, 2)  # [B, H, L, D]: the [B, H, L, L + 1] product and its cotangent stay in place
+    x = jnp.einsum("bhqd,cd->bhqc", heads_first, table[distance].astype(q.dtype), preferred_element_type=jnp.float32)
     flat = x.reshape(b, h, length * (length + 1))
     skewed = flat[..., length:length + length * length].reshape(b, h, length, length)
     causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [L, L]
