@@ -189,9 +189,12 @@ def cope_attention_causal(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     hides every j > i), run by `causal_query_blocks`: block [s, e) against keys [0, e), whose gates are all that its
     positions sum. The same result with a third fewer [B, H, L, L] entries in every dense pass (longer sequences)."""
     outputs = []
-    for start, end in causal_query_blocks(q.shape[1]):
+    # the blocks' products read q, k, v heads first: cut there, a block is a slice, not a slice and a transpose
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    tokens = lambda x, start, end: jnp.swapaxes(x[:, :, start:end], 1, 2)
+    for start, end in causal_query_blocks(q.shape[2]):
         outputs.append(cope_attention_reference(
-            q[:, start:end], k[:, :end], v[:, :end], pos_emb, sm_scale=sm_scale,
+            tokens(q, start, end), tokens(k, 0, end), tokens(v, 0, end), pos_emb, sm_scale=sm_scale,
             gate_k=None if gate_k is None else gate_k[:, :end], mask=None if mask is None else mask[:, start:end, :end],
             extra_logits=None if extra_logits is None else extra_logits[:, :, start:end, :end],
             soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads))
