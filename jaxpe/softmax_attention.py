@@ -60,7 +60,7 @@ def causal_query_blocks(length: int) -> list[tuple[int, int]]:
     at or past e, so each block runs against keys [0, e) only: with QUERY_BLOCKS = 3 that skips a third of the
     L × L scores (all of them masked) in every [B, H, L, L] pass, forward and backward. One block when short.
     CoPE's dense path gains (~15 % of the counting step at L = 80, benchmarks/train_step.py); plain softmax
-    attention through XLA's dot_product_attention lost ~8 % on CPU, so it does not use them."""
+    attention, with few [B, H, L, L] passes to skip, lost 2–10 % on CPU, so it does not use them."""
     blocks = QUERY_BLOCKS if length >= QUERY_BLOCKS_MIN_LENGTH else 1
     bounds = [round(length * n / blocks) for n in range(blocks + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
@@ -106,13 +106,16 @@ def masked_softmax_attention(logits: jax.Array, v: jax.Array, mask: jax.Array) -
     return _weighted_values(e, inverse_sum, v).astype(v.dtype)
 
 
-def _masked_softmax_attention_fwd(logits: jax.Array, v: jax.Array, mask: jax.Array):
+_Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # e, 1 / Σe, v, float32 out
+
+
+def _masked_softmax_attention_fwd(logits: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, _Residuals]:
     e, inverse_sum = _exp_and_inverse_sum(logits, mask)
     out = _weighted_values(e, inverse_sum, v)
     return out.astype(v.dtype), (e, inverse_sum, v, out)
 
 
-def _masked_softmax_attention_bwd(residuals, d_out: jax.Array):
+def _masked_softmax_attention_bwd(residuals: _Residuals, d_out: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     e, inverse_sum, v, out = residuals
     groups = e.shape[1] // v.shape[2]
     d_out = d_out.astype(jnp.float32)
