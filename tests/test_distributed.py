@@ -178,6 +178,7 @@ def test_programs_run_one_at_a_time_only_on_several_cpu_devices():
     assert not distributed.one_program_at_a_time(jax.sharding.Mesh(devices[:1], ("data",)))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs on the simulated CPU devices")
 def test_train_loop_waits_for_each_step_on_several_cpu_devices(monkeypatch, tmp_path):
     """On a mesh of CPU devices the loop dispatches step k + 1 only after step k finished (and before any hook):
     a jax 0.10 process with back-to-back dispatches aborted at a stuck all-reduce rendezvous."""

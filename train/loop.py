@@ -267,10 +267,9 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
                 train_log.add(metrics, tokens=batch["inputs"].size, real_tokens=real_tokens)
                 due = [hook for hook in hooks if hook.due(step, last_step)]
                 if due:
-                    jax.block_until_ready(running)
-                for hook in due:
-                    hook(step, state)
-                if due:
+                    jax.block_until_ready(running)  # hooks run programs too (evaluation)
+                    for hook in due:
+                        hook(step, state)
                     train_log.restart_clock(step)
                 if progress is not None:
                     progress.update(1)
@@ -281,4 +280,5 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
         if isinstance(interrupt, TrainingInterrupted):
             raise
         raise TrainingInterrupted(done) from None
+    jax.block_until_ready(running)  # the caller's next program (the final evaluation) waits for the last step
     return state
