@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpe.validation import check_qkv
+
 
 def repeat_kv(x: jax.Array, groups: int) -> jax.Array:
     """[B, L, Hkv, D] -> [B, L, Hkv·G, D], head h of the result is head h // G of `x`."""
@@ -145,6 +147,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: j
     the same document (segment_ids [B, Lk]) and the last `window` keys; bias [B|1, Hq, Lq, Lk] is added to the
     scaled logits. Returns [B, Lq, Hq, D] in v's dtype.
     """
+    check_qkv(q, k, v)
     if mask is None:
         mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     logits = sm_scale * qk_logits(q, k)

@@ -283,3 +283,15 @@ def test_gelu_matches_jax_tanh_gelu_with_gradients(dtype):
     np.testing.assert_allclose(grad(gelu).astype(jnp.float32),
                                grad(lambda x: jax.nn.gelu(x, approximate=True)).astype(jnp.float32),
                                atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,dtype,error,message", [
+    ((1, 4, 3, 8), (1, 4, 2, 8), jnp.float32, ValueError, "multiple of key/value heads"),
+    ((1, 4, 2, 8), (1, 4, 2, 4), jnp.float32, ValueError, "head dim"),
+    ((1, 4, 8), (1, 4, 8), jnp.float32, ValueError, "q"),
+    ((1, 4, 2, 8), (1, 4, 2, 8), jnp.bfloat16, TypeError, "dtype"),
+])
+def test_attend_names_bad_inputs(q_shape, kv_shape, dtype, error, message):
+    q, kv = jnp.zeros(q_shape), jnp.zeros(kv_shape, dtype)
+    with pytest.raises(error, match=message):
+        attend(q, kv, kv, sm_scale=1.0, mask=None)
