@@ -88,11 +88,11 @@ def _weighted_values(e: jax.Array, inverse_sum: jax.Array, v: jax.Array) -> jax.
     """Σ_k e[b, h, q, k] v[b, k, h // G] / Σ_k e: [B, Lq, Hq, D] float32. The normalisation is applied to the D
     outputs of a row, not to its Lk weights."""
     v = repeat_kv(v, e.shape[1] // v.shape[2]).astype(jnp.float32)
-    return jnp.einsum("bhqk,bkhd->bqhd", e, v) * _per_query(inverse_sum)
+    return jnp.einsum("bhqk,bkhd->bqhd", e, v) * _swap_heads_and_queries(inverse_sum)
 
 
-def _per_query(x: jax.Array) -> jax.Array:
-    """[B, Hq, Lq, 1] -> [B, Lq, Hq, 1]."""
+def _swap_heads_and_queries(x: jax.Array) -> jax.Array:
+    """[B, Hq, Lq, 1] <-> [B, Lq, Hq, 1]."""
     return jnp.swapaxes(x, 1, 2)
 
 
@@ -104,8 +104,7 @@ def masked_softmax_attention(logits: jax.Array, v: jax.Array, mask: jax.Array) -
     out = p·v, d logits = p ⊙ (dout·vᵀ − δ) where δ_q = dout_q · out_q is a D-long sum, so no [B, H, Lq, Lk] pass is
     spent on the softmax's own reduction or on normalising p; it saves e and 1 / Σe, no more than autodiff saves.
     """
-    e, inverse_sum = _exp_and_inverse_sum(logits, mask)
-    return _weighted_values(e, inverse_sum, v).astype(v.dtype)
+    return _masked_softmax_attention_fwd(logits, v, mask)[0]
 
 
 _Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # e, 1 / Σe, v, float32 out
@@ -121,9 +120,9 @@ def _masked_softmax_attention_bwd(residuals: _Residuals, d_out: jax.Array) -> tu
     e, inverse_sum, v, out = residuals
     groups = e.shape[1] // v.shape[2]
     d_out = d_out.astype(jnp.float32)
-    d_scaled = d_out * _per_query(inverse_sum)  # dout / Σe  [B, Lq, Hq, D]
+    d_scaled = d_out * _swap_heads_and_queries(inverse_sum)  # dout / Σe  [B, Lq, Hq, D]
     v_full = repeat_kv(v, groups).astype(jnp.float32)
-    delta = jnp.swapaxes(jnp.sum(d_scaled * out, axis=-1, keepdims=True), 1, 2)  # δ / Σe  [B, Hq, Lq, 1]
+    delta = _swap_heads_and_queries(jnp.sum(d_scaled * out, axis=-1, keepdims=True))  # δ / Σe  [B, Hq, Lq, 1]
     d_logits = e * (jnp.einsum("bqhd,bkhd->bhqk", d_scaled, v_full) - delta)
     d_v = jnp.einsum("bhqk,bqhd->bkhd", e, d_scaled)  # [B, Lk, Hq, D]
     d_v = d_v.reshape(*d_v.shape[:2], v.shape[2], groups, d_v.shape[-1]).sum(axis=3)
