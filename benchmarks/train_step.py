@@ -156,9 +156,10 @@ def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, mode: s
 
 
 def worker(data_dir: str, name: str, first: int, steps: int) -> None:
-    from jaxpe.train import distributed
+    from jaxpe.train import distributed, malloc
 
     distributed.split_host_cpu()  # as the entry points do (a no-op when XLA_FLAGS sets a device count)
+    malloc.keep_freed_memory()  # as the entry points do
     side = JaxpeSide(pathlib.Path(data_dir), first + steps)
     side.build(name)
     times = side.time(name, range(first, first + steps))

@@ -6,7 +6,8 @@
 
 Modules: config (TrainConfig, whose `model` is jaxpe.ModelConfig), step (train state, loss, train_step), trainer
 (jit and sharding), loop (the loop and its hooks), experiments (train_and_evaluate, restore_run, evaluate_checkpoint,
-compare_encodings), evaluate (metrics and how they are shown), checkpoint, distributed, tasks, plots, report, cli.
+compare_encodings), evaluate (metrics and how they are shown), checkpoint, distributed, malloc, tasks, plots, report,
+cli.
 """
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (
@@ -23,6 +24,7 @@ from jaxpe.train.config import (
     preset_names,
 )
 from jaxpe.train.distributed import initialize, make_mesh, split_host_cpu
+from jaxpe.train.malloc import keep_freed_memory
 from jaxpe.train.evaluate import METRICS, compute_metrics, metrics_from_sums
 from jaxpe.train.tasks import TASK_NAMES, make_task
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
@@ -32,8 +34,8 @@ from jaxpe.train.experiments import Run, compare_encodings, evaluate_checkpoint,
 
 __all__ = [
     "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "Run", "RunConfig", "TaskConfig",
-    "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "build_model", "build_task",
-    "compare_encodings", "compute_metrics", "evaluate_checkpoint", "format_config", "initialize", "load_config",
-    "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step", "metrics_from_sums", "preset_names",
-    "restore_run", "split_host_cpu", "train_and_evaluate", "weighted_loss",
+    "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "build_model",
+    "build_task", "compare_encodings", "compute_metrics", "evaluate_checkpoint", "format_config", "initialize",
+    "keep_freed_memory", "load_config", "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step",
+    "metrics_from_sums", "preset_names", "restore_run", "split_host_cpu", "train_and_evaluate", "weighted_loss",
 ]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxpe import PE_NAMES
-from jaxpe.train import distributed, evaluate, experiments
+from jaxpe.train import distributed, evaluate, experiments, malloc
 from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
 from jaxpe.train.loop import NonFiniteLossError, TrainingInterrupted
 from jaxpe.train.tasks import TASK_NAMES
@@ -120,6 +120,7 @@ def _start(args: argparse.Namespace) -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
     distributed.split_host_cpu()
+    malloc.keep_freed_memory()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
