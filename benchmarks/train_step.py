@@ -6,7 +6,8 @@ tokens), 2 layers, width 128, 4 heads, block 128, batch 32, post-norm, tied embe
 of 16, as `run.pad_to="multiple"` does). The official side (facebookresearch/RAM, projects/cope) runs as it is, in
 its own PyTorch interpreter, through benchmarks/official_counting_step.py. The official side runs at its default
 thread count and at one thread (torch.set_num_threads(1)); jaxpe runs as its entry points do (a CPU device per core,
-the batch split over them: jaxpe.train.distributed.split_host_cpu), on one device, and on one device with one thread
+the batch split over them: jaxpe.train.distributed.split_host_cpu; glibc keeping freed memory:
+jaxpe.train.malloc.keep_freed_memory), on one device, and on one device with one thread
 (XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"), each in a fresh subprocess; the
 fastest median of each side counts: on 2 busy cores both can run several times slower with 2 threads. Sides alternate
 in rounds so that a change of load hits both. Without PyTorch or a RAM checkout only jaxpe runs, saying why.

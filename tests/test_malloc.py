@@ -4,7 +4,6 @@ opt-out variable and other C libraries leave the allocator alone."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -13,16 +12,17 @@ import pytest
 
 from jaxpe.train import malloc
 
-GLIBC = platform.libc_ver()[0] == "glibc"
+GLIBC = malloc._glibc()
 
 # Rounds of large blocks (1–7 MiB, 32 MiB together) written and freed, as a training step's buffers are; prints
 # whether the settings were made and the page faults of rounds 2..11.
 ROUNDS = textwrap.dedent("""
-    import ctypes, ctypes.util, resource, sys
+    import ctypes, resource, sys
     from jaxpe.train import malloc
     made = malloc.keep_freed_memory() if sys.argv[1] == "1" else False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     sizes = [s << 20 for s in (1, 2, 3, 5, 7, 7, 7)]
     def one_round():
         blocks = [libc.malloc(size) for size in sizes]
@@ -66,5 +66,9 @@ def test_user_settings_win(monkeypatch, name, value):
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch):
-    monkeypatch.setattr(malloc.platform, "libc_ver", lambda: ("musl", "1.2"))
+    def confstr(name: str) -> str:  # as on musl or macOS: the name is unknown there
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    monkeypatch.setattr(malloc.os, "confstr", confstr)
+    assert malloc._glibc() is False
     assert malloc.keep_freed_memory() is False
