@@ -26,7 +26,8 @@ OPT_OUT = "JAXPE_KEEP_FREED_MEMORY"
 def keep_freed_memory() -> bool:
     """Set glibc's trim threshold, top pad and mmap threshold (`SETTINGS`) so that a step reuses the pages the last
     one freed. Returns whether they were set: not off glibc, not when $JAXPE_KEEP_FREED_MEMORY is "0", not when the
-    environment sets its own (MALLOC_*_ or glibc.malloc tunables). Call it early; the entry points do."""
+    environment sets its own (`USER_SETTINGS` or glibc.malloc tunables). Call it once, before training; the entry
+    points do."""
     if os.environ.get(OPT_OUT, "1") == "0" or not _glibc():
         return False
     if any(name in os.environ for name in USER_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
