@@ -235,7 +235,7 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     dense = cope_attention_reference if impl == "reference" else cope_attention_causal  # "auto": by query blocks
-    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3])
+    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope")
     if impl == "reference":
         mask = None
         if segment_ids is not None or window is not None:

@@ -122,7 +122,7 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    impl = resolve_impl(impl, q.shape[1], q.shape[3])
+    impl = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope")
     options = dict(theta=theta, sm_scale=sm_scale, segment_ids=segment_ids, window=window, inv_freq=inv_freq)
     if impl == "reference":
         return corope_attention_reference(q, k, v, **options)
