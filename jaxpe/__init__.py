@@ -12,7 +12,8 @@ from jaxpe.attention import Attention
 from jaxpe.attention_core import AttentionContext, AttentionCore
 from jaxpe.cope import cope_attention, cope_positions
 from jaxpe.corope import corope_attention, corope_mileage
-from jaxpe.model import ModelConfig, TransformerLM, generate, init_cache
+from jaxpe.decoding import generate, init_cache
+from jaxpe.model import ModelConfig, TransformerLM
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.rope import apply_rope
 from jaxpe.rope_scaling import hf_rope_options, rope_frequencies

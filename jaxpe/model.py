@@ -1,4 +1,4 @@
-"""A decoder-only Transformer language model with any registered encoding, and cached generation.
+"""A decoder-only Transformer language model with any registered encoding (generation: jaxpe.decoding).
 
 B batch, L length, V vocabulary, d d_model.
 """
@@ -47,7 +47,7 @@ class ModelConfig:
     num_heads: int = 4  # query heads
     num_kv_heads: int | None = None  # key/value heads (GQA); None means num_heads (MHA), 1 is MQA
     mlp_dim: int | None = None  # MLP hidden width; None means 4·d_model
-    max_len: int | None = 512  # position-table rows, default CoPE npos − 1, generation limit; None: from the data
+    max_len: int | None = 512  # position-table rows, default CoPE npos − 1; None: from the data
     dropout: float = 0.1  # dropout on embeddings, attention output and MLP output
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
     prenorm: bool = True  # pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)), the paper's counting runs)
@@ -306,65 +306,3 @@ class TransformerLM(nn.Module):
                                kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "vocab"))
             logits = unembed(x.astype(jnp.float32))
         return logits.astype(jnp.float32)
-
-
-def init_cache(model: TransformerLM, batch_size: int, length: int) -> Any:
-    """A zeroed decoding cache for `length` tokens (shapes from jax.eval_shape; nothing is computed)."""
-    tokens = jnp.zeros((batch_size, length), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True))["cache"]
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_tokens: int,
-             rng: jax.Array | None = None, temperature: float = 0.0, padding_mask: jax.Array | None = None
-             ) -> jax.Array:
-    """prompt [B, P] int32 -> [B, P + max_new_tokens]: prefill the cache with the prompt, then decode one token at a
-    time (greedy when temperature == 0, else sampled with `rng`).
-
-    A batch of prompts of different lengths is left-padded: padding_mask [B, P] bool is False on the padding at the
-    start of each row; each row then decodes as if it had been given alone (positions start at its first token).
-    """
-    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"{max_new_tokens=} must be a positive int")
-    if temperature < 0 or (temperature > 0 and rng is None):
-        raise ValueError(f"{temperature=} must be >= 0, and > 0 needs an rng")
-    b, p = prompt.shape
-    check_token_inputs(b, p, padding_mask=padding_mask)
-    if not isinstance(prompt, jax.core.Tracer) and prompt.size:
-        low, high = int(jnp.min(prompt)), int(jnp.max(prompt))
-        if low < 0 or high >= model.config.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, vocab_size={model.config.vocab_size}), got ids from "
-                             f"{low} to {high} (inside jit an out-of-range id embeds as NaN)")
-    if padding_mask is not None and not isinstance(padding_mask, jax.core.Tracer) and p:
-        if not bool(jnp.all(padding_mask[:, -1])):
-            raise ValueError("padding_mask must mark left padding: the last prompt token of every row must be real "
-                             "(padding_mask[:, -1] all True)")
-    total = p + max_new_tokens
-    if total > model.config.max_len:
-        raise ValueError(f"prompt length {p} + {max_new_tokens=} exceeds max_len={model.config.max_len}")
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    positions = default_positions(None, fold_padding(None, padding_mask), b)  # None without padding
-
-    def pick(logits: jax.Array, key: jax.Array) -> jax.Array:
-        if temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
-
-    def step(carry: tuple[Any, jax.Array, jax.Array], key: jax.Array
-             ) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
-        cache, token, position = carry
-        logits, updated = model.apply({"params": params, "cache": cache}, token[:, None], decode=True,
-                                      positions=position[:, None], mutable=["cache"])
-        nxt = pick(logits[:, -1], key)
-        return (updated["cache"], nxt, position + 1), nxt
-
-    cache = init_cache(model, b, total)
-    logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, positions=positions,
-                                  padding_mask=padding_mask, mutable=["cache"])
-    keys = jax.random.split(rng, max_new_tokens)
-    first = pick(logits[:, -1], keys[0])
-    next_position = jnp.full((b,), p, jnp.int32) if positions is None else positions[:, -1] + 1
-    _, rest = jax.lax.scan(step, (updated["cache"], first, next_position), keys[1:])
-    return jnp.concatenate([prompt, first[:, None], rest.T], axis=1)

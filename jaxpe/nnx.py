@@ -16,7 +16,7 @@ B batch, L length, Hq query heads, Hkv key/value heads, D head dim, V vocabulary
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import flax.linen as nn
 import jax
@@ -27,9 +27,9 @@ from flax.core import meta
 from jaxpe.amspe import AMSPE as LinenAMSPE
 from jaxpe.attention import Attention as LinenAttention
 from jaxpe.attention_core import AttentionContext
+from jaxpe.decoding import generate as linen_generate
 from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
-from jaxpe.model import generate as linen_generate
 from jaxpe.registry import PEConfig
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
@@ -290,12 +290,15 @@ def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_mo
 
 
 def generate(model: TransformerLM, prompt: jax.Array, *, max_new_tokens: int, rng: jax.Array | None = None,
-             temperature: float = 0.0, padding_mask: jax.Array | None = None) -> jax.Array:
-    """prompt [B, P] int32 -> [B, P + max_new_tokens], exactly as `jaxpe.generate` with the model's parameters:
-    prefill a KV cache with the prompt, then decode one token at a time (greedy when temperature == 0, else sampled
-    with `rng`), dropout off; left-padded prompts take padding_mask [B, P]. The model's own cache and mode are left
-    as they are."""
+             temperature: float | jax.Array = 0.0, top_k: int | None = None, top_p: float | jax.Array | None = None,
+             eos_id: int | Iterable[int] | None = None, pad_id: int = 0, padding_mask: jax.Array | None = None,
+             return_lengths: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """prompt [B, P] int -> tokens [B, P + max_new_tokens] (and the generated lengths [B] with `return_lengths`),
+    exactly as `jaxpe.generate` (jaxpe/decoding.py) with the model's parameters and the same options: temperature,
+    top_k, top_p, stop tokens `eos_id` then `pad_id`, left-padded prompts with padding_mask [B, P]; dropout off. The
+    model's own cache and mode are left as they are."""
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a jaxpe.nnx.TransformerLM, got {type(model).__name__}")
     return linen_generate(model.linen, model.linen_params(), prompt, max_new_tokens=max_new_tokens, rng=rng,
-                          temperature=temperature, padding_mask=padding_mask)
+                          temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
+                          padding_mask=padding_mask, return_lengths=return_lengths)

@@ -206,8 +206,9 @@ def test_generate_greedy_matches_argmax_of_full_forward(key):
     # Each generated token is the argmax of a full (causal) forward pass over what came before it.
     logits = model.apply({"params": params}, out)
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:-1], axis=-1))
+    learned, learned_params = init(tiny("learned"), toks)  # its table has max_len rows: nothing is generated past
     with pytest.raises(ValueError, match="exceeds max_len"):
-        jaxpe.generate(model, params, toks, max_new_tokens=30)
+        jaxpe.generate(learned, learned_params, toks, max_new_tokens=30)
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)

@@ -128,7 +128,7 @@ def test_generate_rejects_a_linen_model():
     config = make_config("rope")
     with pytest.raises(TypeError, match="jaxpe.nnx.TransformerLM"):
         jaxpe.nnx.generate(jaxpe.TransformerLM(config), tokens_for(0, 4), max_new_tokens=2)
-    model = jaxpe.nnx.TransformerLM(config, rngs=nnx.Rngs(0))
+    model = jaxpe.nnx.TransformerLM(make_config("learned"), rngs=nnx.Rngs(0))  # a table of max_len rows
     with pytest.raises(ValueError, match="exceeds max_len"):
         jaxpe.nnx.generate(model, tokens_for(0, 4), max_new_tokens=13)
 
