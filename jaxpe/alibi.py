@@ -1,4 +1,11 @@
-"""ALiBi: a linear bias −slope_h·(i − j) on attention logits, slopes 2^(−8h/H) for h = 1..H."""
+"""ALiBi (Press et al., "Train Short, Test Long", arXiv:2108.12409): a linear bias −slope_h·(i − j) on attention
+logits, one slope per head h = 1..H.
+
+Slopes follow the paper's reference code (ofirpress/attention_with_linear_biases `get_slopes`, as Hugging Face's
+BLOOM `build_alibi_tensor`): for H a power of two, the geometric sequence 2^(−8h/H); otherwise the H' = 2^⌊log2 H⌋
+slopes of that power of two, 2^(−8h/H') for h = 1..H', then every other slope of the next power of two 2H',
+2^(−8h/(2H')) for odd h = 1, 3, 5, ..., until there are H.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +21,14 @@ from jaxpe.softmax_attention import attend
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
-    """[H] float32, the standard geometric sequence 2^(−8h/H), h = 1..H."""
-    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+    """[H] float32: 2^(−8h/H) for H a power of two; else the slopes of H' = 2^⌊log2 H⌋ heads followed by the
+    H − H' first odd-indexed slopes 2^(−8h/(2H')), h = 1, 3, 5, ... of 2H' heads (see the module docstring)."""
+    if not isinstance(num_heads, (int, np.integer)) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"{num_heads=} must be a positive int")
-    return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
+    low = 1 << (int(num_heads).bit_length() - 1)  # H', the largest power of two <= H
+    base = 2.0 ** (-8.0 * np.arange(1, low + 1) / low)
+    extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - low), 2) / (2 * low))
+    return jnp.asarray(np.concatenate([base, extra]), jnp.float32)
 
 
 def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array | None = None) -> jax.Array:
