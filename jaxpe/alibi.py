@@ -1,10 +1,9 @@
 """ALiBi (Press et al., "Train Short, Test Long", arXiv:2108.12409): a linear bias −slope_h·(i − j) on attention
 logits, one slope per head h = 1..H.
 
-Slopes follow the paper's reference code (ofirpress/attention_with_linear_biases `get_slopes`, as Hugging Face's
-BLOOM `build_alibi_tensor`): for H a power of two, the geometric sequence 2^(−8h/H); otherwise the H' = 2^⌊log2 H⌋
-slopes of that power of two, 2^(−8h/H') for h = 1..H', then every other slope of the next power of two 2H',
-2^(−8h/(2H')) for odd h = 1, 3, 5, ..., until there are H.
+Slopes follow the paper's rule for any head count: for H a power of two, the geometric sequence 2^(−8h/H);
+otherwise the H' = 2^⌊log2 H⌋ slopes of that power of two, 2^(−8h/H') for h = 1..H', then every other slope of the
+next power of two 2H', 2^(−8h/(2H')) for odd h = 1, 3, 5, ..., until there are H.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ detail_level — we follow the code. `amplitude` (1.0 in the seed) scales the bl
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -17,7 +18,7 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.learned import gather_positions
 from jaxpe.sharding import partitioned
 from jaxpe.sinusoidal import sinusoidal_table
-from jaxpe.validation import check_positive
+from jaxpe.validation import check_fraction, check_positive, check_positive_number
 
 
 def check_detail_level(detail_level: float | jax.Array) -> None:
@@ -54,13 +55,15 @@ class AMSPE(nn.Module):
 class AMSPEConfig(PEConfig):
     """Adaptive multi-scale sinusoidal positions added to token embeddings."""
 
-    coarse_scale: float = 10.0  # angle multiplier of the coarse table
-    detail_level: float = 0.5  # weight of the detailed table (the seed's default)
-    amplitude: float = 0.02  # multiplies the blend, matched to the token embeddings (see SinusoidalConfig)
+    additive: ClassVar[bool] = True
+    coarse_scale: float = 10.0  # angle multiplier of the coarse table (> 0)
+    detail_level: float = 0.5  # weight of the detailed table, in [0, 1] (the seed's default)
+    amplitude: float = 0.02  # multiplies the blend, matched to the token embeddings (see SinusoidalConfig; > 0)
 
     def __post_init__(self) -> None:
-        check_positive("amplitude", self.amplitude)
-        check_detail_level(self.detail_level)
+        check_positive_number("coarse_scale", self.coarse_scale)
+        check_fraction("detail_level", self.detail_level, one=True)
+        check_positive_number("amplitude", self.amplitude)
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
         return _AMSPEAtLevel(d_model=d_model, max_len=max_len, coarse_scale=self.coarse_scale,

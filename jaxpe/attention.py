@@ -14,31 +14,49 @@ import jax.numpy as jnp
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dropout import Dropout
 from jaxpe.kv_cache import update_cache
-from jaxpe.registry import PEConfig
-from jaxpe.sharding import partitioned
+from jaxpe.registry import PEConfig, as_pe_config
+from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import check_padding_mask, check_segment_ids, check_window
+from jaxpe.validation import check_fraction, check_impl, check_int, check_padding_mask, check_segment_ids, check_window
 
 
 class Attention(nn.Module):
     """Causal self-attention x [B, L, d_model] -> [B, L, d_model].
 
+    `pe` is an encoding config (`jaxpe.pe_config(name, **options)`) or a name, which takes the default options. Every
+    field is checked at construction (a ValueError names it and its value).
     With `decode=True` keys and values are cached: the first call (at `init`) must see an input of the full cache
     length S; later calls append their Lq tokens (prefill with many, then one at a time). Encodings whose positions
     depend on the query (CoPE, Co-RoPE) recompute them over the cached keys, O(S) per decoded token.
     Dropout is applied to the output projection (attention-probability dropout would defeat fused kernels).
+
+    Stacks of layers: `nn.scan(..., variable_axes={"params": 0}, split_rngs={"params": True})` over a module calling
+    Attention needs no `metadata_params` (jaxpe/sharding.py: the stacked axis is unnamed unless
+    `metadata_params={nn.PARTITION_NAME: name}` names it). `apply` takes the parameters boxed (as `init` gives them)
+    or unboxed (`flax.linen.meta.unbox`).
     """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    pe: PEConfig
+    pe: PEConfig | str
     max_len: int = 512
     dropout: float = 0.0
     impl: str = "auto"
     dtype: Any = jnp.float32
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
     param_dtype: Any = jnp.float32  # dtype of the projections' weights (position tables stay float32)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pe", as_pe_config(self.pe))
+        for name in ("num_heads", "num_kv_heads", "head_dim", "max_len"):
+            check_int(name, getattr(self, name), 1)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        check_fraction("dropout", self.dropout, one=False)
+        check_impl(self.impl)
+        check_window(self.window)
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True, decode: bool = False,
@@ -50,9 +68,10 @@ class Attention(nn.Module):
         sees)."""
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        check_window(self.window)
+        if not self.is_initializing():
+            params = self.variables.get("params", {})
+            check_restored_params(params)
+            self.pe.check_params(params.get("pe", {}), max_len=self.max_len)
         b, length, d_model = x.shape
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         init = nn.initializers.lecun_normal()

@@ -22,6 +22,7 @@ refuse them):
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -31,13 +32,14 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
-from jaxpe.registry import PEConfig, pe_config, register
+from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.relative import context_relative_logits, gather_table_row_pairs
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask)
-from jaxpe.validation import (check_cope_inputs, check_impl, check_npos, check_padding_mask, check_positive,
-                              check_qkv, check_segment_ids, check_window)
+from jaxpe.validation import (check_bool, check_choice, check_cope_inputs, check_impl, check_int, check_npos,
+                              check_padding_mask, check_positive, check_positive_number, check_qkv, check_segment_ids,
+                              check_window)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -305,9 +307,17 @@ class CoPECore(nn.Module):
 @register("cope")
 @dataclasses.dataclass(frozen=True)
 class CoPEConfig(PEConfig):
-    """CoPE with the paper's options."""
+    """CoPE with the paper's options.
 
-    npos: int | None = None  # position table rows; None means max_len + 1 (block size + 1, the paper's default)
+    `npos` defaults to the block size + 1, max_len + 1 (the paper's default): no position inside a block is clamped.
+    That default ties the position tables' shape to max_len: parameters trained at one max_len load into a model of
+    another only with npos set to their tables' rows (loading them otherwise is an error that says so). Positions
+    beyond npos − 1 are clamped, so a smaller npos works at any length.
+    """
+
+    size_option: ClassVar[str] = "npos"
+    tables: ClassVar[tuple[str, ...]] = ("pos_emb", "rel_table", "shared_pos_emb")
+    npos: int | None = None  # position table rows (int >= 2); None: max_len + 1, so the tables' shape follows max_len
     gates: str = "keys"  # gate keys: "keys" (q·k), "sep_keys" (a separate key projection) or "values" (q·v)
     per_head: bool = False  # one table per head [Hq, npos, D] instead of one shared by the heads [npos, D]
     shared_table: bool = False  # one table shared by all layers (owned by the model)
@@ -322,30 +332,28 @@ class CoPEConfig(PEConfig):
     def __post_init__(self) -> None:
         if self.npos is not None:
             check_npos(self.npos)
-        if self.gates not in GATE_SOURCES:
-            raise ValueError(f"gates={self.gates!r} must be one of {GATE_SOURCES}")
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"every={self.every!r} must be an int >= 1")
+        check_choice("gates", self.gates, GATE_SOURCES)
+        for name in ("per_head", "shared_table", "add_relative", "soft_onehot", "talking_heads"):
+            check_bool(name, getattr(self, name))
+        check_int("every", self.every, 1)
+        check_choice("other_layers", self.other_layers, pe_names())
         if self.other_layers == "cope":
             raise ValueError("other_layers='cope' would make every layer CoPE; use every=1")
-        pe_config(self.other_layers)
-        for name in ("soft_onehot", "talking_heads"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        check_soft_onehot_temp(self.soft_onehot_temp)
-
-    def _npos(self, max_len: int) -> int:
-        return self.npos if self.npos is not None else max_len + 1
+        if pe_config(self.other_layers).additive:
+            raise ValueError(f"other_layers={self.other_layers!r} names additive encoding {self.other_layers!r}, "
+                             "which acts on the token embeddings, not inside a layer: the layers without CoPE would "
+                             "get no positions; use 'none' or an encoding that acts in attention")
+        check_positive_number("soft_onehot_temp", self.soft_onehot_temp)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         if self.soft_onehot or self.talking_heads:
             check_dense_impl(impl)
-        return CoPECore(npos=self._npos(max_len), gates=self.gates, per_head=self.per_head,
+        return CoPECore(npos=self.table_rows(max_len), gates=self.gates, per_head=self.per_head,
                         add_relative=self.add_relative, impl=impl, soft_onehot=self.soft_onehot,
                         soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads)
 
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:
         if not self.shared_table:
             return None
-        npos = self._npos(max_len)
+        npos = self.table_rows(max_len)
         return (num_heads, npos, head_dim) if self.per_head else (npos, head_dim)

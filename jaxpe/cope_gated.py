@@ -8,6 +8,7 @@ bias_ij = (W_q q_i)·e(p_j)/√D added to the scaled logits. `cope_rope` also ro
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -20,7 +21,7 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import attend, visibility_mask
-from jaxpe.validation import check_even_head_dim, check_npos, check_positive
+from jaxpe.validation import check_even_head_dim, check_npos, check_positive_number
 
 
 def interpolate_table(table: jax.Array, positions: jax.Array) -> jax.Array:
@@ -82,16 +83,19 @@ class GatedCoPECore(nn.Module):
 @register("cope_gated")
 @dataclasses.dataclass(frozen=True)
 class GatedCoPEConfig(PEConfig):
-    """Gate-network CoPE: absolute soft positions from per-token gates."""
+    """Gate-network CoPE: absolute soft positions from per-token gates. Without `max_pos` the table has max_len + 1
+    rows, so its shape follows max_len: parameters trained at one max_len load at another with max_pos set."""
 
-    max_pos: int | None = None  # interpolated table rows; None means max_len + 1
+    size_option: ClassVar[str] = "max_pos"
+    tables: ClassVar[tuple[str, ...]] = ("pos_table",)
+    max_pos: int | None = None  # interpolated table rows (int >= 2); None means max_len + 1
 
     def __post_init__(self) -> None:
         if self.max_pos is not None:
             check_npos(self.max_pos, "max_pos")
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        return GatedCoPECore(max_pos=self.max_pos or max_len + 1)
+        return GatedCoPECore(max_pos=self.table_rows(max_len))
 
 
 @register("cope_rope")
@@ -99,12 +103,12 @@ class GatedCoPEConfig(PEConfig):
 class GatedCoPERoPEConfig(GatedCoPEConfig):
     """RoPE on q and k plus the gate-network CoPE bias."""
 
-    theta: float = 10000.0  # RoPE base
+    theta: float = 10000.0  # RoPE base (> 0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_positive("theta", self.theta)
+        check_positive_number("theta", self.theta)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         check_even_head_dim(head_dim)
-        return GatedCoPECore(max_pos=self.max_pos or max_len + 1, rope=True, theta=self.theta)
+        return GatedCoPECore(max_pos=self.table_rows(max_len), rope=True, theta=self.theta)

@@ -30,7 +30,7 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                      visibility_mask)
-from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive, check_qkv
+from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive_number, check_qkv
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
@@ -165,12 +165,12 @@ class CoRoPEConfig(PEConfig):
     has mileage instead of positions; so is "yarn", whose attention factor would also scale Co-RoPE's gates.
     """
 
-    theta: float = 10000.0  # base of ω_d = θ^(−2d/R)
+    theta: float = 10000.0  # base of ω_d = θ^(−2d/R) (> 0)
     rotary_dim: int | None = None  # R, the rotated dims (pairs d < R/2); None: D
     scaling: Mapping | tuple | None = None  # HF rope_scaling ("linear" or "llama3"), stored as sorted pairs
 
     def __post_init__(self) -> None:
-        check_positive("theta", self.theta)
+        check_positive_number("theta", self.theta)
         if self.rotary_dim is not None:
             check_rotary_dim(self.rotary_dim)
         spec = rope_scaling_dict(self.scaling)

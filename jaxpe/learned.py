@@ -3,6 +3,7 @@ every additive table (learned, sinusoidal, AM-SPE) uses."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
+from jaxpe.validation import check_positive_number
 
 
 def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
@@ -46,7 +48,11 @@ class LearnedPE(nn.Module):
 class LearnedConfig(PEConfig):
     """A trained absolute position table; lengths beyond max_len are an error."""
 
-    init_std: float = 0.02  # standard deviation of the table's normal initialiser
+    additive: ClassVar[bool] = True
+    init_std: float = 0.02  # standard deviation of the table's normal initialiser (> 0)
+
+    def __post_init__(self) -> None:
+        check_positive_number("init_std", self.init_std)
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
         return LearnedPE(max_len=max_len, init_std=self.init_std)

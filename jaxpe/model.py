@@ -16,9 +16,10 @@ from jaxpe.attention import Attention, check_token_inputs, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.dropout import Dropout
 from jaxpe.registry import PEConfig, pe_config, pe_names
-from jaxpe.sharding import partitioned
+from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding
-from jaxpe.validation import check_impl, check_window
+from jaxpe.validation import (check_bool, check_choice, check_fraction, check_impl, check_optional_int,
+                              check_window)
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -62,12 +63,7 @@ class ModelConfig:
     window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
 
     def __post_init__(self) -> None:
-        if isinstance(self.pe_options, Mapping):
-            object.__setattr__(self, "pe_options", tuple(sorted(self.pe_options.items())))
-        if isinstance(self.pe_options, (tuple, list)):  # nested dicts (a rope_scaling) as sorted pairs: hashable
-            object.__setattr__(self, "pe_options", tuple(
-                (key, tuple(sorted(value.items())) if isinstance(value, Mapping) else value)
-                for key, value in self.pe_options))
+        object.__setattr__(self, "pe_options", _option_pairs(self.pe_options))
         if isinstance(self.layer_pe, list):
             object.__setattr__(self, "layer_pe", tuple(self.layer_pe))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
@@ -76,15 +72,17 @@ class ModelConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        for name in ("num_kv_heads", "mlp_dim"):
+            check_optional_int(name, getattr(self, name), 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        check_fraction("dropout", self.dropout, one=False)
         for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
+            check_choice(name, getattr(self, name), choices)
+        for name in ("prenorm", "tie_embeddings"):
+            check_bool(name, getattr(self, name))
         check_impl(self.impl)
         check_window(self.window)
         if self.window is not None:
@@ -112,8 +110,7 @@ class ModelConfig:
     def _check_pattern_attends(self) -> None:
         """ValueError when the per-layer pattern names an additive encoding besides `pe`: additive tables act once on
         the token embeddings, so those layers would silently get no positions."""
-        additive = sorted({name for name in self.layer_pattern if name != self.pe
-                           and pe_config(name).embedding(d_model=self.d_model, max_len=1) is not None})
+        additive = sorted({name for name in self.layer_pattern if name != self.pe and pe_config(name).additive})
         if additive:
             raise ValueError(f"the per-layer pattern {self.layer_pattern!r} names additive encoding(s) {additive}, "
                              "which act on the token embeddings, not inside a layer; use 'none' for layers without "
@@ -162,6 +159,16 @@ class ModelConfig:
     @property
     def weight_dtype(self) -> Any:
         return jnp.dtype(self.param_dtype)
+
+
+def _option_pairs(options: Any) -> tuple[tuple[str, Any], ...]:
+    """`pe_options` as (name, value) pairs: a dict's sorted by name, a nested dict (a rope_scaling) as sorted pairs
+    too, so that the config hashes; ValueError unless a dict or pairs keyed by option names."""
+    pairs = sorted(options.items(), key=lambda pair: str(pair[0])) if isinstance(options, Mapping) else options
+    if not isinstance(pairs, (tuple, list)) or not all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str) for pair in pairs):
+        raise ValueError(f"pe_options={options!r} must be a dict of the encoding's options, e.g. {{'npos': 64}}")
+    return tuple((key, tuple(sorted(value.items())) if isinstance(value, Mapping) else value) for key, value in pairs)
 
 
 def _norm(config: ModelConfig, name: str) -> nn.Module:
@@ -277,6 +284,10 @@ class TransformerLM(nn.Module):
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)
         pe = c.pe_config
+        if not self.is_initializing():
+            params = self.variables.get("params", {})
+            check_restored_params(params)
+            pe.check_params(params, max_len=c.max_len)  # the table shared by all layers
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)

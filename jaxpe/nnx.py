@@ -4,11 +4,17 @@ Each NNX layer wraps its linen twin. It builds the linen module, creates the par
 `init` on a small zero input, keys from `rngs`), keeps them as `nnx.Param`s under `params` (the linen "params" tree:
 same names, shapes and initialisers) and its decoding cache as `nnx.Cache`s under `cache`, and calls the linen `apply`.
 So outputs equal the linen layer's for the same parameters, every registered encoding works unchanged, and linen
-parameters (a jaxpe.train checkpoint) load with `load_linen_params`.
+parameters (a jaxpe.train checkpoint) load with `load_linen_params`, boxed or not. `pe` is a config or a name.
 
 Dropout follows NNX: `deterministic` is an attribute (False at construction: training) that `model.eval()`,
-`model.train()` and `nnx.view(model, deterministic=...)` set and a call may override; masks draw from the `dropout`
-stream of the `rngs` given at construction (its `default` stream when it has none). Decoding follows
+`model.train()` and `nnx.view(model, deterministic=...)` set and a call may override; masks draw from the layer's own
+fork of the `dropout` stream (its `default` stream when it has none) of the `rngs` given at construction, as
+`nnx.Dropout` keeps. A layer holds no reference to the caller's `rngs`, so Flax's scan-over-layers recipe works: build
+a stack with `nnx.split_rngs(splits=N)` over `nnx.vmap(in_axes=(0,), out_axes=0)` of a function making one layer
+(every parameter and dropout key gets a leading axis of N), run it with
+`nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)` over a function calling one; `transform_metadata=
+{nnx.PARTITION_NAME: None}` (or a mesh axis name) on both keeps the parameters' logical axis names in step with the
+stacked axis. Decoding follows
 `nnx.MultiHeadAttention`: `init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
 Needs flax >= 0.12.2 (older NNX does not run on jax >= 0.10); `nnx.view` works with these modules from flax 0.12.5.
 
@@ -30,7 +36,8 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.decoding import generate as linen_generate
 from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
-from jaxpe.registry import PEConfig
+from jaxpe.registry import PEConfig, as_pe_config, position_tables, table_hint
+from jaxpe.sharding import unbox_params
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
            "embedding", "generate"]
@@ -56,16 +63,24 @@ def _values(tree: Any) -> Any:
     return jax.tree.map(lambda var: var[...], tree, is_leaf=_is_variable)
 
 
-def _check_pe(pe: Any) -> None:
-    if not isinstance(pe, PEConfig):
-        raise TypeError(f"pe must be a jaxpe.PEConfig (from jaxpe.pe_config(name)), got pe={pe!r}")
+def _paths(tree: Any) -> dict[str, Any]:
+    """{path as keystr: leaf} of a nested dict of arrays."""
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _dropout_stream(rngs: nnx.Rngs) -> nnx.RngStream | None:
+    """A fork of the `dropout` stream of `rngs` (its `default` stream when it has none), None when it has neither."""
+    try:
+        return rngs["dropout"].fork()
+    except KeyError:
+        return None
 
 
 class LinenLayer(nnx.Module):
     """An NNX module owning the variables of a linen module and applying it; the base of every layer here.
 
     `linen` is the linen module, `params` its "params" tree as `nnx.Param`s, `cache` its "cache" tree as `nnx.Cache`s
-    (None until `init_cache`), `rngs` the streams for dropout.
+    (None until `init_cache`).
     """
 
     def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, **sample_kwargs: Any) -> None:
@@ -73,7 +88,6 @@ class LinenLayer(nnx.Module):
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, got rngs={rngs!r}")
         self.linen = module
-        self.rngs = rngs
         variables = module.init({"params": rngs.params()}, *sample, **sample_kwargs)
         self.params = _variables(variables.get("params", {}), nnx.Param)
         self.cache = nnx.data(None)
@@ -83,16 +97,26 @@ class LinenLayer(nnx.Module):
         return _values(self.params)
 
     def load_linen_params(self, params: Any) -> None:
-        """Set the parameters from a linen "params" tree with the same names and shapes (e.g. a jaxpe.train state)."""
-        mine, theirs = jax.tree.structure(self.linen_params()), jax.tree.structure(params)
-        if mine != theirs:
-            raise ValueError(f"params must have the tree of this layer's parameters {mine}, got {theirs}")
-        for (path, var), value in zip(jax.tree_util.tree_leaves_with_path(self.params, is_leaf=_is_variable),
-                                      jax.tree.leaves(params)):
+        """Set the parameters from a linen "params" tree with the same names and shapes (e.g. a jaxpe.train state):
+        arrays, the `nn.LogicallyPartitioned` boxes that `init` gives, or the {'value': array} dicts that an orbax
+        restore of boxes without a target gives."""
+        mine = _paths(self.linen_params())
+        theirs = _paths(nn.meta.unbox(params))
+        if set(theirs) != set(mine):
+            theirs = _paths(unbox_params(params))
+        if set(theirs) != set(mine):
+            missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+            raise ValueError(f"params must have the tree of this layer's parameters: missing {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
+                             f"{' ...' if len(extra) > 4 else ''}")
+        for path, var in jax.tree_util.tree_leaves_with_path(self.params, is_leaf=_is_variable):
+            value, name = theirs[jax.tree_util.keystr(path)], path[-1].key
             if var[...].shape != jnp.shape(value):
+                hint = f"; {table_hint(name, jnp.shape(value)[-2])}" if name in position_tables() else ""
                 raise ValueError(f"params{jax.tree_util.keystr(path)} must have shape {var[...].shape}, "
-                                 f"got {jnp.shape(value)}")
-            var[...] = jnp.asarray(value, var[...].dtype)
+                                 f"got {jnp.shape(value)}{hint}")
+        for path, var in jax.tree_util.tree_leaves_with_path(self.params, is_leaf=_is_variable):
+            var[...] = jnp.asarray(theirs[jax.tree_util.keystr(path)], var[...].dtype)
 
     def _init_cache(self, *sample: Any, **sample_kwargs: Any) -> None:
         """Zero the cache for a decoding call on inputs shaped like `sample` (shapes from jax.eval_shape; nothing is
@@ -101,11 +125,11 @@ class LinenLayer(nnx.Module):
         self.cache = _variables(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("cache", {})),
                                 nnx.Cache)
 
-    def _apply(self, *args: Any, cache: bool = False, dropout: bool = False, **kwargs: Any) -> Any:
-        """Call the linen module; `cache` reads and updates the cache (a decoding call), `dropout` draws a key from
-        `rngs.dropout`."""
+    def _apply(self, *args: Any, cache: bool = False, dropout_key: jax.Array | None = None, **kwargs: Any) -> Any:
+        """Call the linen module; `cache` reads and updates the cache (a decoding call), `dropout_key` draws the
+        dropout masks."""
         variables = {"params": self.linen_params()}
-        rngs = {"dropout": self.rngs.dropout()} if dropout else {}
+        rngs = {} if dropout_key is None else {"dropout": dropout_key}
         if not cache:
             return self.linen.apply(variables, *args, rngs=rngs, **kwargs)
         if self.cache is None:
@@ -118,11 +142,13 @@ class LinenLayer(nnx.Module):
 
 
 class _DropoutLayer(LinenLayer):
-    """A LinenLayer with dropout, on unless `deterministic` (the attribute, or the call's override)."""
+    """A LinenLayer with dropout, on unless `deterministic` (the attribute, or the call's override); `rngs` is its own
+    fork of the dropout stream."""
 
     def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool,
                  **sample_kwargs: Any) -> None:
         super().__init__(module, *sample, rngs=rngs, **sample_kwargs)
+        self.rngs = _dropout_stream(rngs)
         self.deterministic = deterministic
 
     def set_view(self, deterministic: bool | None = None) -> None:
@@ -132,6 +158,15 @@ class _DropoutLayer(LinenLayer):
 
     def _deterministic(self, deterministic: bool | None) -> bool:
         return self.deterministic if deterministic is None else deterministic
+
+    def _dropout_key(self, deterministic: bool) -> jax.Array | None:
+        """None when `deterministic`, else the next key of the layer's dropout stream."""
+        if deterministic:
+            return None
+        if self.rngs is None:
+            raise ValueError("dropout (deterministic=False) needs a 'dropout' or 'default' stream in the rngs given "
+                             "at construction, e.g. nnx.Rngs(params=0, dropout=1)")
+        return self.rngs()
 
 
 def _check_cache_size(batch_size: int, length: int) -> None:
@@ -159,8 +194,9 @@ class TransformerLM(_DropoutLayer):
                  padding_mask: jax.Array | None = None) -> jax.Array:
         """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM."""
         deterministic = self._deterministic(deterministic)
-        return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic,
-                           positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
+        return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode,
+                           dropout_key=self._dropout_key(deterministic), positions=positions, segment_ids=segment_ids,
+                           padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
@@ -173,17 +209,18 @@ class TransformerLM(_DropoutLayer):
 class Attention(_DropoutLayer):
     """Causal self-attention x [B, L, d_model] -> [B, L, d_model]: jaxpe.Attention as an NNX module.
 
-    Takes jaxpe.Attention's fields plus `d_model`, the input width (linen reads it from the first input). When `pe`
-    shares one position table across layers (CoPE with shared_table=True), every call must pass it as `pos_emb`.
+    Takes jaxpe.Attention's fields plus `d_model`, the input width (linen reads it from the first input); `pe` is a
+    config or an encoding name. When `pe` shares one position table across layers (CoPE with shared_table=True),
+    every call must pass it as `pos_emb`.
     """
 
-    def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig,
+    def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig | str,
                  max_len: int = 512, dropout: float = 0.0, impl: str = "auto", dtype: Any = jnp.float32,
                  window: int | None = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs,
                  deterministic: bool = False) -> None:
-        if not isinstance(d_model, int) or d_model < 1:
+        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
             raise ValueError(f"{d_model=} must be a positive int")
-        _check_pe(pe)
+        pe = as_pe_config(pe)
         module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
                                 max_len=max_len, dropout=dropout, impl=impl, dtype=dtype, window=window,
                                 param_dtype=param_dtype)
@@ -204,8 +241,9 @@ class Attention(_DropoutLayer):
             raise ValueError(f"pos_emb is None, but pe={self.linen.pe} shares one table "
                              f"{self.shared_table_shape} across layers: pass it")
         deterministic = self._deterministic(deterministic)
-        return self._apply(x, deterministic=deterministic, decode=decode, cache=decode, dropout=not deterministic,
-                           pos_emb=pos_emb, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
+        return self._apply(x, deterministic=deterministic, decode=decode, cache=decode,
+                           dropout_key=self._dropout_key(deterministic), pos_emb=pos_emb, positions=positions,
+                           segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the key/value cache for `batch_size` sequences of up to `length` tokens."""
@@ -272,17 +310,18 @@ class AttentionCore(LinenLayer):
         self._init_cache(*self._sample(batch_size, length, decode=True))
 
 
-def embedding(pe: PEConfig, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:
-    """The NNX module adding encoding `pe` to token embeddings, or None when `pe` acts inside attention."""
-    _check_pe(pe)
+def embedding(pe: PEConfig | str, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:
+    """The NNX module adding encoding `pe` (a config or a name) to token embeddings, or None when `pe` acts inside
+    attention."""
+    pe = as_pe_config(pe)
     module = pe.embedding(d_model=d_model, max_len=max_len)
     return None if module is None else PositionEmbedding(module, d_model=d_model, rngs=rngs)
 
 
-def core(pe: PEConfig, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, max_len: int = 512,
+def core(pe: PEConfig | str, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, max_len: int = 512,
          impl: str = "auto", rngs: nnx.Rngs) -> AttentionCore:
-    """The NNX attention core of encoding `pe` (plain softmax attention for additive ones)."""
-    _check_pe(pe)
+    """The NNX attention core of encoding `pe` (a config or a name; plain softmax attention for additive ones)."""
+    pe = as_pe_config(pe)
     module = pe.core(head_dim=head_dim, max_len=max_len, impl=impl)
     shared = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
     return AttentionCore(module, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, d_model=d_model,

@@ -1,17 +1,20 @@
 """Encodings chosen by name: one frozen config dataclass per encoding, registered under its string name.
 
 An encoding acts in one of two places:
-- on token embeddings (`embedding` returns a module called as `module(x, positions)`, x [B, L, d_model]);
+- on token embeddings (`additive`; `embedding` returns a module called as `module(x, positions)`, x [B, L, d_model]);
 - inside attention (`core` returns a linen module answering `jaxpe.attention_core.AttentionCore`:
   `core(q, k, v, ctx)` -> [B, Lq, Hq, D], q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], ctx an `AttentionContext`).
+Every config checks its options in `__post_init__`: a bad one is a ValueError naming it and its value.
 Adding an encoding is one file plus one `@register` line.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import flax.linen as nn
+import jax
+import numpy as np
 
 from jaxpe.attention_core import PlainCore
 
@@ -24,6 +27,10 @@ class PEConfig:
     """Base of every encoding config. Subclasses are frozen dataclasses registered by name."""
 
     name: ClassVar[str] = ""
+    additive: ClassVar[bool] = False  # acts on the token embeddings (`embedding` gives a module), not in attention
+    # The option that sets the rows of the encoding's position tables (None: max_len + 1), and those tables' names.
+    size_option: ClassVar[str | None] = None
+    tables: ClassVar[tuple[str, ...]] = ()
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module | None:
         """The module added to token embeddings, or None when the encoding acts in attention."""
@@ -36,6 +43,38 @@ class PEConfig:
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:
         """Shape of a position table shared by all layers, owned by the model; None when there is none."""
         return None
+
+    def table_rows(self, max_len: int) -> int | None:
+        """Rows of the position tables: the `size_option`, else max_len + 1 (the block size + 1); None without
+        tables."""
+        if self.size_option is None:
+            return None
+        rows = getattr(self, self.size_option)
+        return max_len + 1 if rows is None else rows
+
+    def check_params(self, params: Mapping[str, Any], *, max_len: int) -> None:
+        """ValueError naming `size_option` and the value that loads them when `params` (this encoding's parameters
+        in a layer, or the model's shared table) hold a position table of another size."""
+        rows = self.table_rows(max_len)
+        for name in self.tables:
+            if name in params:
+                got = np.shape(jax.tree.leaves(params[name])[0])[-2]
+                if got != rows:
+                    default = "" if getattr(self, self.size_option) is not None else f" (max_len + 1, {max_len=})"
+                    raise ValueError(f"position table {name!r} has {got} rows, but pe={self.name!r} here has "
+                                     f"{self.size_option}={rows}{default}: {table_hint(name, got)}")
+
+
+def position_tables() -> dict[str, str]:
+    """{parameter name of a position table: the encoding option that sets its rows} over every registered encoding."""
+    return {table: cls.size_option for cls in _REGISTRY.values() for table in cls.tables}
+
+
+def table_hint(name: str, rows: int) -> str:
+    """How to load the position table `name` (one of `position_tables()`) that has `rows` rows."""
+    option = position_tables()[name]
+    return (f"its rows are the encoding's {option} (by default max_len + 1, so they change with max_len); set "
+            f"{option}={rows} (in a ModelConfig: pe_options={{'{option}': {rows}}}) to load it")
 
 
 def register(name: str) -> Callable[[C], C]:
@@ -67,3 +106,12 @@ def pe_config(name: str, **options: Any) -> PEConfig:
             raise ValueError(f"unknown option {option!r} for pe={name!r}; valid options: {sorted(fields)}")
     return cls(**options)
 
+
+def as_pe_config(pe: PEConfig | str) -> PEConfig:
+    """A layer's `pe`: a config as given, or an encoding name with its default options (`pe_config(name)`)."""
+    if isinstance(pe, PEConfig):
+        return pe
+    if isinstance(pe, str):
+        return pe_config(pe)
+    raise TypeError(f"pe must be an encoding name (one of {pe_names()}) or a jaxpe.PEConfig from "
+                    f"jaxpe.pe_config(name, **options), got pe={pe!r}")

@@ -6,6 +6,7 @@ B batch, Lq/Lk query/key length, H heads, D head dim.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import functools
 import math
 
@@ -139,11 +140,16 @@ class RelativeCore(nn.Module):
 @register("relative")
 @dataclasses.dataclass(frozen=True)
 class RelativeConfig(PEConfig):
-    """Learned relative position logits clipped at npos − 1."""
+    """Learned relative position logits clipped at npos − 1. Without `npos` the table has max_len + 1 rows, so its
+    shape follows max_len: parameters trained at one max_len load at another with npos set to their rows."""
 
-    npos: int | None = None  # table size; None means max_len + 1
+    size_option: ClassVar[str] = "npos"
+    tables: ClassVar[tuple[str, ...]] = ("rel_table",)
+    npos: int | None = None  # table rows (int >= 2): distances >= npos − 1 share the last; None: max_len + 1
+
+    def __post_init__(self) -> None:
+        if self.npos is not None:
+            check_npos(self.npos)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        npos = self.npos if self.npos is not None else max_len + 1
-        check_npos(npos)
-        return RelativeCore(npos=npos)
+        return RelativeCore(npos=self.table_rows(max_len))

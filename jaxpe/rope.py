@@ -19,7 +19,7 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import check_even_head_dim, check_float, check_positive, check_rank
+from jaxpe.validation import check_bool, check_even_head_dim, check_float, check_positive_number, check_rank
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, rotary_dim: int | None = None,
@@ -113,11 +113,10 @@ class RoPEConfig(PEConfig):
     scaling: Mapping | tuple | None = None  # an HF rope_scaling dict, stored as sorted (key, value) pairs; None: none
 
     def __post_init__(self) -> None:
-        check_positive("theta", self.theta)
+        check_positive_number("theta", self.theta)
         if self.rotary_dim is not None:
             check_rotary_dim(self.rotary_dim)
-        if not isinstance(self.interleaved, bool):
-            raise ValueError(f"interleaved={self.interleaved!r} must be a bool")
+        check_bool("interleaved", self.interleaved)
         spec = rope_scaling_dict(self.scaling)
         object.__setattr__(self, "scaling", None if spec is None else tuple(sorted(spec.items())))
         if spec is not None and spec["rope_type"] == "dynamic" and self.rotary_dim == 2:

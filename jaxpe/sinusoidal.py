@@ -5,6 +5,7 @@ L length, d model width.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 
 from jaxpe.learned import gather_positions
 from jaxpe.registry import PEConfig, register
-from jaxpe.validation import check_positive
+from jaxpe.validation import check_positive, check_positive_number
 
 
 def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0) -> jax.Array:
@@ -52,14 +53,16 @@ class SinusoidalPE(nn.Module):
 class SinusoidalConfig(PEConfig):
     """Fixed sinusoidal table added to token embeddings."""
 
-    theta: float = 10000.0  # base of the geometric frequency sequence
+    additive: ClassVar[bool] = True
+    theta: float = 10000.0  # base of the geometric frequency sequence (> 0)
     # Multiplies the table. Its entries are O(1) while TransformerLM's token embeddings start at std 0.02: at 1.0 the
     # positions swamp the tokens and cpu-small selective copy stays at chance (93.8 % error); 0.02 restores Vaswani
     # et al.'s 1:1 balance (their embeddings are ×√d) and trains (18 %; 0.1 gives 23 %).
     amplitude: float = 0.02
 
     def __post_init__(self) -> None:
-        check_positive("amplitude", self.amplitude)
+        check_positive_number("theta", self.theta)
+        check_positive_number("amplitude", self.amplitude)
 
     def embedding(self, *, d_model: int, max_len: int) -> nn.Module:
         return SinusoidalPE(max_len=max_len, theta=self.theta, amplitude=self.amplitude)

@@ -1,14 +1,19 @@
 """Input checks of jaxpe's public entry points. The checks of arrays and sizes live at the bottom layer,
 `jaxpe.kernels._checks`, shared with the kernels (one wording everywhere), and are re-exported here; the choice of
-implementation is jaxpe's own."""
+implementation and the checks of config options (each error names the option and its value) are jaxpe's own."""
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
 
 from jaxpe.kernels._checks import (check_cope_inputs, check_corope_inputs, check_even_head_dim, check_float,
                                    check_npos, check_padding_mask, check_pos_emb, check_positive, check_qkv,
                                    check_rank, check_segment_ids, check_window)
 
-__all__ = ["IMPLS", "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_impl",
-           "check_npos", "check_padding_mask", "check_pos_emb", "check_positive", "check_qkv", "check_rank",
+__all__ = ["IMPLS", "check_bool", "check_choice", "check_cope_inputs", "check_corope_inputs", "check_even_head_dim",
+           "check_float", "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int",
+           "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank",
            "check_segment_ids", "check_window"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas")
@@ -16,5 +21,51 @@ IMPLS = ("auto", "reference", "blockwise", "pallas")
 
 def check_impl(impl: str) -> None:
     """Raise ValueError unless `impl` names an implementation."""
-    if impl not in IMPLS:
+    if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{impl=} must be one of {IMPLS}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise ValueError unless `value` is a bool (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a bool")
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    """An int (NumPy's too, not a bool) >= minimum."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise ValueError unless `value` is an int >= `minimum` (a bool is not an int here)."""
+    if not _is_int(value, minimum):
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def check_optional_int(name: str, value: Any, minimum: int) -> None:
+    """Raise ValueError unless `value` is None or an int >= `minimum`."""
+    if value is not None and not _is_int(value, minimum):
+        raise ValueError(f"{name}={value!r} must be None or an int >= {minimum}")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite real number: an int or a float, not a bool, not nan or inf."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_positive_number(name: str, value: Any) -> None:
+    """Raise ValueError unless `value` is a number > 0 and finite (a bool or a string is not)."""
+    if not _is_number(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be > 0 and finite")
+
+
+def check_fraction(name: str, value: Any, *, one: bool) -> None:
+    """Raise ValueError unless `value` is a number in [0, 1] (`one`) or in [0, 1)."""
+    if not _is_number(value) or not (0 <= value <= 1 if one else 0 <= value < 1):
+        raise ValueError(f"{name}={value!r} must be in [0, {'1]' if one else '1)'}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless `value` is one of the strings `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {choices}")

@@ -1,5 +1,5 @@
-"""ALiBi's head slopes follow Press et al. (arXiv:2108.12409) and their reference code `get_slopes`: 2^(−8h/H) for H a
-power of two; otherwise the slopes of the largest power of two H' < H, then every other slope of 2H' heads.
+"""ALiBi's head slopes follow Press et al. (arXiv:2108.12409): 2^(−8h/H) for H a power of two; otherwise the slopes
+of the largest power of two H' < H, then every other slope of 2H' heads.
 
 The expected values below are written out by hand from that rule, as exponents of 2."""
 import numpy as np
