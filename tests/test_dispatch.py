@@ -1,7 +1,9 @@
 """impl="auto": the fused kernels where they compile, otherwise blockwise with one warning that says why."""
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 import warnings
 
 import jax
@@ -14,6 +16,8 @@ from jaxpe import dispatch
 from jaxpe.kernels._common import MAX_HEAD_DIM, pallas_unsupported
 from jaxpe.kernels.cope_attention import cope_attention_pallas
 from jaxpe.kernels.corope_attention import corope_attention_pallas
+
+BENCH = Path(__file__).resolve().parent.parent / "results" / "bench" / "auto_dispatch_cpu.json"
 
 
 @pytest.mark.parametrize("backend, capability, head_dim, words", [
@@ -41,15 +45,57 @@ def test_auto_on_cuda_is_pallas(monkeypatch):
     fake_backend(monkeypatch, "gpu", "9.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("auto", 4096, 128) == "pallas"
+        assert dispatch.resolve_impl("auto", 4096, 128, encoding="cope", batch_heads=8) == "pallas"
 
 
-def test_auto_on_cpu_is_silent_and_picks_by_length(monkeypatch):
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_on_cpu_is_silent_and_picks_by_length(monkeypatch, encoding):
     fake_backend(monkeypatch, "cpu", None)
+    threshold = dispatch.BLOCKWISE_MIN_LENGTH[encoding]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("auto", dispatch.BLOCKWISE_MIN_LENGTH - 1, 64) == "reference"
-        assert dispatch.resolve_impl("auto", dispatch.BLOCKWISE_MIN_LENGTH, 64) == "blockwise"
+        if threshold > 1:
+            assert dispatch.resolve_impl("auto", threshold - 1, 64, encoding=encoding, batch_heads=8) == "reference"
+        assert dispatch.resolve_impl("auto", threshold, 64, encoding=encoding, batch_heads=8) == "blockwise"
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_on_cpu_keeps_dense_within_its_memory_budget(monkeypatch, encoding):
+    fake_backend(monkeypatch, "cpu", None)
+    length = dispatch.BLOCKWISE_MIN_LENGTH[encoding] - 1
+    most = dispatch.DENSE_MAX_ENTRIES // length**2
+    if most >= 1:
+        assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most) == "reference"
+    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most + 1) == "blockwise"
+
+
+def test_cpu_thresholds_are_the_committed_measurement():
+    """The lengths auto switches at are the crossovers benchmarks/auto_dispatch.py measured and committed: from
+    there on blockwise's forward+backward was no slower (within its tie margin) at every longer measured length,
+    just below it dense was faster."""
+    report = json.loads(BENCH.read_text())
+    assert report["device"]["backend"] == "cpu"
+    for encoding in dispatch.ENCODINGS:
+        rows = sorted((row["length"], row["ratio_fwd+bwd"]) for row in report["rows"] if row["op"] == encoding)
+        assert rows, encoding
+        want = dispatch.BLOCKWISE_MIN_LENGTH[encoding]
+        assert report["crossover"][encoding] == want
+        assert all(ratio <= report["tie"] for length, ratio in rows if length >= want), (encoding, rows)
+        below = [ratio for length, ratio in rows if length < want]
+        assert not below or below[-1] > report["tie"], (encoding, rows)
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+@pytest.mark.parametrize("backend, capability", [("cpu", None), ("gpu", "9.0")])
+def test_auto_with_a_symbolic_length_is_blockwise(monkeypatch, encoding, backend, capability):
+    fake_backend(monkeypatch, backend, capability)
+    (length,) = jax.export.symbolic_shape("l")
+    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=8) == "blockwise"
+
+
+def test_unknown_encoding_is_named():
+    with pytest.raises(ValueError, match="encoding='rope'"):
+        dispatch.resolve_impl("auto", 128, 64, encoding="rope", batch_heads=8)
 
 
 @pytest.mark.parametrize("backend, capability", [("tpu", None), ("gpu", "gfx942"), ("gpu", "7.0")])
@@ -57,7 +103,7 @@ def test_auto_elsewhere_falls_back_to_blockwise_with_one_warning(monkeypatch, ba
     fake_backend(monkeypatch, backend, capability)
     with pytest.warns(RuntimeWarning, match="'blockwise' path instead of the fused 'pallas'") as record:
         for _ in range(3):
-            assert dispatch.resolve_impl("auto", 128, 64) == "blockwise"
+            assert dispatch.resolve_impl("auto", 128, 64, encoding="corope", batch_heads=8) == "blockwise"
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
 
 
@@ -65,8 +111,8 @@ def test_explicit_impl_is_kept(monkeypatch):
     fake_backend(monkeypatch, "tpu", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("reference", 128, 64) == "reference"
-        assert dispatch.resolve_impl("pallas", 128, 64) == "pallas"
+        assert dispatch.resolve_impl("reference", 128, 64, encoding="cope", batch_heads=8) == "reference"
+        assert dispatch.resolve_impl("pallas", 128, 64, encoding="corope", batch_heads=8) == "pallas"
 
 
 def test_auto_fallback_computes_the_same_attention(monkeypatch):
