@@ -183,25 +183,21 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def gelu(x: jax.Array) -> jax.Array:
     """GELU's tanh form, `jax.nn.gelu(x, approximate=True)`: x/2 · (1 + tanh(√(2/π)(x + 0.044715 x³))). Its
-    backward reads x and the saved tanh in one elementwise pass (autodiff of the formula spends several)."""
-    return _gelu_fwd(x)[0]
+    tangent is slope(x)·dx with the slope written out from x and the tanh (autodiff of the formula spends several
+    elementwise passes): linear in dx, so JAX transposes it for reverse mode (one elementwise backward pass) and
+    differentiates it again for forward mode over reverse and higher orders."""
+    return 0.5 * x * (1.0 + jnp.tanh(_GELU_C * (x + _GELU_A * x * x * x)))
 
 
-def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+@gelu.defjvp
+def _gelu_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    (x,), (dx,) = primals, tangents
     t = jnp.tanh(_GELU_C * (x + _GELU_A * x * x * x))
-    return 0.5 * x * (1.0 + t), (x, t)
-
-
-def _gelu_bwd(residuals: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array]:
-    x, t = residuals
     slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
-    return (dy * slope.astype(dy.dtype),)
-
-
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
+    return 0.5 * x * (1.0 + t), slope.astype(dx.dtype) * dx
 
 
 class MLP(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from jaxpe.validation import check_qkv
 
@@ -76,9 +77,9 @@ def qk_logits(q: jax.Array, k: jax.Array) -> jax.Array:
 
 def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The softmax's unnormalised weights e [B, Hq, Lq, Lk] (0 where masked) and 1 / Σ_k e [B, Hq, Lq, 1] (1 for a
-    row with no visible key)."""
+    row with no visible key). The row maximum is a constant to autodiff: the softmax does not depend on it."""
     logits = jnp.where(mask[:, None], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(e, axis=-1, keepdims=True)
     return e, 1.0 / jnp.where(denom > 0, denom, 1.0)
@@ -96,40 +97,43 @@ def _swap_heads_and_queries(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def masked_softmax_attention(logits: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """logits [B, Hq, Lq, Lk] (float32), v [B, Lk, Hkv, D], mask [B|1, Lq, Lk] -> [B, Lq, Hq, D] in v's dtype.
 
-    Rows with no visible key give zeros. The backward is written out (as flash attention's): with p = e / Σe and
-    out = p·v, d logits = p ⊙ (dout·vᵀ − δ) where δ_q = dout_q · out_q is a D-long sum, so no [B, H, Lq, Lk] pass is
-    spent on the softmax's own reduction or on normalising p; it saves e and 1 / Σe, no more than autodiff saves.
+    Rows with no visible key give zeros (and zero derivatives). Differentiated through a tangent rule
+    (`_masked_softmax_attention_jvp`) that is linear in the tangents and made of plain jnp ops, so forward mode,
+    reverse mode (JAX transposes the rule) and higher orders all work. Its transpose is flash attention's backward:
+    with p = e / Σe and out = p·v, d logits = p ⊙ (dout·vᵀ − δ), δ_q = dout_q · out_q a D-long sum, so no
+    [B, H, Lq, Lk] pass is spent on the softmax's own reduction or on normalising p; reverse mode keeps e, the only
+    [B, H, Lq, Lk] array, and D-long rows (out, 1 / Σe, v).
     """
-    return _masked_softmax_attention_fwd(logits, v, mask)[0]
-
-
-_Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # e, 1 / Σe, v, float32 out
-
-
-def _masked_softmax_attention_fwd(logits: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, _Residuals]:
     e, inverse_sum = _exp_and_inverse_sum(logits, mask)
-    out = _weighted_values(e, inverse_sum, v)
-    return out.astype(v.dtype), (e, inverse_sum, v, out)
+    return _weighted_values(e, inverse_sum, v).astype(v.dtype)
 
 
-def _masked_softmax_attention_bwd(residuals: _Residuals, d_out: jax.Array) -> tuple[jax.Array, jax.Array, None]:
-    e, inverse_sum, v, out = residuals
-    groups = e.shape[1] // v.shape[2]
-    d_out = d_out.astype(jnp.float32)
-    d_scaled = d_out * _swap_heads_and_queries(inverse_sum)  # dout / Σe  [B, Lq, Hq, D]
-    v_full = repeat_kv(v, groups).astype(jnp.float32)
-    delta = _swap_heads_and_queries(jnp.sum(d_scaled * out, axis=-1, keepdims=True))  # δ / Σe  [B, Hq, Lq, 1]
-    d_logits = e * (jnp.einsum("bqhd,bkhd->bhqk", d_scaled, v_full) - delta)
-    d_v = jnp.einsum("bhqk,bqhd->bkhd", e, d_scaled)  # [B, Lk, Hq, D]
-    d_v = d_v.reshape(*d_v.shape[:2], v.shape[2], groups, d_v.shape[-1]).sum(axis=3)
-    return d_logits.astype(jnp.float32), d_v.astype(v.dtype), None
+def _masked_softmax_attention_jvp(primals: tuple[jax.Array, jax.Array, jax.Array],
+                                  tangents: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """out = (e·v) / Σe with e = exp(logits − max):
+    d out = (de·v + e·dv) / Σe − out · Σ_k de / Σe, de = e ⊙ d logits.
+
+    The normalisation is applied to D-long rows: the only [B, Hq, Lq, Lk] tangent pass is de (and, transposed,
+    e ⊙ (dout·vᵀ − δ)). Zero tangents (SymbolicZero: the mask always, logits or v when not differentiated) cost
+    nothing."""
+    (logits, v, mask), (d_logits, d_v, _) = primals, tangents
+    e, inverse_sum = _exp_and_inverse_sum(logits, mask)
+    out = _weighted_values(e, inverse_sum, v)  # [B, Lq, Hq, D] float32
+    terms = []  # at least one: JAX calls the rule only when logits or v has a tangent
+    if not isinstance(d_logits, SymbolicZero):
+        d_e = e * d_logits.astype(jnp.float32)
+        terms.append(_weighted_values(d_e, inverse_sum, v)
+                     - out * _swap_heads_and_queries(jnp.sum(d_e, axis=-1, keepdims=True) * inverse_sum))
+    if not isinstance(d_v, SymbolicZero):
+        terms.append(_weighted_values(e, inverse_sum, d_v))
+    return out.astype(v.dtype), sum(terms[1:], terms[0]).astype(v.dtype)
 
 
-masked_softmax_attention.defvjp(_masked_softmax_attention_fwd, _masked_softmax_attention_bwd)
+masked_softmax_attention.defjvp(_masked_softmax_attention_jvp, symbolic_zeros=True)
 
 
 def reverse_cumsum(x: jax.Array) -> jax.Array:
