@@ -1,15 +1,23 @@
-"""Co-RoPE: rotary encoding driven by contextual mileage (seeds/corope_triton.md).
+"""Co-RoPE: rotary encoding driven by contextual mileage (PyTorch reference: github Superposition09m/Co-RoPE).
 
 B batch, Lq/Lk query/key length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim.
 1. the leader of GQA group g is query head g·G; z_ij = sigmoid(sm_scale · q^leader_i·k_j), 0 for keys j that
    query i does not see (j > i; another document; i − j ≥ window), so Δ counts only its document's keys in the window;
 2. mileage a_ij = Σ_{t≤j} z_it; Δ_ij = a_ii − a_ij = Σ_{t=j+1..i} z_it, shared by the heads of the group;
+   bidirectional (causal=False): the keys j > i count too (key j visible iff same document and |i − j| < window)
+   and Δ is signed, Δ_ij = −Σ_{t=i+1..j} z_it for j > i;
 3. φ_ijd = Δ_ij·ω_d, ω_d = θ^(−2d/D) or the caller's `inv_freq` (RoPE scaling; zeros: pairs that do not rotate),
    d < D/2; q = [q1, q2], k = [k1, k2];
 4. E_A = q1_d k1_d + q2_d k2_d, E_B = q2_d k1_d − q1_d k2_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ);
    softmax over the visible keys, times v.
-With Δ_ij = i − j this is RoPE; with every z = c it is RoPE with every ω_d multiplied by c; with every ω_d = 0 it is
-plain causal attention.
+With Δ_ij = i − j this is RoPE; with every z = c it is RoPE with every ω_d multiplied by c (bidirectional RoPE when
+causal=False); with every ω_d = 0 it is plain attention.
+
+What each impl supports beyond jit, vmap and grad: "reference" (dense autodiff, forward mode and higher orders as far
+as `masked_softmax_attention` allows), "blockwise" (custom VJP: reverse mode, twice at a static length; no forward
+mode) and "pallas" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes and a concrete sm_scale)
+all run under shard_map (default checks), x64 mode and with a traced sm_scale (a learned temperature, differentiable;
+not pallas); "reference" and "blockwise" export with symbolic batch and length (jax.export).
 """
 from __future__ import annotations
 
@@ -20,11 +28,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels._checks import check_padding_mask, check_segment_ids, check_window
-from jaxpe.kernels._common import sincos
+from jaxpe.kernels._common import carry_init, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise, corope_frequencies
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
@@ -33,11 +42,13 @@ from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_a
 from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive_number, check_qkv
 
 
-def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
-                   mask: jax.Array | None = None) -> jax.Array:
-    """Δ [B, Hkv, Lq, Lk] float32 = Σ_{t=j+1..i} z_it from the leader heads q[:, :, ::G] (0 where j ≥ i).
+def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | None = None,
+                   mask: jax.Array | None = None, causal: bool = True) -> jax.Array:
+    """Δ [B, Hkv, Lq, Lk] float32 = a_ii − a_ij, a_ij = Σ_{t≤j} z_it over the keys `mask` shows, z from the leader
+    heads q[:, :, ::G]: Σ_{t=j+1..i} z_it for j < i; when causal, 0 for j ≥ i, else −Σ_{t=i+1..j} z_it for j > i.
 
-    q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last).
+    q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last); causal=False is
+    self-attention (Lq = Lk, query i at key position i).
     """
     check_qkv(q, k, k)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -45,7 +56,29 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | None = None,
         mask = causal_mask(q.shape[1], k.shape[1])
     leaders = q[:, :, :: q.shape[2] // k.shape[2]]  # [B, Lq, Hkv, D]
     z = jnp.where(mask[:, None], jax.nn.sigmoid(sm_scale * qk_logits(leaders, k)), 0.0)  # [B, Hkv, Lq, Lk]
-    return reverse_cumsum(z) - z
+    after = _suffix_sums(z) - z  # Σ_{t>j} z_it = a_i,last − a_ij
+    if causal:  # Σ_{t>i} z_it = 0: no key after the query is visible
+        return after
+    return after - jnp.sum(jnp.where(jnp.eye(q.shape[1], dtype=bool), after, 0.0), axis=-1, keepdims=True)
+
+
+def _suffix_sums(z: jax.Array) -> jax.Array:
+    """Σ_{t≥j} z[..., t] along the last axis, float32: the associative scan at a static length; lax.cumsum at a
+    symbolic one (jax.export), which the scan cannot split."""
+    if isinstance(z.shape[-1], int):
+        return reverse_cumsum(z)
+    return lax.cumsum(z.astype(jnp.float32), axis=z.ndim - 1, reverse=True)
+
+
+def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, window: int | None = None
+                       ) -> jax.Array:
+    """[B|1, L, L] bool, key j visible to query i without a causal mask: same document (segment_ids [B, L]) and
+    |i − j| < window."""
+    i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    mask = jnp.ones((1, length, length), bool) if window is None else (jnp.abs(i - j) < window)[None]
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return mask
 
 
 def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: float = 10000.0,
@@ -73,63 +106,77 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
 
     last_first = lambda x: jnp.moveaxis(x, -1, 0)
     xs = (corope_frequencies(d, theta, inv_freq), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
-    acc0 = jnp.zeros((b, hkv, hq // hkv, lq, lk), jnp.float32)
+    acc0 = carry_init(0.0, (b, hkv, hq // hkv, lq, lk), jnp.float32, q, k, mileage)
     scores, _ = jax.lax.scan(one_frequency, acc0, xs)
     return sm_scale * scores.reshape(b, hq, lq, lk)
 
 
-def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
-                               mask: jax.Array | None = None, mileage: jax.Array | None = None,
-                               segment_ids: jax.Array | None = None, window: int | None = None,
-                               inv_freq: jax.Array | None = None) -> jax.Array:
+def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
+                               sm_scale: float | jax.Array, mask: jax.Array | None = None,
+                               mileage: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                               window: int | None = None, inv_freq: jax.Array | None = None, causal: bool = True
+                               ) -> jax.Array:
     """Dense Co-RoPE attention, the ground truth. Returns [B, Lq, Hq, D] in q's dtype.
 
     mask [B|1, Lq, Lk] bool: the keys each query sees (None: `visibility_mask` of segment_ids [B, L] and window, i.e.
-    causal, same document, i − j < window); `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use it to
-    fix Δ); inv_freq [D/2] replaces θ^(−2d/D) (a constant, not differentiated).
+    causal, same document, i − j < window; causal=False: `bidirectional_mask`, same document, |i − j| < window, and
+    a signed mileage); `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use it to fix Δ); inv_freq [D/2]
+    replaces θ^(−2d/D) (a constant, not differentiated).
     """
-    if mask is None:
+    if not causal:
+        visible = bidirectional_mask(q.shape[1], segment_ids=segment_ids, window=window)
+        mask = visible if mask is None else mask & visible
+    elif mask is None:
         mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     elif segment_ids is not None or window is not None:
         mask = mask & visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     if mileage is None:
-        mileage = corope_mileage(q, k, sm_scale=sm_scale, mask=mask)
+        mileage = corope_mileage(q, k, sm_scale=sm_scale, mask=mask, causal=causal)
     scores = corope_scores(q, k, mileage, theta=theta, sm_scale=sm_scale, inv_freq=inv_freq)
     return masked_softmax_attention(scores, v, mask).astype(q.dtype)
 
 
 def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
-                     sm_scale: float | None = None, causal: bool = True, segment_ids: jax.Array | None = None,
-                     window: int | None = None, inv_freq: jax.Array | None = None, impl: str = "auto",
-                     padding_mask: jax.Array | None = None) -> jax.Array:
+                     sm_scale: float | jax.Array | None = None, causal: bool = True,
+                     segment_ids: jax.Array | None = None, window: int | None = None,
+                     inv_freq: jax.Array | None = None, impl: str = "auto", padding_mask: jax.Array | None = None
+                     ) -> jax.Array:
     """Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D].
 
+    causal=False: bidirectional (every key of the document in the window, signed mileage; module docstring).
     segment_ids: int [B, L] document ids (packed documents): query i sees key j only with the same id.
-    padding_mask: bool [B, L], False on padding: keys no real token sees (outputs at padding are meaningless). window: int >= 1, query i sees keys i − window < j ≤ i. Invisible keys add
-    nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros for
-    the pairs that should not rotate), treated as a constant (not differentiated).
-    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto".
+    padding_mask: bool [B, L], False on padding: keys no real token sees (outputs at padding are meaningless).
+    window: int >= 1, query i sees keys with i − window < j ≤ i (|i − j| < window when bidirectional). Invisible keys
+    add nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros
+    for the pairs that should not rotate), treated as a constant (not differentiated). sm_scale: a number, or a
+    traced scalar (a learned temperature; differentiable) for every impl but "pallas".
+    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto"; "auto"
+    runs "blockwise" where it would choose "pallas" for inputs the fused kernel refuses.
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
     check_window(window)
     check_inv_freq(inv_freq, q.shape[3])
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
     segment_ids = fold_padding(segment_ids, padding_mask)
-    if not causal:
-        raise ValueError("causal=False is not supported: Co-RoPE's mileage sums gates from key j to query i, "
-                         "defined under a causal mask only (this first version is causal)")
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    impl = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope")
-    options = dict(theta=theta, sm_scale=sm_scale, segment_ids=segment_ids, window=window, inv_freq=inv_freq)
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    chosen_by_auto = impl == "auto"
+    impl = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2])
+    options = dict(theta=theta, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids, window=window,
+                   inv_freq=inv_freq)
+    if impl == "pallas":
+        from jaxpe.kernels.corope_attention import corope_attention_pallas, pallas_refusal  # loads Pallas
+        if chosen_by_auto and pallas_refusal(q, sm_scale=sm_scale, causal=causal) is not None:
+            impl = "blockwise"
+        else:
+            return corope_attention_pallas(q, k, v, **options)
     if impl == "reference":
         return corope_attention_reference(q, k, v, **options)
-    if impl == "blockwise":
-        return corope_attention_blockwise(q, k, v, **options)
-    from jaxpe.kernels.corope_attention import corope_attention_pallas  # Pallas loads only when the kernel runs
-    return corope_attention_pallas(q, k, v, **options)
+    return corope_attention_blockwise(q, k, v, **options)
 
 
 class CoRoPECore(nn.Module):

@@ -114,8 +114,23 @@ def check_corope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: floa
     check_same_length(q, k)
     check_even_head_dim(q.shape[3])
     check_positive("theta", theta)
-    if sm_scale is not None:
-        check_positive("sm_scale", sm_scale)
+    check_sm_scale(sm_scale)
+
+
+def check_sm_scale(sm_scale: float | jax.Array | None) -> None:
+    """sm_scale: None (the default D^−½) or a real scalar > 0. A traced scalar (a learned temperature, or one computed
+    under jit) is accepted: its value is checked only where it is concrete."""
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or jnp.ndim(sm_scale) != 0 or not (
+            jnp.issubdtype(jnp.result_type(sm_scale), jnp.floating)
+            or jnp.issubdtype(jnp.result_type(sm_scale), jnp.integer)):
+        raise TypeError(f"sm_scale must be a real scalar, got sm_scale={sm_scale!r}")
+    try:
+        value = float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        return
+    check_positive("sm_scale", value)
 
 
 def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | None, num_stages: int | None
@@ -127,12 +142,6 @@ def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | N
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name}={value!r} must be a positive int or None")
-
-
-def check_kernel_dtype(q: jax.Array) -> None:
-    """The Co-RoPE kernels take float32 or bfloat16 (q, k, v share q's dtype, see check_qkv)."""
-    if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"q must be float32 or bfloat16 for the Co-RoPE kernels, got q.dtype={q.dtype}")
 
 
 def check_array(name: str, x: object) -> None:

@@ -98,6 +98,34 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def carry_init(fill: float, shape: tuple[int, ...], dtype: jnp.dtype, *operands: jax.Array) -> jax.Array:
+    """An array [shape] of `fill`, the initial value of a loop carry that the loop computes from `operands`. Under
+    shard_map (check_vma) it varies over every mesh axis that an operand varies over, as the loop's result does (a
+    carry's input and output types must match); elsewhere it is jnp.full."""
+    init = jnp.full_like(operands[0], fill, dtype, shape=shape)
+    for x in operands[1:]:
+        init = init + jnp.zeros_like(x, dtype, shape=shape)
+    return init
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes (inside shard_map) over which `x` varies; empty elsewhere."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; `vma` before
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def vary_alike(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
+    """The arrays (None passes through), each marked as varying over every manual mesh axis that one of them varies
+    over. Called on a custom VJP's operands before the call: every value inside then has one manual-axis type, and
+    the cotangent of an operand that did not vary (a replicated table) is summed over those axes by autodiff of the
+    cast, outside the rule. A no-op outside shard_map."""
+    axes = frozenset().union(*(_varying_axes(x) for x in arrays if x is not None))
+    cast = lambda x, missing: lax.pcast(x, tuple(missing), to="varying")  # noqa: E731
+    return tuple(x if x is None or not axes - _varying_axes(x) else cast(x, axes - _varying_axes(x))
+                 for x in arrays)
+
+
 def rotary_frequencies(head_dim: int, theta: float, pairs: jax.Array | None = None) -> jax.Array:
     """ω_d = θ^(−2d/D) float32 for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
     if pairs is None:

@@ -6,7 +6,8 @@ dim, Dh = D/2 rotary pairs (Dp/2 padded). Einsum subscripts are the lower-case l
 key positions. Tiles: BQ query rows × BK keys; the rotary pairs are walked in BD-wide chunks (BD is elementwise
 only, not a dot dimension: 1 to 8 keeps the [BQ, BK, BD] temporaries in registers).
 
-Maths (SPEC §3): z_ij = sigmoid(sm_scale·q^leader_i·k_j) (j ≤ i), Δ_ij = Σ_{t=j+1..i} z_it, φ_ijd = Δ_ij·ω_d.
+Maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j) (j ≤ i), Δ_ij = Σ_{t=j+1..i} z_it,
+φ_ijd = Δ_ij·ω_d.
 With the rotated keys kc = k1 cos φ + k2 sin φ, ks = k2 cos φ − k1 sin φ ([BQ, BK, BD] per chunk),
 score_ij = sm_scale·Σ_d (q1·kc + q2·ks) — elementwise work, not a matmul — and ∂kc/∂φ = ks, ∂ks/∂φ = −kc.
 
@@ -58,10 +59,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpe.kernels._checks import (check_corope_inputs, check_kernel_dtype, check_pallas_settings, check_segment_ids,
+from jaxpe.kernels._checks import (KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, check_segment_ids,
                                    check_window)
 from jaxpe.kernels._common import (MASK_VALUE, MIN_BLOCK, check_head_dim, dot, resolve_interpret, rotary_frequencies,
-                                   sincos, tile_extent, triton_compiler_params)
+                                   sincos, tile_extent, triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq, effective_window
 
 
@@ -411,6 +412,12 @@ def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | 
     return specs
 
 
+def _output(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's type: typed like `like` under shard_map (check_vma asks pallas_call for the mesh axes its
+    outputs vary over), plain elsewhere."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
 def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, freq: jax.Array, seg: jax.Array | None
                   ) -> tuple[jax.Array, jax.Array]:
     """Padded q [B, Lp, N, Dp], k/v [B, Lp, K, Dp], ω [Dp/2], segment ids [B, Lp] or None -> o [B, Lp, N, Dp],
@@ -423,7 +430,7 @@ def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, fre
         functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
         in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["freq"], *seg_specs],
         out_specs=[s["heads"], s["stats"]],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, lp), jnp.float32)],
+        out_shape=[_output(q.shape, q.dtype, q), _output((batch, num_heads, lp), jnp.float32, q)],
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_forward",
     )(q, q, k, v, freq, *segs)
 
@@ -435,20 +442,33 @@ def _backward_call(config: _Config, q, k, v, do, lse, row_dot, freq, seg) -> tup
     s = _specs(config, bq, bh, dp, seg)
     seg_specs, segs = ([s["seg_rows"], s["seg_all"]], [seg, seg]) if seg is not None else ([], [])
     inputs = [q, q, k, v, do, lse, row_dot, freq, *segs]
-    zeros = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
+    zeros = [jnp.zeros_like(x, jnp.float32) for x in (q, k, v)]
     return pl.pallas_call(
         functools.partial(_backward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
         in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["heads"], s["stats"], s["stats"], s["freq"], *seg_specs,
                   s["group"], s["kv"], s["kv"]],
         out_specs=[s["group"], s["kv"], s["kv"]],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in zeros],
+        out_shape=[_output(x.shape, jnp.float32, q) for x in zeros],
         input_output_aliases={len(inputs) + i: i for i in range(3)},
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_backward_dq_dkv",
     )(*inputs, *zeros)
 
 
+@jax.custom_jvp
+def _differentiable_once(x: jax.Array) -> jax.Array:
+    """x, in the custom VJP's forward rule: differentiating that rule (second order) raises a clear error instead of
+    failing inside pallas_call."""
+    return x
+
+
+@_differentiable_once.defjvp
+def _differentiable_once_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    raise NotImplementedError("impl='pallas' is differentiable once (a custom VJP over fused kernels): a second "
+                              "derivative (grad of grad, jvp of grad) needs impl='blockwise' or impl='reference'")
+
+
 def _corope_pallas_fwd(q, k, v, segment_ids, omega, config: _Config):
-    qp, kp, vp = (_pad(x, config) for x in (q, k, v))
+    qp, kp, vp = (_pad(_differentiable_once(x), config) for x in (q, k, v))
     freq = jnp.pad(omega, (0, config.half - omega.shape[0]))  # [Dp/2], 0 on padding
     seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32),
                                                    [(0, 0), (0, config.padded - segment_ids.shape[1])])
@@ -475,11 +495,35 @@ _corope_pallas.defvjp(_corope_pallas_fwd, _corope_pallas_bwd)
 _corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(5,))
 
 
+def pallas_refusal(q: jax.Array, *, sm_scale: float | jax.Array, causal: bool = True) -> Exception | None:
+    """The error impl='pallas' raises for these inputs (None when it takes them): the fused kernels are causal, take
+    float32 or bfloat16, static shapes (not jax.export's symbolic ones) and compile sm_scale in (a concrete number);
+    they do not run with jax_enable_x64 (Pallas then mixes int32 and int64 indices). impl='blockwise' takes them all."""
+    if not causal:
+        return ValueError("causal=False is not supported by impl='pallas' (the fused kernels are causal); "
+                          "impl='blockwise' and impl='reference' are bidirectional with causal=False")
+    if q.dtype not in KERNEL_DTYPES:
+        return TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32 or bfloat16 "
+                         f"(impl='blockwise' and impl='reference' take any floating dtype)")
+    if not all(isinstance(n, int) for n in q.shape):
+        return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export): impl='pallas' needs static shapes; "
+                          f"impl='blockwise' and impl='reference' export with a symbolic batch and length")
+    if jax.config.jax_enable_x64:
+        return ValueError("impl='pallas' does not run with jax_enable_x64=True (Pallas then mixes int32 and int64 "
+                          "indices); impl='blockwise' and impl='reference' do, computing in float32")
+    try:
+        float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        return TypeError("sm_scale is traced (a learned or computed temperature): impl='pallas' compiles sm_scale "
+                         "into its kernels and needs a concrete number; impl='blockwise' takes a traced sm_scale")
+    return None
+
+
 def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
                             block_sizes: BlockSizes | None = None, interpret: bool | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
                             segment_ids: jax.Array | None = None, window: int | None = None,
-                            inv_freq: jax.Array | None = None) -> jax.Array:
+                            inv_freq: jax.Array | None = None, causal: bool = True) -> jax.Array:
     """Fused causal Co-RoPE attention. q [B, L, N, D], k/v [B, L, K, D] (float32 or bfloat16) -> [B, L, N, D].
 
     segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
@@ -489,9 +533,12 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     Differentiable in q, k, v (one fused backward kernel). interpret: run the kernels in the Pallas interpreter
     (default: unless the backend is a GPU); block_sizes (None fields: defaults for D and dtype), num_warps and
     num_stages tune the Triton lowering (defaults: `default_block_sizes`, `default_num_warps`, 2 stages).
+    causal=False, other dtypes, symbolic shapes, x64 mode and a traced sm_scale raise (`pallas_refusal`).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    check_kernel_dtype(q)
+    refusal = pallas_refusal(q, sm_scale=sm_scale, causal=causal)
+    if refusal is not None:
+        raise refusal
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
@@ -502,6 +549,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
                      window=window, segmented=segment_ids is not None)
+    q, k, v = vary_alike(q, k, v)  # one manual-axis type inside the kernels under shard_map
     omega = caller_frequencies(inv_freq)
     if omega is None:
         omega = rotary_frequencies(q.shape[3], theta)
