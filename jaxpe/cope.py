@@ -7,9 +7,18 @@ B batch, Lq/Lk query/key length, Hq query heads, Hkv key/value heads (G = Hq // 
 4. interpolation pos_ij = (1 − w)·z_i⌊p⌋ + w·z_i⌈p⌉, w = p − ⌊p⌋ (gradient through w only);
 5. logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v.
 
-Packed documents and sliding windows (every impl): key j is visible to query i iff j ≤ i, segment_ids[b, i] ==
-segment_ids[b, j] (when given; padding is a document id of its own) and i − j < window (when given). Invisible keys
-have gate 0, so positions count only keys of the query's document inside its window: they restart at each document.
+Bidirectional attention (causal=False, "reference" and "blockwise"; x-transformers' data-dependent ALiBi counts the
+same way): the gates cover every visible key, g_it = sigmoid(sm_scale·q_i·kg_t), and positions count them from the
+query to the key in either direction, p_ij = Σ_{t=j..i} g_it for j ≤ i and p_ij = Σ_{t=i..j} g_it for j ≥ i (the
+diagonal once: p_ii = g_ii), clamped to npos − 1; steps 3-5 as above, with an unmasked softmax.
+
+Packed documents and sliding windows (every impl): key j is visible to query i iff j ≤ i (either side when
+bidirectional), segment_ids[b, i] == segment_ids[b, j] (when given; padding is a document id of its own) and
+|i − j| < window (when given). Invisible keys have gate 0, so positions count only keys of the query's document
+inside its window: they restart at each document.
+
+sm_scale may be a traced scalar (a learned temperature, differentiable) in every impl; its value is checked only
+where it is concrete.
 
 x-transformers' CoPE variants (off by default; dense, so impl "auto" runs the reference and "blockwise"/"pallas"
 refuse them):
@@ -22,6 +31,7 @@ refuse them):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -72,20 +82,39 @@ def check_dense_impl(impl: str) -> None:
                          f"'reference'")
 
 
-def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | None = None,
+def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | jax.Array | None = None,
                    gate_k: jax.Array | None = None, mask: jax.Array | None = None,
-                   talking_heads: jax.Array | None = None) -> jax.Array:
-    """Contextual positions p [B, Hq, Lq, Lk] float32, clamped to npos − 1 (0 where j > i).
+                   talking_heads: jax.Array | None = None, causal: bool = True) -> jax.Array:
+    """Contextual positions p [B, Hq, Lq, Lk] float32, clamped to npos − 1 (0 where j > i when causal).
 
-    q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None for causal (queries last);
-    talking_heads [Hq, Hq] mixes the gate logits across heads before the sigmoid (x-transformers).
+    q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None: causal (queries last), or every
+    key when causal=False (positions then count gates both ways, see the module docstring); talking_heads [Hq, Hq]
+    mixes the gate logits across heads before the sigmoid (x-transformers).
     """
     _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
-        mask = causal_mask(q.shape[1], k.shape[1])
+        mask = _default_mask(q.shape[1], k.shape[1], causal)
     return _positions_from_logits(sm_scale * qk_logits(q, k if gate_k is None else gate_k), mask, npos=npos,
-                                  talking_heads=talking_heads)
+                                  talking_heads=talking_heads, causal=causal)
+
+
+def _default_mask(lq: int, lk: int, causal: bool) -> jax.Array:
+    """[1, Lq, Lk] bool: causal (queries last), or every key."""
+    return causal_mask(lq, lk) if causal else jnp.ones((1, lq, lk), jnp.bool_)
+
+
+def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, window: int | None = None
+                       ) -> jax.Array:
+    """[B|1, L, L] bool, key j visible to query i in bidirectional self-attention: the same document (segment_ids
+    [B, L]) and |i − j| < window (when given)."""
+    mask = jnp.ones((1, length, length), jnp.bool_)
+    if window is not None:
+        i = jnp.arange(length, dtype=jnp.int32)
+        mask &= (jnp.abs(i[:, None] - i[None, :]) < window)[None]
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return mask
 
 
 def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None, *, npos: int,
@@ -98,14 +127,23 @@ def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None,
     check_talking_heads(talking_heads, q.shape[2])
 
 
-def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int,
-                           talking_heads: jax.Array | None) -> jax.Array:
+def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int, talking_heads: jax.Array | None,
+                           causal: bool = True) -> jax.Array:
     """`cope_positions` from the scaled gate logits [B, Hq, Lq, Lk] and mask [B|1, Lq, Lk]."""
     if talking_heads is not None:
         logits = jnp.einsum("hg,bgqk->bhqk", talking_heads.astype(jnp.float32), jnp.where(mask[:, None], logits, 0.0))
     gates = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hq, Lq, Lk]
-    positions = reverse_cumsum_keys(gates)
-    if logits.shape[-1] < npos - 1:  # gates are <= 1, so p <= Lk < npos − 1: the clamp never binds (skip its passes)
+    if causal:
+        positions = reverse_cumsum_keys(gates)
+    else:  # Σ_{t=j..i} g_it for the keys up to the query, Σ_{t=i..j} g_it for those from it on
+        lq, lk = logits.shape[-2:]
+        i = jnp.arange(lq)[:, None] + (lk - lq)  # queries are the last Lq of the Lk positions
+        j = jnp.arange(lk)[None, :]
+        up_to_query, from_query = j <= i, j >= i  # [Lq, Lk]
+        positions = jnp.where(up_to_query, reverse_cumsum_keys(jnp.where(up_to_query, gates, 0.0)),
+                              _cumsum_keys(jnp.where(from_query, gates, 0.0), reverse=False))
+    lk = logits.shape[-1]
+    if isinstance(lk, int) and lk < npos - 1:  # gates are <= 1, so p <= Lk < npos − 1: the clamp never binds
         return positions
     return jnp.minimum(positions, npos - 1)
 
@@ -120,22 +158,38 @@ def reverse_cumsum_keys(gates: jax.Array) -> jax.Array:
     2·Lk flops per sum, one matmul forward and one backward), which on CPU costs a fraction of the associative
     scan's ~2·log2(Lk) passes of pads and slices; beyond it the scan (O(Lk) per row).
     """
+    return _cumsum_keys(gates, reverse=True)
+
+
+def _cumsum_keys(gates: jax.Array, *, reverse: bool) -> jax.Array:
+    """Sums over keys, gates [..., Lk] -> float32 [..., Lk]: Σ_{t≥j} (reverse) or Σ_{t≤j} gates[..., t], as
+    `reverse_cumsum_keys` computes them; at a symbolic length (jax.export), where neither the size test nor the
+    associative scan can run, lax.cumsum."""
     lk = gates.shape[-1]
+    gates = gates.astype(jnp.float32)
+    if not isinstance(lk, int):
+        return jax.lax.cumsum(gates, axis=gates.ndim - 1, reverse=reverse)
     if lk > CUMSUM_MATMUL_MAX_LENGTH:
-        return reverse_cumsum(gates)
-    upper = (jnp.arange(lk)[:, None] >= jnp.arange(lk)[None, :]).astype(jnp.float32)  # [t, j]
-    return jnp.matmul(gates.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST)
+        return reverse_cumsum(gates) if reverse else jax.lax.cumsum(gates, axis=gates.ndim - 1)
+    t, j = jnp.arange(lk)[:, None], jnp.arange(lk)[None, :]
+    triangle = (t >= j if reverse else t <= j).astype(jnp.float32)  # [t, j]
+    return jnp.matmul(gates, triangle, precision=jax.lax.Precision.HIGHEST)
 
 
 def interpolate_table_rows(z: jax.Array, positions: jax.Array) -> jax.Array:
     """z [B, Lq, Hq, P] (query i's logit for each table row), positions [B, Hq, Lq, Lk] in [0, P − 1] -> float32
     [B, Hq, Lq, Lk], position p of query i in head h read as `interpolate` of z[b, i, h] does (gradient through w
     and z), in the form z[lo] + w·(z[hi] − z[lo]) so that one gather reads both terms (`gather_table_row_pairs`);
-    at w = 0 the step to a non-finite next row adds nothing."""
+    at w = 0 the step to a non-finite next row adds nothing. Symbolic shapes (jax.export), whose flat indices
+    cannot be sized when tracing, read each table by take_along_axis."""
     lo = jax.lax.stop_gradient(jnp.floor(positions))
     w = positions - lo
     step = jnp.concatenate([z[..., 1:], z[..., -1:]], axis=-1) - z  # z[min(k + 1, P − 1)] − z[k]
-    at_lo, step_at_lo = gather_table_row_pairs(z, step, lo.astype(jnp.int32))
+    index = lo.astype(jnp.int32)
+    if all(isinstance(size, int) for size in z.shape):
+        at_lo, step_at_lo = gather_table_row_pairs(z, step, index)
+    else:
+        at_lo, step_at_lo = (jnp.take_along_axis(jnp.swapaxes(t, 1, 2), index, axis=-1) for t in (z, step))
     return at_lo + w * jnp.where((w > 0.0) | jnp.isfinite(step_at_lo), step_at_lo, 0.0)
 
 
@@ -157,26 +211,28 @@ def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array,
     return jnp.einsum("bhqkp,bhqp->bhqk", weights, z)
 
 
-def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float,
-                             gate_k: jax.Array | None = None, mask: jax.Array | None = None,
-                             extra_logits: jax.Array | None = None, soft_onehot_temp: float | None = None,
-                             talking_heads: jax.Array | None = None) -> jax.Array:
+def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *,
+                             sm_scale: float | jax.Array, gate_k: jax.Array | None = None,
+                             mask: jax.Array | None = None, extra_logits: jax.Array | None = None,
+                             soft_onehot_temp: float | None = None, talking_heads: jax.Array | None = None,
+                             causal: bool = True) -> jax.Array:
     """Dense CoPE attention, the ground truth: O(L²) memory. Returns [B, Lq, Hq, D] in q's dtype.
 
-    mask [B|1, Lq, Lk] bool (None: causal, queries last); extra_logits [B, Hq, Lq, Lk] is added to q·k before
+    mask [B|1, Lq, Lk] bool (None: causal, queries last, or every key when causal=False); causal=False counts
+    positions both ways from the query (module docstring); extra_logits [B, Hq, Lq, Lk] is added to q·k before
     scaling (the paper's "cope+rel" adds relative position logits here); soft_onehot_temp and talking_heads
-    [Hq, Hq] select x-transformers' variants (see the module docstring).
+    [Hq, Hq] select x-transformers' variants (see the module docstring). sm_scale may be a traced scalar.
     """
     if mask is None:
-        mask = causal_mask(q.shape[1], k.shape[1])
+        mask = _default_mask(q.shape[1], k.shape[1], causal)
     check_qkv(q, k, v)
     _check_position_inputs(q, k, gate_k, npos=pos_emb.shape[-2], talking_heads=talking_heads)
     content = qk_logits(q, k)  # one q·k for the gates (when they read k) and the logits: one backward through it
     gate_logits = content if gate_k is None else qk_logits(q, gate_k)
     positions = _positions_from_logits(sm_scale * gate_logits, mask, npos=pos_emb.shape[-2],
-                                       talking_heads=talking_heads)
-    if soft_onehot_temp is None:  # gates are <= 1, so p <= Lk: rows past Lk + 1 are never read (the readout is)
-        pos_emb = pos_emb[..., :min(pos_emb.shape[-2], k.shape[1] + 2), :]
+                                       talking_heads=talking_heads, causal=causal)
+    if soft_onehot_temp is None and isinstance(k.shape[1], int):  # gates are <= 1, so p <= Lk: rows past Lk + 1
+        pos_emb = pos_emb[..., :min(pos_emb.shape[-2], k.shape[1] + 2), :]  # are never read (the readout is)
     logits = content + cope_position_logits(q, pos_emb, positions, soft_onehot_temp=soft_onehot_temp)
     if extra_logits is not None:
         logits = logits + extra_logits
@@ -203,22 +259,26 @@ def cope_attention_causal(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=1)
 
 
-def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | None = None,
-                   causal: bool = True, gate_k: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                   window: int | None = None, soft_onehot_temp: float | None = None,
-                   talking_heads: jax.Array | None = None, impl: str = "auto",
-                   padding_mask: jax.Array | None = None) -> jax.Array:
+def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *,
+                   sm_scale: float | jax.Array | None = None, causal: bool = True, gate_k: jax.Array | None = None,
+                   segment_ids: jax.Array | None = None, window: int | None = None,
+                   soft_onehot_temp: float | None = None, talking_heads: jax.Array | None = None,
+                   impl: str = "auto", padding_mask: jax.Array | None = None) -> jax.Array:
     """CoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
     gate_k [B, L, Hkv, D] (keys used for the gates; None means k) -> [B, L, Hq, D].
 
+    sm_scale: None (D^−½), a number > 0, or a traced scalar (a learned temperature: differentiable in every impl).
+    causal=False: bidirectional attention, positions counted from the query to the key in either direction (module
+    docstring); impl "reference" and "blockwise" ("auto" picks one of them), not "pallas".
     segment_ids [B, L] int: packed documents (keys visible only from queries with the same id; positions restart at
     each document); padding_mask bool [B, L], False on padding: keys no real token sees, no gate either (outputs at
-    padding are meaningless); window: each query sees itself and the window − 1 keys before it (blocks outside are
-    skipped by "blockwise" and "pallas"). soft_onehot_temp (> 0) and talking_heads [Hq, Hq]: x-transformers' variants, dense
-    only (the reference path).
+    padding are meaningless); window: each query sees itself and the window − 1 keys before it (and after it when
+    bidirectional; blocks outside are skipped by "blockwise" and "pallas"). soft_onehot_temp (> 0) and
+    talking_heads [Hq, Hq]: x-transformers' variants, dense only (the reference path).
     impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel)
     or "auto" (dense ones run by causal query blocks, `cope_attention_causal`: the same result up to float rounding,
     which can move a position across an integer and so pick the other one-sided slope of the interpolation).
+    A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
@@ -227,29 +287,51 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     check_soft_onehot_temp(soft_onehot_temp)
     segment_ids = fold_padding(segment_ids, padding_mask)
     check_talking_heads(talking_heads, q.shape[2])
-    if not causal:
-        raise ValueError("causal=False is not supported: CoPE counts gates from key j up to query i, "
-                         "which only exists under a causal mask")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    if not causal and impl == "pallas":
+        raise ValueError("impl='pallas' runs causal CoPE only; for causal=False use impl='blockwise', 'reference' "
+                         "or 'auto'")
     variants = soft_onehot_temp is not None or talking_heads is not None
     if variants:
         check_dense_impl(impl)
-    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    length = q.shape[1]
+    if length == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    dense = cope_attention_reference if impl == "reference" else cope_attention_causal  # "auto": by query blocks
-    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope")
+    sm_scale = _concrete_or_traced(sm_scale, q.shape[-1])
+    # "auto" runs the dense path by causal query blocks, which need a static length
+    by_blocks = impl != "reference" and causal and isinstance(length, int)
+    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope",
+                                                             batch_heads=q.shape[0] * q.shape[2])
+    if impl == "pallas" and not causal:  # "auto" on a GPU
+        impl = "blockwise"
     if impl == "reference":
-        mask = None
-        if segment_ids is not None or window is not None:
-            mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
+        if not causal:
+            mask = bidirectional_mask(length, segment_ids=segment_ids, window=window)
+        elif segment_ids is not None or window is not None:
+            mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
+        else:
+            mask = None
+        dense = cope_attention_causal if by_blocks else functools.partial(cope_attention_reference, causal=causal)
         return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask, soft_onehot_temp=soft_onehot_temp,
                      talking_heads=talking_heads)
     if impl == "blockwise":
-        return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
-                                        window=window)
+        return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
+                                        segment_ids=segment_ids, window=window)
     from jaxpe.kernels.cope_attention import cope_attention_pallas  # Pallas loads only when the kernel runs
     return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
                                  window=window)
+
+
+def _concrete_or_traced(sm_scale: float | jax.Array | None, head_dim: int) -> float | jax.Array:
+    """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar as float32 (so that the
+    float32 maths stays float32 under jax_enable_x64)."""
+    if sm_scale is None:
+        return head_dim ** -0.5
+    try:
+        return float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        return jnp.asarray(sm_scale, jnp.float32)
 
 
 

@@ -94,16 +94,15 @@ def check_gate_k(gate_k: jax.Array, k: jax.Array) -> None:
 
 
 def check_cope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
-                      gate_k: jax.Array | None = None, *, sm_scale: float | None = None) -> None:
+                      gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array | None = None) -> None:
     """CoPE attention: q [B, L, Hq, D], k/v/gate_k [B, L, Hkv, D], pos_emb [npos, D] or [Hq, npos, D],
-    sm_scale > 0 (None: the default D^−½)."""
+    sm_scale as `check_sm_scale` takes it."""
     check_qkv(q, k, v)
     check_same_length(q, k)
     if gate_k is not None:
         check_gate_k(gate_k, k)
     check_pos_emb(pos_emb, q.shape[2], q.shape[3])
-    if sm_scale is not None:
-        check_positive("sm_scale", sm_scale)
+    check_sm_scale(sm_scale)
 
 
 def check_corope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, check_segment_ids, check_window
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, next_power_of_two,
-                                   resolve_interpret, tile_extent, triton_compiler_params)
+                                   resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _first_key_block(row0: jax.Array, window: int | None, block_k: int) -> jax.A
     """The first key block that row `row0` (or any later row) can see: 0 without a window."""
     if window is None:
         return 0
-    return lax.div(jnp.maximum(row0 - (window - 1), 0), block_k)
+    return jnp.maximum(row0 - (window - 1), 0) // block_k
 
 
 def _split_refs(refs: tuple, config: _Config) -> tuple:
@@ -242,7 +242,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
 
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    last = lax.div((pl.program_id(0) + 1) * block_q + block_k - 1, block_k) - 1
+    last = ((pl.program_id(0) + 1) * block_q + block_k - 1) // block_k - 1
     index, (*carry, r) = lax.while_loop(unclamped, lambda st: (st[0] - 1, tile(st[0], st[1], True)), (last, init))
     walked = index + 1 if config.window is None else index + 1 - first  # the clamped blocks left
     m, l, acc = lax.fori_loop(0, walked, lambda i, c: tile(index - i, c, False), tuple(carry))
@@ -306,8 +306,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
         return dq + dot(dscore.astype(k.dtype), k), dz_last, c, dp_before
 
     first = _first_key_block(row0, config.window, block_k)
-    num_blocks = lax.div(row0 + block_q + block_k - 1, block_k)
-    clamped_end = jnp.minimum(jnp.maximum(first, lax.div(jnp.min(e), block_k)), num_blocks)
+    num_blocks = (row0 + block_q + block_k - 1) // block_k
+    clamped_end = jnp.minimum(jnp.maximum(first, jnp.min(e) // block_k), num_blocks)
     zeros = jnp.zeros((block_q,), jnp.float32)
     carry = (jnp.zeros(q.shape, jnp.float32), zeros, zeros, zeros)
     carry = lax.fori_loop(first, clamped_end, lambda i, c: tile(i, c, False), carry)
@@ -362,16 +362,22 @@ def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int) -> _RowSpecs:
     )
 
 
+def _result(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's type: under shard_map it varies over the mesh axes `like` varies over (every operand does,
+    see `vary_alike`)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
 def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save: bool):
     """o [B, Lp, N, Dp], lse [B, N, Lp] (and with `save` R [B, N, Lp] float32 and e [B, N, Lp] int32)."""
     batch, padded, num_heads, _ = q.shape
     specs = _row_specs(q, k, z, config.blocks.block_q)
     gates = () if kg is None else (kg,)
     segments = () if seg is None else (seg, seg)
-    stat = jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), stat]
+    stat = _result((batch, num_heads, padded), jnp.float32, q)
+    out_shape = [_result(q.shape, q.dtype, q), stat]
     if save:
-        out_shape += [stat, jax.ShapeDtypeStruct(stat.shape, jnp.int32)]
+        out_shape += [stat, _result(stat.shape, jnp.int32, q)]
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
         in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
@@ -386,7 +392,7 @@ def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
     specs = _row_specs(q, k, z, config.blocks.block_q_bwd)
     gates = () if kg is None else (kg,)
     segments = () if seg is None else (seg, seg)
-    zeros = [jnp.zeros(z.shape, jnp.float32)] + [jnp.zeros(k.shape, jnp.float32)] * (2 + len(gates))
+    zeros = [jnp.zeros_like(z, jnp.float32)] + [jnp.zeros_like(k, jnp.float32)] * (2 + len(gates))
     inputs = [q, k, v, *gates, *segments, z, do, lse, delta, r, e, *zeros]
     accumulated = [specs.z] + [specs.kv_full] * (2 + len(gates))
     return pl.pallas_call(
@@ -395,8 +401,7 @@ def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
                   *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z, specs.row,
                   *[specs.stat] * 4, *accumulated],
         out_specs=[specs.row, *accumulated],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), *(jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                                                 for x in zeros)],
+        out_shape=[_result(q.shape, jnp.float32, q), *(_result(x.shape, x.dtype, q) for x in zeros)],
         input_output_aliases={len(inputs) - len(zeros) + i: 1 + i for i in range(len(zeros))},
         compiler_params=config.compiler_params(backward=True), interpret=config.interpret,
         name="cope_backward_dq",
@@ -410,10 +415,25 @@ def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | 
     return jnp.pad(segment_ids, [(0, 0), (0, padded - segment_ids.shape[1])])
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(call, *operands):
+    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated: the kernels are
+    differentiated once, by `_cope_pallas`'s custom VJP; differentiating that VJP's own rules (jax.grad of jax.grad,
+    jax.hessian) would differentiate the kernels."""
+    return call(*operands)
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(call, primals, tangents):
+    raise NotImplementedError("impl='pallas' is differentiable once (reverse mode): for second-order derivatives "
+                              "(jax.grad of jax.grad, jax.hessian) use impl='blockwise' or 'reference', and for "
+                              "forward mode (jax.jvp) impl='reference'")
+
+
 def _cope_pallas_fwd(q, k, v, gate_k, pos_emb, segment_ids, config: _Config):
     qp, kp, vp, kgp, _, z = _padded(q, k, v, gate_k, pos_emb, config.blocks)
     seg = _padded_segments(segment_ids, qp.shape[1])
-    out, lse, r, e = _forward_call(config, qp, kp, vp, kgp, z, seg, save=True)
+    out, lse, r, e = _first_order_only(functools.partial(_forward_call, config, save=True), qp, kp, vp, kgp, z, seg)
     return out[:, :config.length, :, :q.shape[3]], (q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e)
 
 
@@ -424,7 +444,8 @@ def _cope_pallas_bwd(config: _Config, residuals, dout):
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, dk, dv, *dkg = _backward_call(config, qp, kp, vp, kgp, z, do, lse, delta, r, e, seg)
+    dq, dz, dk, dv, *dkg = _first_order_only(functools.partial(_backward_call, config), qp, kp, vp, kgp, z, do, lse,
+                                             delta, r, e, seg)
     dz = dz[..., :config.npos]
     if table.ndim == 2:
         dq = dq + jnp.einsum("bntp,pd->btnd", dz, table.astype(jnp.float32))
@@ -451,7 +472,8 @@ _cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(6,))
 
 
 def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
-                          gate_k: jax.Array | None = None, *, sm_scale: float, block_sizes: BlockSizes | None = None,
+                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array,
+                          block_sizes: BlockSizes | None = None,
                           interpret: bool | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, segment_ids: jax.Array | None = None,
                           window: int | None = None) -> jax.Array:
@@ -465,8 +487,14 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
+    sm_scale: a number > 0, or a traced scalar (a learned temperature), which multiplies q before the kernels (in
+    q's dtype: a bfloat16 q is rounded once more). Differentiable once (jax.grad, not jax.grad of jax.grad nor
+    jax.jvp); static shapes only (no symbolic jax.export dims).
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    if not all(isinstance(size, int) for size in q.shape):
+        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
+                         f"impl='blockwise'")
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
@@ -475,11 +503,17 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
         return jnp.zeros(q.shape, q.dtype)
     if window is not None and window >= q.shape[1]:  # every causal key is inside the window
         window = None
+    try:
+        sm_scale = float(sm_scale)
+    except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
+        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
+        sm_scale = 1.0
     blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype, gate_k=gate_k is not None)
-    config = _Config(sm_scale=float(sm_scale), npos=pos_emb.shape[-2], length=q.shape[1],
+    config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1],
                      blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
                      num_warps=num_warps or _default_warps(q.shape[3]), num_stages=num_stages,
                      window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
                      accurate_gates=q.dtype == jnp.float32)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    q, k, v, gate_k, pos_emb, segment_ids = vary_alike(q, k, v, gate_k, pos_emb, segment_ids)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
