@@ -17,11 +17,18 @@ from jaxpe.validation import check_positive_number
 def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
     """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
 
-    Raises when a static length exceeds the table; traced positions beyond it give NaN rows.
+    Raises when a static length exceeds the table, or a symbolic one (jax.export) is not bounded by it; traced
+    positions beyond it give NaN rows.
     """
     max_len = table.shape[0]
     if positions is None:
-        if length > max_len:
+        try:
+            too_long = length > max_len
+        except jax.errors.InconclusiveDimensionOperation:  # a symbolic length (jax.export) with no bound
+            raise ValueError(f"a symbolic sequence length L={length} may exceed the position table's max_len={max_len}: "
+                             f"bound it when exporting, e.g. jax.export.symbolic_shape('b, {length}', "
+                             f"constraints=('{length} <= {max_len}',))") from None
+        if too_long:
             raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
         return table[None, :length]
     positions = jnp.asarray(positions)

@@ -3,7 +3,8 @@
 Every parameter is created through `partitioned`, so `model.init` returns `nn.LogicallyPartitioned` boxes:
 `nn.get_partition_spec(abstract_params)` gives each parameter's logical spec, and
 `nn.logical_to_mesh_sharding(specs, mesh, rules)` turns it into shardings for a mesh (see README "Sharding").
-`flax.linen.meta.unbox(params)` gives plain arrays; `apply` takes either form. Names: "vocab", "embed" (d_model),
+`flax.linen.meta.unbox(params)` gives plain arrays; `apply` takes either form, and so does a function
+exported with `jax.export` (the boxes serialize with their names). Names: "vocab", "embed" (d_model),
 "heads" (query heads), "kv_heads", "head_dim", "mlp" (MLP hidden), "positions" (rows of a position table), "gates"
 (a per-head gate network's outputs).
 
@@ -14,6 +15,7 @@ Stacked layers: `nn.scan` / `nn.vmap` over jaxpe layers with `variable_axes={"pa
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -41,6 +43,20 @@ class LogicalAxes(nn.LogicallyPartitioned):
 
     def remove_axis(self, index: int, params: dict[Any, Any]) -> LogicalAxes:
         return super().remove_axis(index, {nn.PARTITION_NAME: None, **params})
+
+
+def _serialize_logical_axes(aux: tuple[Any, ...]) -> bytes:
+    """The box's logical names as JSON for `jax.export`; a box bound to a mesh or rules has no portable form."""
+    names, mesh, rules = aux
+    if mesh is not None or rules is not None:
+        raise ValueError("a parameter box bound to a mesh or rules cannot be serialized with jax.export: export "
+                         "with flax.linen.meta.unbox(params)")
+    return json.dumps(list(names)).encode()
+
+
+jax.export.register_pytree_node_serialization(
+    LogicalAxes, serialized_name="jaxpe.sharding.LogicalAxes", serialize_auxdata=_serialize_logical_axes,
+    deserialize_auxdata=lambda data: (tuple(json.loads(data)), None, None))
 
 
 def partitioned(init: Callable[..., Any], *names: str | None) -> Callable[..., Any]:
