@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jaxpe.kernels.cope_attention import cope_attention_pallas
-from jaxpe.kernels.corope_attention import corope_attention_pallas
+from jaxpe.kernels.cope_pallas import cope_attention_pallas
+from jaxpe.kernels.corope_pallas import corope_attention_pallas
 
 
 def _arrays(jaxpr: jex_core.Jaxpr) -> list[tuple[tuple[int, ...], int]]:

@@ -318,7 +318,7 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     if impl == "blockwise":
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
                                         segment_ids=segment_ids, window=window)
-    from jaxpe.kernels.cope_attention import cope_attention_pallas  # Pallas loads only when the kernel runs
+    from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when the kernel runs
     return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
                                  window=window)
 

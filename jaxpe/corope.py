@@ -169,7 +169,7 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     options = dict(theta=theta, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids, window=window,
                    inv_freq=inv_freq)
     if impl == "pallas":
-        from jaxpe.kernels.corope_attention import corope_attention_pallas, pallas_refusal  # loads Pallas
+        from jaxpe.kernels.corope_pallas import corope_attention_pallas, pallas_refusal  # loads Pallas
         if chosen_by_auto and pallas_refusal(q, sm_scale=sm_scale, causal=causal) is not None:
             impl = "blockwise"
         else:

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpe.kernels import cope_attention, corope_attention
+from jaxpe.kernels import cope_pallas, corope_pallas
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 GPU_NAME = "sm_90a"  # ptxas target: H100/H200 with the Hopper-only instructions Triton emits (wgmma)
@@ -274,9 +274,9 @@ def _attention(case: Case) -> tuple[Callable[..., jax.Array], tuple[jax.ShapeDty
     kv = jax.ShapeDtypeStruct((case.batch, case.length, case.kv_heads, case.head_dim), dtype)
     sm_scale = case.head_dim ** -0.5
     if case.op == "cope":
-        fn = functools.partial(cope_attention.cope_attention_pallas, sm_scale=sm_scale, interpret=False)
+        fn = functools.partial(cope_pallas.cope_attention_pallas, sm_scale=sm_scale, interpret=False)
         return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.npos, case.head_dim), dtype))
-    fn = functools.partial(corope_attention.corope_attention_pallas, theta=10000.0, sm_scale=sm_scale,
+    fn = functools.partial(corope_pallas.corope_attention_pallas, theta=10000.0, sm_scale=sm_scale,
                            interpret=False)
     return fn, (q, kv, kv)
 
@@ -533,13 +533,13 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1,
 # ------------------------------------------------------------------------------------------------------ reports
 
 
-KERNEL_SOURCES = ("_common.py", "cope_attention.py", "corope_attention.py")  # what the compiled kernels are made of
+KERNEL_SOURCES = ("_common.py", "cope_pallas.py", "corope_pallas.py")  # what the compiled kernels are made of
 
 
 def kernel_sources_sha256() -> str:
     """A fingerprint of the Pallas kernel sources the numbers belong to."""
     digest = hashlib.sha256()
-    folder = pathlib.Path(cope_attention.__file__).parent
+    folder = pathlib.Path(cope_pallas.__file__).parent
     for name in KERNEL_SOURCES:
         digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
     return digest.hexdigest()

@@ -15,7 +15,7 @@ import pytest
 from kernel_harness import assert_matches, equations, outputs_and_grads
 
 import jaxpe
-from jaxpe.kernels.cope_attention import BlockSizes, cope_attention_pallas
+from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
 
 NAMES = ["out", "dq", "dk", "dv", "dpos_emb", "dgate_k"]
 TOLERANCE = {"float32": (2e-4, 2e-4), "bfloat16": (3e-2, 3e-2)}

@@ -20,7 +20,7 @@ import pytest
 import jaxpe
 from jaxpe.attention_core import AttentionContext
 from jaxpe.cope import CoPECore, CoPEConfig
-from jaxpe.kernels.cope_attention import BlockSizes, cope_attention_pallas
+from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.softmax_attention import PAD_SEGMENT
 

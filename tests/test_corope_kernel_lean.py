@@ -10,8 +10,8 @@ import pytest
 from kernel_harness import assert_matches, equations, outputs_and_grads
 
 import jaxpe
-from jaxpe.kernels import corope_attention as kernel
-from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
+from jaxpe.kernels import corope_pallas as kernel
+from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
 
 THETA = 10000.0
 TOLERANCE = (2e-5, 2e-4)  # float32: output, gradients (as test_kernels_corope.py)

@@ -21,7 +21,7 @@ from kernel_harness import FAST_COMPILE
 import jaxpe
 from jaxpe.attention_core import AttentionContext
 from jaxpe.corope import CoRoPECore
-from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
+from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 from jaxpe.softmax_attention import PAD_SEGMENT
 

@@ -14,8 +14,8 @@ import pytest
 import jaxpe
 from jaxpe import dispatch
 from jaxpe.kernels._common import MAX_HEAD_DIM, pallas_unsupported
-from jaxpe.kernels.cope_attention import cope_attention_pallas
-from jaxpe.kernels.corope_attention import corope_attention_pallas
+from jaxpe.kernels.cope_pallas import cope_attention_pallas
+from jaxpe.kernels.corope_pallas import corope_attention_pallas
 
 BENCH = Path(__file__).resolve().parent.parent / "results" / "bench" / "auto_dispatch_cpu.json"
 

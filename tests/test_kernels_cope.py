@@ -17,7 +17,7 @@ import pytest
 from kernel_harness import assert_matches, outputs_and_grads, square_intermediates_of_grad
 
 import jaxpe
-from jaxpe.kernels.cope_attention import BlockSizes, cope_attention_pallas
+from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 
 

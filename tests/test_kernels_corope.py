@@ -16,7 +16,7 @@ import pytest
 from kernel_harness import assert_matches, outputs_and_grads, square_intermediates_of_grad
 
 import jaxpe
-from jaxpe.kernels.corope_attention import BlockSizes, corope_attention_pallas
+from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 
 THETA = 10000.0

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpe.kernels import cope_attention as cope_kernel
-from jaxpe.kernels import corope_attention as corope_kernel
+from jaxpe.kernels import cope_pallas as cope_kernel
+from jaxpe.kernels import corope_pallas as corope_kernel
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TENSOR_SHAPE = r"tensor<((?:\d+x)+)[a-z!]"  # the dims of a ranked tensor type, e.g. "64x32x" of tensor<64x32xf32>
