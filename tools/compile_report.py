@@ -1,7 +1,11 @@
 """Compile every fused kernel for an H100 (sm_90a) on a machine without a GPU, and report what it costs.
 
-    python -m jaxpe.kernels.compile_report            # the full grid; JSON and Markdown into results/compile/
-    python -m jaxpe.kernels.compile_report --quick    # D 64, GQA, npos 64 only
+    python tools/compile_report.py --out results/compile           # the full grid: sm90a.json and sm90a.md there
+    python tools/compile_report.py --out /some/dir --quick         # D 64, GQA, npos 64 only
+    python tools/compile_report.py --no-write --ops cope           # print the table only
+
+A command-line tool beside the library, not part of it: it imports the kernels from jaxpe.kernels (cope_pallas,
+corope_pallas) and is not installed with the wheel; `make compile-report` runs it into results/compile/.
 
 How (no GPU needed): each op and its gradient are lowered for CUDA
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`); every `stablehlo.custom_call` to
@@ -21,6 +25,7 @@ differs) and "backward" (one fused kernel: dq, dk, dv and the position/gate grad
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import datetime
@@ -52,7 +57,8 @@ GPU_NAME = "sm_90a"  # ptxas target: H100/H200 with the Hopper-only instructions
 TRITON_ARCH = "9.0"  # compute capability as XLA's Triton compiler takes it
 LOWERED_FOR = "NVIDIA H100"  # the abstract device jax >= 0.12 reads the GPU generation from
 SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
-# The budgets of issue 12, in spilled bytes per thread (stores and loads each): none in forward kernels.
+# Spilled bytes per thread (stores and loads each) each kernel role may have: none in the forward kernels, whose
+# tiles fit the register file; up to 512 in the fused backward, which holds dq, dk, dv and the position gradients.
 SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "backward": 512}
 PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
 OPS = ("cope", "corope")
@@ -65,8 +71,8 @@ LENGTH = 1024
 # (D 256) over 10 minutes and past 10 GB. Larger PTX is not given to ptxas, and ptxas no more memory than this.
 MAX_PTX_MIB = 12.0
 PTXAS_MEMORY_GIB = 8.0
-OUTPUT_DIR = pathlib.Path("results/compile")
 _RESULT_PREFIX = "@@compile_report "
+SCRIPT = pathlib.Path(__file__).resolve()  # the compile subprocesses run this file again, with --compile-one
 
 
 class ToolchainMissing(RuntimeError):
@@ -167,7 +173,7 @@ class Row:
         return found
 
     def spill_problems(self) -> list[str]:
-        """Spills over issue 12's budget for this kernel's role (unknown when ptxas did not finish)."""
+        """Spills over the budget of this kernel's role (unknown when ptxas did not finish)."""
         budget = SPILL_BUDGET_BYTES.get(self.kernel)
         if budget is None:
             return [f"no spill budget for a {self.kernel!r} kernel (roles: {', '.join(SPILL_BUDGET_BYTES)})"]
@@ -178,7 +184,7 @@ class Row:
         return []
 
     def problems(self) -> list[str]:
-        """Every way this kernel misses issue 12's budgets (an empty list: within all of them)."""
+        """Every way this kernel misses its budgets (an empty list: within all of them)."""
         return self.launch_problems() + (self.spill_problems() if self.error is None else [])
 
 
@@ -448,8 +454,8 @@ def compile_kernel(kernel: Kernel, toolchain: Toolchain, *, timeout: float | Non
     with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
         ir_path, ptx_path = pathlib.Path(tmp, "kernel.mlirbc"), pathlib.Path(tmp, "kernel.ptx")
         ir_path.write_bytes(kernel.ir)
-        command = [sys.executable, "-m", "jaxpe.kernels.compile_report", "--compile-one", str(ir_path),
-                   str(ptx_path), "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
+        command = [sys.executable, str(SCRIPT), "--compile-one", str(ir_path), str(ptx_path),
+                   "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
         try:
             out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
         except subprocess.TimeoutExpired:
@@ -533,15 +539,43 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1,
 # ------------------------------------------------------------------------------------------------------ reports
 
 
-KERNEL_SOURCES = ("_common.py", "cope_pallas.py", "corope_pallas.py")  # what the compiled kernels are made of
+KERNEL_MODULES = (cope_pallas.__name__, corope_pallas.__name__)  # the modules whose kernels the report compiles
+
+
+def _jaxpe_imports(name: str, path: pathlib.Path) -> set[str]:
+    """The jaxpe modules that module `name` (source at `path`) imports by name: `from a.b import c` counts a.b.c
+    when that is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = importlib.util.resolve_name("." * node.level + (node.module or ""), name.rpartition(".")[0])
+            package = module.startswith("jaxpe") and importlib.util.find_spec(module).submodule_search_locations
+            for alias in node.names:
+                child = f"{module}.{alias.name}"
+                found.add(child if package and importlib.util.find_spec(child) else module)
+    return {module for module in found if module == "jaxpe" or module.startswith("jaxpe.")}
+
+
+def kernel_sources() -> dict[str, pathlib.Path]:
+    """The sources the compiled kernels are made of: the kernel modules and every jaxpe module they import, directly
+    or through one another, by module name."""
+    sources: dict[str, pathlib.Path] = {}
+    todo = list(KERNEL_MODULES)
+    while todo:
+        name = todo.pop()
+        if name not in sources:
+            sources[name] = pathlib.Path(importlib.util.find_spec(name).origin)
+            todo.extend(_jaxpe_imports(name, sources[name]))
+    return dict(sorted(sources.items()))
 
 
 def kernel_sources_sha256() -> str:
-    """A fingerprint of the Pallas kernel sources the numbers belong to."""
+    """A fingerprint of the kernel sources (kernel_sources) the numbers belong to."""
     digest = hashlib.sha256()
-    folder = pathlib.Path(cope_pallas.__file__).parent
-    for name in KERNEL_SOURCES:
-        digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    for name, path in kernel_sources().items():
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -585,11 +619,11 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"# Fused kernels compiled for {data['target']['gpu_name']} without a GPU",
         "",
-        f"`python -m jaxpe.kernels.compile_report`, {data['date']}: "
+        f"`python tools/compile_report.py --out results/compile`, {data['date']}: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
         f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
-        f"{data['target']['smem_limit_bytes']} bytes). Budget (issue 12): no spills in forward kernels, ≤ 512 bytes "
+        f"{data['target']['smem_limit_bytes']} bytes). Budget: no spills in forward kernels, ≤ 512 bytes "
         "in the backward kernel."
         + _settings_sentence(data),
         "",
@@ -628,7 +662,7 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxpe.kernels.compile_report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/compile_report.py", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=_csv(str), default=OPS, help="cope,corope")
     parser.add_argument("--dtypes", type=_csv(_dtype), default=DTYPES, help="float32,bfloat16 (or f32,bf16)")
     parser.add_argument("--head-dims", type=_csv(int), default=HEAD_DIMS, help="64,128,256")
@@ -644,7 +678,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ptxas-memory-gib", type=float, default=PTXAS_MEMORY_GIB,
                         help="memory cap of each ptxas (0: none); jobs × this must fit the machine")
     parser.add_argument("--ptxas", help="path to ptxas (default: $PTXAS, the nvidia-cuda-nvcc wheel, PATH)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=OUTPUT_DIR)
+    parser.add_argument("--out", type=pathlib.Path, metavar="DIR",
+                        help="folder for NAME.json and NAME.md (required unless --no-write)")
     parser.add_argument("--name", help="file stem (default: sm90a for the full grid, sm90a-quick, sm90a-subset)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--ptx-dir", type=pathlib.Path, help="also keep each kernel's PTX there")
@@ -652,6 +687,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-warps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--num-stages", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.out is None and not (args.no_write or args.compile_one):
+        parser.error("--out DIR is required (or --no-write to print the table only)")
     for op in args.ops:
         if op not in OPS:
             parser.error(f"--ops: {op!r} is not one of {OPS}")
@@ -699,10 +736,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(data)
     print(text)
     if not args.no_write:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
-        (args.output_dir / f"{args.name}.md").write_text(text)
-        print(f"wrote {args.output_dir / args.name}.json and .md", file=sys.stderr)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        (args.out / f"{args.name}.md").write_text(text)
+        print(f"wrote {args.out / args.name}.json and .md", file=sys.stderr)
     return 1 if any(row.error for row in rows) else 0
 
 
