@@ -89,8 +89,9 @@ def test_kernel_spills_within_budget(compiled, case, role):
 def test_report_and_markdown(compiled):
     """The JSON report names the target and every version; the Markdown has a row per kernel."""
     rows = list(compiled.values())
-    data = cr.report(rows, TOOLCHAIN)
+    data = cr.report(rows, TOOLCHAIN, command="python tools/compile_report.py --quick --no-write")
     assert data["target"]["gpu_name"] == "sm_90a" and data["versions"]["ptxas"] == TOOLCHAIN.ptxas_version
+    assert cr.markdown(data).splitlines()[2].startswith("`python tools/compile_report.py --quick --no-write`, ")
     assert data["versions"][TOOLCHAIN.plugin] == data["versions"]["jaxlib"]
     assert cr.markdown(data).count("\n| cope") + cr.markdown(data).count("\n| corope") == len(rows)
 

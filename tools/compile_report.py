@@ -38,6 +38,7 @@ import os
 import pathlib
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -580,9 +581,11 @@ def kernel_sources_sha256() -> str:
 
 
 def report(rows: Sequence[Row], toolchain: Toolchain, *, seconds: float | None = None,
-           settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON report: target, versions, date, the kernel sources' fingerprint, the run's settings and the rows."""
+           settings: dict[str, Any] | None = None, command: str = "python tools/compile_report.py") -> dict[str, Any]:
+    """The JSON report: the command, target, versions, date, the kernel sources' fingerprint, the run's settings and
+    the rows."""
     return {
+        "command": command,
         "target": {"gpu_name": GPU_NAME, "triton_arch": TRITON_ARCH, "lowered_for": LOWERED_FOR,
                    "smem_limit_bytes": SMEM_LIMIT_BYTES, "spill_budget_bytes": SPILL_BUDGET_BYTES},
         "versions": {"python": platform.python_version(), "jax": jax.__version__,
@@ -619,7 +622,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"# Fused kernels compiled for {data['target']['gpu_name']} without a GPU",
         "",
-        f"`python tools/compile_report.py --out results/compile`, {data['date']}: "
+        f"`{data['command']}`, {data['date']}: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
         f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
@@ -701,6 +704,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.compile_one:
         _compile_one(*args.compile_one, num_warps=args.num_warps, num_stages=args.num_stages)
@@ -732,7 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     settings = {"jobs": args.jobs, "timeout_s": args.timeout, "max_ptx_mib": args.max_ptx_mib or None,
                 "ptxas_memory_gib": args.ptxas_memory_gib or None}
-    data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings)
+    data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings,
+                  command=shlex.join(["python", "tools/compile_report.py", *argv]))
     text = markdown(data)
     print(text)
     if not args.no_write:
