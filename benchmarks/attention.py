@@ -4,9 +4,9 @@ CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_atten
 blockwise, pallas; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
-    python benchmarks/attention.py            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1 and 4
-    python benchmarks/attention.py --quick    # CPU-sized sweep
-    python benchmarks/attention.py --lengths 1024,4096 --impls blockwise,anchor --ops cope
+    python benchmarks/attention.py --out results/bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1, 4
+    python benchmarks/attention.py --out results/bench --quick    # CPU-sized sweep
+    python benchmarks/attention.py --out DIR --lengths 1024,4096 --impls blockwise,anchor --ops cope
 
 Peak memory: on GPU, `peak_bytes_in_use` of the device, each case in a fresh subprocess so the peak is its own;
 on CPU, the compiled executable's memory analysis (temp + argument + output bytes), and cases above
@@ -212,7 +212,7 @@ def _names(allowed: tuple[str, ...]):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python benchmarks/attention.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU-sized sweep (L 128..16384, D 64, G 1)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="output folder (required)")
     parser.add_argument("--name", help="output file stem (default bench_<backend>)")
     parser.add_argument("--lengths", type=_ints, help="comma-separated sequence lengths")
     parser.add_argument("--head-dims", type=_ints, help="comma-separated head dims (default 64,128)")
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(Case(**json.loads(args.case)), repeats=args.repeats, cpu_memory_cap=cap,
                                  max_interpret_length=args.max_interpret_length)))
         return
+    if args.out is None:
+        parser.error("--out DIR is required")
     if args.quick:
         args.lengths = args.lengths or [128, 256, 1024, 2048, 4096, 16384]
         args.slow_s = 60.0 if args.slow_s is None else args.slow_s

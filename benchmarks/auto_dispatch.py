@@ -9,9 +9,9 @@ alternating the two in rounds within one process, so that a noisy machine slows 
 blockwise / dense and its median is reported. B batch, L length, H heads (Hq = Hkv), D head dim, npos = L + 1
 (CoPE's default table).
 
-    python benchmarks/auto_dispatch.py                      # writes results/bench/auto_dispatch_cpu.json
-    python benchmarks/auto_dispatch.py --lengths 128,256 --rounds 3
-    python benchmarks/auto_dispatch.py --max-dense-seconds 10   # go on to longer lengths
+    python benchmarks/auto_dispatch.py --out results/bench/auto_dispatch_cpu.json   # the committed measurement
+    python benchmarks/auto_dispatch.py --out FILE --lengths 128,256 --rounds 3
+    python benchmarks/auto_dispatch.py --out FILE --max-dense-seconds 10   # go on to longer lengths
 
 The crossover per encoding is the shortest measured length from which blockwise's forward+backward is no slower
 (within TIE) at every longer measured length too; `jaxpe/dispatch.py` holds it (BLOCKWISE_MIN_LENGTH), and
@@ -37,7 +37,6 @@ from jaxpe.corope import corope_attention_reference
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
 
-ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("dense", "blockwise")
 
 
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "auto_dispatch_cpu.json")
+    parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON report")
     args = parser.parse_args(argv)
     ops = args.ops.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]

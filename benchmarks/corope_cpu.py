@@ -1,18 +1,19 @@
 """Co-RoPE on CPU: the blockwise path against jaxpe's dense reference and the seed's dense PyTorch code.
 
-Config of issue 13 item 3: B 1, Hq 8, Hkv 8, D 64, float32, θ = 10⁴, sm_scale = D^−½, random normal q, k, v.
+Config: B 1, Hq 8, Hkv 8, D 64, float32, θ = 10⁴, sm_scale = D^−½, random normal q, k, v.
 1. blockwise vs `impl="reference"`, forward and forward+backward (a vjp with a random cotangent), at each of
    --lengths (default 1024, 2048): medians of --repeats runs, the two impls interleaved in one process so that their
    ratio is fair on a shared machine;
 2. the blockwise forward+backward at --long-length (default 16384) in a subprocess of its own: wall time of one
    compiled run and the subprocess's peak resident memory (getrusage ru_maxrss);
 3. the seed's dense PyTorch reference (github Superposition09m/Co-RoPE, `corope-exp/corope_attn_gqa_pytorch.py`,
-   run as it is, imported from --seed-file) at --seed-length (default 1024), forward and forward+backward, when
-   --torch-python (default /tmp/torchvenv/bin/python) exists; its peak memory too.
-Writes --out (default results/bench/corope_cpu.json): device, versions, date, config, times, ratios.
+   run as it is, imported from --seed-file, that file of a checkout) at --seed-length (default 1024), forward and
+   forward+backward, when --torch-python (default $TORCH_PYTHON) is given; its peak memory too.
+Writes --out: device, versions, date, config, times, ratios.
 
-    python benchmarks/corope_cpu.py
-    python benchmarks/corope_cpu.py --lengths 1024 --long-length 0 --seed-length 0    # quick
+    python benchmarks/corope_cpu.py --out results/bench/corope_cpu.json \
+        --torch-python TORCH_VENV/bin/python --seed-file CO_ROPE/corope-exp/corope_attn_gqa_pytorch.py
+    python benchmarks/corope_cpu.py --out FILE --lengths 1024 --long-length 0 --seed-length 0    # quick
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import time
 from pathlib import Path
 
 B, HQ, HKV, D, THETA = 1, 8, 8, 64, 10000.0
-SEED_REPO = "/work/.mirror/Superposition09m+Co-RoPE/repo"
 SEED_PATH = "corope-exp/corope_attn_gqa_pytorch.py"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,23 +145,8 @@ def _subprocess(command: list[str], timeout: float, memory_cap_gib: float | None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _seed_file(path: str | None) -> str | None:
-    """The seed file: --seed-file, else extracted from the local git mirror of the seed repo (None: neither)."""
-    if path:
-        return path if Path(path).exists() else None
-    if not Path(SEED_REPO).exists():
-        return None
-    target = Path("/tmp/corope_seed/corope_attn_gqa_pytorch.py")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["git", "-C", SEED_REPO, "show", f"HEAD:{SEED_PATH}"], capture_output=True, text=True)
-    if done.returncode != 0:
-        return None
-    target.write_text(done.stdout)
-    return str(target)
-
-
 def _summary(report: dict) -> dict:
-    """The issue's targets, read off the measurements (None where a measurement is missing)."""
+    """The targets, read off the measurements (None where a measurement is missing)."""
     rows = {row["length"]: row for row in report["blockwise_vs_reference"]}
     long, seed = report.get("long", {}), report.get("seed_pytorch", {})
     summary = {}
@@ -192,10 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-timeout", type=float, default=1800.0)
     parser.add_argument("--seed-length", type=int, default=1024, help="0: skip the seed's PyTorch reference")
     parser.add_argument("--seed-repeats", type=int, default=1)
-    parser.add_argument("--seed-file", default=None)
+    parser.add_argument("--seed-file", help=f"the seed's {SEED_PATH} (github Superposition09m/Co-RoPE)")
     parser.add_argument("--seed-memory-cap-gib", type=float, default=16.0, help="address-space cap of the seed runs")
-    parser.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "corope_cpu.json")
+    parser.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON"),
+                        help="a Python interpreter with torch, for the seed's reference (default: $TORCH_PYTHON)")
+    parser.add_argument("--out", type=Path, metavar="FILE", help="the JSON report (required)")
     parser.add_argument("--update", action="store_true",
                         help="keep the parts of an existing --out that this run skips (e.g. --lengths '' to redo "
                              "only the long run); each part records its own date")
@@ -210,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(seed_worker(args.seed_file, args.seed_length, args.seed_repeats, args.seed_mode)),
               flush=True)
         return
+    if args.out is None:
+        parser.error("--out FILE is required")
 
     import jax
 
@@ -245,8 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     elif "long" in previous:
         report["long"] = previous["long"]
 
-    seed_file = _seed_file(args.seed_file) if args.seed_length else None
-    if args.seed_length and seed_file and Path(args.torch_python).exists():
+    seed_file = str(Path(args.seed_file).resolve()) if args.seed_file and Path(args.seed_file).is_file() else None
+    if args.seed_length and seed_file and args.torch_python and Path(args.torch_python).exists():
         seed = {"source": f"github Superposition09m/Co-RoPE {SEED_PATH}"}
         rows_now = rows or report["blockwise_vs_reference"]
         for mode in ("fwd", "fwd+bwd"):  # one subprocess each: a dense backward may run out of memory

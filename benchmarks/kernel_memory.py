@@ -4,12 +4,13 @@ For the fused CoPE and Co-RoPE kernels (the compiled path, `interpret=False`: th
 runs), traces the forward + backward of `sum(attention(q, k, v))` at each length and walks every array the program
 creates outside the kernels — residuals saved by the custom VJP, kernel outputs, XLA glue — recording the largest
 and the sum of all of them (an upper bound on the peak: not all are live at once). An O(L) backward has a largest
-array that grows linearly in L; the design before issue 12 saved two arrays of per-key-block partial sums of
-Hq·L·L/block_k floats each (one of them, block_k 64, is shown as `before`), the dense reference holds L×L arrays.
+array that grows linearly in L. For comparison, a backward split into a dq kernel and a dk/dv kernel saves two arrays
+of per-key-block partial sums of Hq·L·L/block_k floats each (one of them, block_k 64, is the `before` column), and the
+dense reference holds L×L arrays.
 B batch, L length, Hq/Hkv heads, D head dim, P CoPE table rows.
 
-    python benchmarks/kernel_memory.py                       # L 4096, 16384, 32768; prints and writes JSON
-    python benchmarks/kernel_memory.py --lengths 1024,65536
+    python benchmarks/kernel_memory.py --out results/bench/kernel_memory.json   # L 4096, 16384, 32768; prints too
+    python benchmarks/kernel_memory.py --out FILE --lengths 1024,65536
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def measure(op: str, length: int, *, batch: int, heads: int, kv_heads: int, head
     inputs = 4 * (2 * math.prod(q.shape) + 2 * math.prod(kv.shape))  # q, k, v and the output, float32
     return {"op": op, "length": length, "largest_bytes": largest, "largest_shape": list(shape),
             "total_bytes": sum(b for _, b in arrays), "inputs_bytes": inputs,
-            "before_bytes": 4 * batch * heads * length * (length // 64),  # the old per-key-block sums, block_k 64
+            "before_bytes": 4 * batch * heads * length * (length // 64),  # one per-key-block partial sum, block_k 64
             "dense_bytes": 4 * batch * heads * length * length}
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="8/2", help="query/kv heads")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--npos", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("results/bench/kernel_memory.json"))
+    parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON report")
     args = parser.parse_args(argv)
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     rows = [measure(op, int(length), batch=args.batch, heads=heads, kv_heads=kv_heads, head_dim=args.head_dim,

@@ -1,6 +1,6 @@
 """One training step of the CoPE paper's counting model, jaxpe next to the official PyTorch code, on this machine.
 
-Config (issue 13): the official counting generator's jsonl (3 variables, programs of up to 64 statements, ~78
+Config: the official counting generator's jsonl (3 variables, programs of up to 64 statements, ~78
 tokens), 2 layers, width 128, 4 heads, block 128, batch 32, post-norm, tied embeddings, dropout 0.1; CoPE, absolute
 (learned) and relative positions. Both sides pad a batch to its longest sequence (jaxpe rounds it up to a multiple
 of 16, as `run.pad_to="multiple"` does). The official side (facebookresearch/RAM, projects/cope) runs as it is, in
@@ -12,10 +12,12 @@ jaxpe.train.malloc.keep_freed_memory), on one device, and on one device with one
 fastest median of each side counts: on 2 busy cores both can run several times slower with 2 threads. Sides alternate
 in rounds so that a change of load hits both. Without PyTorch or a RAM checkout only jaxpe runs, saying why.
 
-    python benchmarks/train_step.py --torch-python /tmp/torchvenv/bin/python --ram /path/to/RAM
-    python benchmarks/train_step.py --quick          # fewer steps
+    python benchmarks/train_step.py --torch-python TORCH_VENV/bin/python --ram RAM --out results/bench/train_step.json
+    python benchmarks/train_step.py --quick --out FILE          # fewer steps, jaxpe only
 
-Writes results/bench/train_step.json (device, versions, date, config, median seconds per step and ratios).
+--ram is a checkout or a bare git mirror of github facebookresearch/RAM (default $RAM_CHECKOUT), --torch-python an
+interpreter with torch (default $TORCH_PYTHON). Writes --out: device, versions, date, config, median seconds per step
+and ratios.
 """
 from __future__ import annotations
 
@@ -41,23 +43,25 @@ BLOCK, BATCH, NVARS, MAX_STEPS, PAD_MULTIPLE = 128, 32, 3, 64, 16
 
 
 def find_ram(given: str | None) -> tuple[pathlib.Path | None, str]:
-    """RAM's projects/cope directory (a checkout, or extracted from a bare git mirror), and a note on its origin."""
-    candidates = [given] if given else [os.environ.get("RAM_CHECKOUT"), "RAM", "/work/.mirror/facebookresearch+RAM/repo"]
-    for candidate in filter(None, candidates):
-        path = pathlib.Path(candidate)
-        if (path / "projects" / "cope" / "src").is_dir():
-            path = path / "projects" / "cope"
-        if (path / "src" / "cope" / "context_position.py").is_file():
-            return path, str(path)
-        if (path / "HEAD").is_file() and (path / "objects").is_dir():  # a bare mirror: extract projects/cope
-            target = pathlib.Path(tempfile.mkdtemp(prefix="ram-"))
-            archive = subprocess.run(["git", "-C", str(path), "archive", "HEAD", "projects/cope"], capture_output=True)
-            if archive.returncode == 0:
-                subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-                commit = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
-                return target / "projects" / "cope", f"{path} at {commit}"
-    return None, f"no RAM checkout found (tried {[c for c in candidates if c]}); pass --ram"
+    """RAM's projects/cope directory (a checkout, or extracted from a bare git mirror), and a note on its origin
+    (the repository and its commit, not where it lies on this machine)."""
+    candidate = given or os.environ.get("RAM_CHECKOUT")
+    if not candidate:
+        return None, "no RAM checkout given (--ram or $RAM_CHECKOUT)"
+    path = pathlib.Path(candidate)
+    commit = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    origin = f"facebookresearch/RAM at {commit or 'an unknown commit'}"
+    if (path / "projects" / "cope" / "src").is_dir():
+        path = path / "projects" / "cope"
+    if (path / "src" / "cope" / "context_position.py").is_file():
+        return path, origin
+    if (path / "HEAD").is_file() and (path / "objects").is_dir():  # a bare mirror: extract projects/cope
+        target = pathlib.Path(tempfile.mkdtemp(prefix="ram-"))
+        archive = subprocess.run(["git", "-C", str(path), "archive", "HEAD", "projects/cope"], capture_output=True)
+        if archive.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+            return target / "projects" / "cope", origin
+    return None, f"{candidate} holds no RAM projects/cope (--ram)"
 
 
 def official_data(ram: pathlib.Path | None, python: str | None, workdir: pathlib.Path) -> tuple[pathlib.Path, str]:
@@ -179,20 +183,22 @@ def run_official(python: str, ram: pathlib.Path, data_dir: pathlib.Path, pos_emb
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON", "/tmp/torchvenv/bin/python"),
+    parser.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON"),
                         help="a Python interpreter with torch (and the official code's imports: tqdm, wandb, "
                              "submitit)")
-    parser.add_argument("--ram", help="a facebookresearch/RAM checkout or bare mirror (default: $RAM_CHECKOUT, ./RAM)")
+    parser.add_argument("--ram", help="a facebookresearch/RAM checkout or bare mirror (default: $RAM_CHECKOUT)")
     parser.add_argument("--pe", default="cope,learned,relative")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per side, encoding and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="--steps 5 --rounds 1")
-    parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train_step.json"))
+    parser.add_argument("--out", type=pathlib.Path, metavar="FILE", help="the JSON report (required)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: time jaxpe's step on this data directory
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.pe, args.first, args.steps)
+    if args.out is None:
+        parser.error("--out FILE is required")
     if args.quick:
         args.steps, args.rounds = 5, 1
     names = args.pe.split(",")
@@ -281,10 +287,9 @@ def main() -> None:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "results": rows,
     }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
