@@ -49,7 +49,7 @@ test-newest:
 	.ci/newest_jax
 
 bench: .venv
-	$(BIN)/python benchmarks/attention.py --quick
+	$(BIN)/python benchmarks/attention.py --quick --out results/bench
 
 clean:
 	rm -rf $(VENV) .venv-newest $(COMPILE_VENV)
