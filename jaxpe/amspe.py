@@ -1,10 +1,10 @@
-"""AM-SPE: adaptive blend of a coarse and a detailed sinusoidal table (seeds/amspe.md).
+"""AM-SPE: adaptive blend of a coarse and a detailed sinusoidal table.
 
 out = x + amplitude·(α·coarse[:L] + (1 − α)·detail_level·detail[:L]),
 α = sigmoid(alpha), alpha a learned scalar initialised to 0,
 coarse = sinusoidal table with every angle times `coarse_scale`, detail = the plain sinusoidal table.
-This is what the seed's Python and MATLAB code compute; the seed README's formula swaps α and 1 − α and has no
-detail_level — we follow the code. `amplitude` (1.0 in the seed) scales the blend, as for `sinusoidal`.
+α weighs the coarse table and 1 − α the detailed one, which `detail_level` scales further; `amplitude` scales the
+whole blend, as for `sinusoidal` (1.0 adds the tables at their own size).
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import flax.linen as nn
 import jax
 
 from jaxpe.registry import PEConfig, register
-from jaxpe.learned import gather_positions
 from jaxpe.sharding import partitioned
-from jaxpe.sinusoidal import sinusoidal_table
+from jaxpe.tables import add_table_rows, sinusoidal_table
 from jaxpe.validation import check_fraction, check_positive, check_positive_number
 
 
@@ -47,7 +46,7 @@ class AMSPE(nn.Module):
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
         pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]
-        return x + gather_positions(pe, positions, x.shape[1]).astype(x.dtype)
+        return add_table_rows(x, pe, positions)
 
 
 @register("amspe")
@@ -57,7 +56,7 @@ class AMSPEConfig(PEConfig):
 
     additive: ClassVar[bool] = True
     coarse_scale: float = 10.0  # angle multiplier of the coarse table (> 0)
-    detail_level: float = 0.5  # weight of the detailed table, in [0, 1] (the seed's default)
+    detail_level: float = 0.5  # weight of the detailed table, in [0, 1]
     amplitude: float = 0.02  # multiplies the blend, matched to the token embeddings (see SinusoidalConfig; > 0)
 
     def __post_init__(self) -> None:

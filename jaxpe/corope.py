@@ -34,7 +34,7 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels._checks import check_padding_mask, check_segment_ids, check_window
 from jaxpe.kernels._common import carry_init, sincos
-from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise, corope_frequencies
+from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
@@ -105,7 +105,9 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
         return acc + e_a * cos[:, :, None] - e_b * sin[:, :, None], None
 
     last_first = lambda x: jnp.moveaxis(x, -1, 0)
-    xs = (corope_frequencies(d, theta, inv_freq), last_first(q1), last_first(q2), last_first(k1), last_first(k2))
+    omega = rope_frequencies(d, theta=theta)[0] if inv_freq is None else lax.stop_gradient(
+        jnp.asarray(inv_freq, jnp.float32))  # [D/2], the caller's a constant
+    xs = (omega, last_first(q1), last_first(q2), last_first(k1), last_first(k2))
     acc0 = carry_init(0.0, (b, hkv, hq // hkv, lq, lk), jnp.float32, q, k, mileage)
     scores, _ = jax.lax.scan(one_frequency, acc0, xs)
     return sm_scale * scores.reshape(b, hq, lq, lk)

@@ -1,5 +1,5 @@
-"""Learned absolute positions: a trained table [max_len, d_model] added to token embeddings, and the row lookup
-every additive table (learned, sinusoidal, AM-SPE) uses."""
+"""Learned absolute positions: a trained table [max_len, d_model] added to token embeddings (its rows read by
+`jaxpe.tables.add_table_rows`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,34 +7,11 @@ from typing import ClassVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
+from jaxpe.tables import add_table_rows
 from jaxpe.validation import check_positive_number
-
-
-def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
-    """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
-
-    Raises when a static length exceeds the table, or a symbolic one (jax.export) is not bounded by it; traced
-    positions beyond it give NaN rows.
-    """
-    max_len = table.shape[0]
-    if positions is None:
-        try:
-            too_long = length > max_len
-        except jax.errors.InconclusiveDimensionOperation:  # a symbolic length (jax.export) with no bound
-            raise ValueError(f"a symbolic sequence length L={length} may exceed the position table's max_len={max_len}: "
-                             f"bound it when exporting, e.g. jax.export.symbolic_shape('b, {length}', "
-                             f"constraints=('{length} <= {max_len}',))") from None
-        if too_long:
-            raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
-        return table[None, :length]
-    positions = jnp.asarray(positions)
-    if positions.ndim == 1:
-        positions = positions[None]
-    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class LearnedPE(nn.Module):
@@ -47,7 +24,7 @@ class LearnedPE(nn.Module):
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         table = self.param("table", partitioned(nn.initializers.normal(self.init_std), "positions", "embed"),
                            (self.max_len, x.shape[-1]))
-        return x + gather_positions(table, positions, x.shape[1]).astype(x.dtype)
+        return add_table_rows(x, table, positions)
 
 
 @register("learned")

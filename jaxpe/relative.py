@@ -16,48 +16,8 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import attend
+from jaxpe.tables import gather_table_rows
 from jaxpe.validation import check_npos
-
-
-def _flat_row_index(z_shape: tuple[int, ...], index: jax.Array) -> jax.Array:
-    """int32 [B, H·Lq·Lk]: where z[b, i, h, index[b, h, i, j]] sits in batch row b of z [B, Lq, H, P] read flat."""
-    b, lq, h, size = z_shape
-    start = (jnp.arange(lq, dtype=jnp.int32)[None, None, :, None] * h
-             + jnp.arange(h, dtype=jnp.int32)[None, :, None, None]) * size  # [1, H, Lq, 1]: where z[b, i, h] starts
-    return (start + index).reshape(b, -1)
-
-
-def _fits_int32(z_shape: tuple[int, ...]) -> bool:
-    return z_shape[1] * z_shape[2] * z_shape[3] < 2**31
-
-
-def gather_table_rows(z: jax.Array, index: jax.Array) -> jax.Array:
-    """z [B, Lq, H, P] (query i's logit for each table row in head h), index int32 [B, H, Lq, Lk] in [0, P) ->
-    [B, H, Lq, Lk], z[b, i, h, index[b, h, i, j]].
-
-    Each batch row reads its own flat [Lq·H·P] slice of z: one gather with the batch as its only batch dimension,
-    on CPU ~10× cheaper than take_along_axis over [B, H, Lq]; z stays in the layout its matmul writes (no transposes
-    of z or of its gradient), the backward is one plain scatter-add, and a batch sharded over devices stays sharded
-    (an index into all of z would make every device gather all of it). Rows of more than 2³¹ entries gather by
-    take_along_axis.
-    """
-    if not _fits_int32(z.shape):  # int32 flat indices
-        return jnp.take_along_axis(jnp.transpose(z, (0, 2, 1, 3)), index, axis=-1)
-    flat = _flat_row_index(z.shape, index)
-    return jnp.take_along_axis(z.reshape(z.shape[0], -1), flat, axis=1, mode="clip").reshape(index.shape)
-
-
-def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`gather_table_rows` of two tables at the same index, (z[..index..], y[..index..]) float32, in one gather:
-    the pair travels as one complex64 (real z, imaginary y), so the per-entry cost of XLA's CPU gather, which does
-    not depend on the entry's width, is paid once instead of twice. Plain ops, linear in (z, y): forward mode is the
-    same gather of the tangents, and JAX's transpose of it is one complex scatter-add."""
-    if not _fits_int32(z.shape):
-        return gather_table_rows(z, index), gather_table_rows(y, index)
-    rows = lambda t: t.astype(jnp.float32).reshape(t.shape[0], -1)  # noqa: E731  [B, Lq·H·P]
-    flat = _flat_row_index(z.shape, index)  # [B, H·Lq·Lk]
-    got = jnp.take_along_axis(jax.lax.complex(rows(z), rows(y)), flat, axis=1, mode="clip")
-    return jnp.real(got).reshape(index.shape), jnp.imag(got).reshape(index.shape)
 
 
 def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax.Array | int) -> jax.Array:

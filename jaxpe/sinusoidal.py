@@ -9,30 +9,10 @@ from typing import ClassVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxpe.learned import gather_positions
 from jaxpe.registry import PEConfig, register
+from jaxpe.tables import add_table_rows, sinusoidal_table
 from jaxpe.validation import check_positive, check_positive_number
-
-
-def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0) -> jax.Array:
-    """[length, dim] float32: PE[i, 2k] = sin(scale·i·θ^(−2k/dim)), PE[i, 2k+1] = cos(same angle).
-
-    Odd `dim` keeps every sine column and drops the last cosine column.
-    """
-    if not isinstance(length, (int, np.integer)) or length < 1:
-        raise ValueError(f"{length=} must be a positive int")
-    if not isinstance(dim, (int, np.integer)) or dim < 1:
-        raise ValueError(f"{dim=} must be a positive int")
-    check_positive("theta", theta)
-    length, dim = int(length), int(dim)
-    half = (dim + 1) // 2
-    freqs = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / dim)  # [half]
-    angles = scale * jnp.arange(length, dtype=jnp.float32)[:, None] * freqs[None, :]  # [L, half]
-    table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
-    return table[:, :dim]
 
 
 class SinusoidalPE(nn.Module):
@@ -44,8 +24,8 @@ class SinusoidalPE(nn.Module):
 
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         check_positive("amplitude", self.amplitude)
-        table = self.amplitude * sinusoidal_table(self.max_len, x.shape[-1], theta=self.theta)
-        return x + gather_positions(table, positions, x.shape[1]).astype(x.dtype)
+        return add_table_rows(x, self.amplitude * sinusoidal_table(self.max_len, x.shape[-1], theta=self.theta),
+                              positions)
 
 
 @register("sinusoidal")

@@ -20,7 +20,7 @@ import pytest
 import jaxpe
 import numpy_reference as ref
 from jaxpe.model import gelu
-from jaxpe.relative import gather_table_row_pairs
+from jaxpe.tables import gather_table_row_pairs
 from jaxpe.softmax_attention import masked_softmax_attention
 
 TOL = dict(rtol=2e-4, atol=2e-5)  # float32 code against float64 restatements

@@ -1,4 +1,4 @@
-"""The lean Co-RoPE Pallas kernels (issue 12): any chunk width of rotary pairs, head dims that are no multiple of it,
+"""The lean Co-RoPE Pallas kernels: any chunk width of rotary pairs, head dims that are no multiple of it,
 odd lengths, large groups, the kernels' sincos, and O(L) memory (no array of L²/32 elements or more in the
 forward and backward at L = 4096). Interpret mode, against the dense reference and NumPy."""
 from __future__ import annotations
@@ -63,15 +63,15 @@ def test_default_blocks_rectangular_tiles():
 def test_default_block_sizes():
     """Up to 4 heads per forward program (a divisor of G), 16 rows; 32 rows for one head while a q row is ≤ 512
     bytes; the backward 16 × 32 tiles, 2 heads; chunks of 4 pairs; 8 warps."""
-    fwd = lambda d, t, g: (kernel.default_block_sizes(d, t, g).block_h, kernel.default_block_sizes(d, t, g).block_q)
+    fwd = lambda d, t, g: (BlockSizes.default(d, t, groups=g).block_h, BlockSizes.default(d, t, groups=g).block_q)
     assert [fwd(64, jnp.float32, g) for g in (1, 2, 3, 4, 5, 6, 8)] == [(1, 32), (2, 16), (3, 16), (4, 16), (1, 32),
                                                                         (3, 16), (4, 16)]
     assert fwd(256, jnp.float32, 1) == (1, 16) and fwd(256, jnp.bfloat16, 1) == (1, 32)
-    blocks = kernel.default_block_sizes(128, jnp.float32, 4)
+    blocks = BlockSizes.default(128, jnp.float32, groups=4)
     assert (blocks.block_k, blocks.block_d, blocks.block_q_bwd, blocks.block_k_bwd, blocks.block_h_bwd) == (32, 4, 16,
                                                                                                           32, 2)
     assert kernel.default_num_warps(128) == 8
-    fitted = BlockSizes(block_h=4, block_h_bwd=4).fitted(100, 32, 64, jnp.float32, 6)
+    fitted = BlockSizes(block_h=4, block_h_bwd=4).fitted(length=100, head_dim=64, dtype=jnp.float32, groups=6)
     assert (fitted.block_h, fitted.block_h_bwd) == (3, 3)  # the largest divisor of G = 6 not above 4
 
 
@@ -100,8 +100,8 @@ def large_intermediates(fn, args: tuple[jax.Array, ...], size: int) -> list[tupl
 
 def test_memory_is_linear_in_length():
     """At L = 4096 (B 1, N 2, K 1, D 32), no value of the forward and backward (the residuals, the kernels' blocks,
-    the gradient accumulators) has L²/32 elements or more; the dense reference's do (the probe works). The former
-    backward's carries [B, K, L/32, L] were exactly that size."""
+    the gradient accumulators) has L²/32 elements or more; the dense reference's do (the probe works). Per-key-block
+    carries [B, K, L/32, L], as a backward split into dq and dk/dv kernels keeps, would be exactly that size."""
     length = 4096
     q = jnp.zeros((1, length, 2, 32))
     kv = jnp.zeros((1, length, 1, 32))

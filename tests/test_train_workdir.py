@@ -1,4 +1,4 @@
-"""Training runs that cannot go silently wrong (issue 11): one run per workdir, everything validated before anything
+"""Training runs that cannot go silently wrong: one run per workdir, everything validated before anything
 is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
 import errno
 import json
