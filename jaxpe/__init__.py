@@ -18,7 +18,7 @@ from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.rope import apply_rope
 from jaxpe.rope_scaling import hf_rope_options, rope_frequencies
 from jaxpe.sharding import TENSOR_PARALLEL_RULES
-from jaxpe.sinusoidal import sinusoidal_table
+from jaxpe.tables import sinusoidal_table
 
 PE_NAMES = pe_names()
 

@@ -15,9 +15,8 @@ import flax.linen as nn
 import jax
 
 from jaxpe.registry import PEConfig, register
-from jaxpe.learned import gather_positions
 from jaxpe.sharding import partitioned
-from jaxpe.sinusoidal import sinusoidal_table
+from jaxpe.tables import add_table_rows, sinusoidal_table
 from jaxpe.validation import check_fraction, check_positive, check_positive_number
 
 
@@ -47,7 +46,7 @@ class AMSPE(nn.Module):
         coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
         detail = sinusoidal_table(self.max_len, self.d_model)
         pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]
-        return x + gather_positions(pe, positions, x.shape[1]).astype(x.dtype)
+        return add_table_rows(x, pe, positions)
 
 
 @register("amspe")

@@ -63,11 +63,26 @@ def tile_extent(n: int) -> int:
 
 
 def check_block_sizes(blocks: Any) -> None:
-    """Every field of a kernel's frozen `BlockSizes` dataclass must be a power of two >= MIN_BLOCK."""
+    """A kernel's frozen `BlockSizes`: each field None (the default for the problem) or, by its name, block_h* a
+    positive int (query heads per program), block_d a power of two >= 1 (an elementwise width), any other a power of
+    two >= MIN_BLOCK (a side of a dot's operand)."""
     for field in dataclasses.fields(blocks):
         value = getattr(blocks, field.name)
-        if not isinstance(value, int) or value < MIN_BLOCK or value & (value - 1):
-            raise ValueError(f"{field.name}={value!r} must be a power of two >= {MIN_BLOCK}")
+        if value is None:
+            continue
+        if field.name.startswith("block_h"):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field.name}={value!r} must be a positive int (or None)")
+            continue
+        least = 1 if field.name == "block_d" else MIN_BLOCK
+        if not isinstance(value, int) or value < least or value & (value - 1):
+            raise ValueError(f"{field.name}={value!r} must be a power of two >= {least} (or None)")
+
+
+def filled(blocks: Any, default: Any) -> dict[str, int]:
+    """The fields of a kernel's `BlockSizes`, each None replaced by `default`'s."""
+    given = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)}
+    return {name: getattr(default, name) if value is None else value for name, value in given.items()}
 
 
 def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:

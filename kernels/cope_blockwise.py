@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -318,22 +319,44 @@ def _chunk_starts(padded: int, chunk: int) -> jax.Array:
     return jnp.arange(padded // chunk, dtype=jnp.int32) * chunk
 
 
-def _cope_blockwise_fwd(q, k, v, kg, pos_emb, sm_scale, segment_ids, config: _Config):
-    length, num_kv = q.shape[1], k.shape[2]
-    size, chunk, padded = _tiling(length, config)
-    walked = _walked_blocks(chunk, size, config.window, padded)
+class _Operands(NamedTuple):
+    """What the forward and the backward rule both build from a call's operands (letters as the module's)."""
+
+    size: int  # BK
+    chunk: int  # C
+    padded: int  # Lp
+    walked: int  # key blocks each chunk walks
+    q: jax.Array  # [B, K, G, Lp, D] float32, before sm_scale
+    scaled: jax.Array  # sm_scale·q
+    k: jax.Array  # [B, K, Lp, D] float32, as v and kg
+    v: jax.Array
+    kg: jax.Array
+    e: jax.Array  # the table [P, D] or [K, G, P, D] float32
+    z: jax.Array  # [B, K, G, Lp, P] = (sm_scale·q)·e
+    seg: jax.Array | None  # every key's document id [B, Lp]
+    seg_chunks: jax.Array | None  # the rows' per chunk [Lp / C, B, C]
+
+
+def _operands(q, k, v, kg, pos_emb, sm_scale, segment_ids, config: _Config) -> _Operands:
+    """The tiling of q's length, the grouped and padded operands and the position logits z."""
+    size, chunk, padded = _tiling(q.shape[1], config)
     qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
-    qg = qg * sm_scale
-    z = _position_logits(qg, e)
-    seg, seg_chunks = _segments(segment_ids, padded, chunk)
+    scaled = qg * sm_scale
+    return _Operands(size, chunk, padded, _walked_blocks(chunk, size, config.window, padded), qg, scaled, kt, vt, kgt,
+                     e, _position_logits(scaled, e), *_segments(segment_ids, padded, chunk))
+
+
+def _cope_blockwise_fwd(q, k, v, kg, pos_emb, sm_scale, segment_ids, config: _Config):
+    length = q.shape[1]
+    ops = _operands(q, k, v, kg, pos_emb, sm_scale, segment_ids, config)
 
     def one_chunk(xs):
         q_c, z_c, r0, seg_c = xs
-        return _chunk_forward(q_c, z_c, kt, vt, kgt, r0, seg_c, seg, size=size, length=length, walked=walked,
-                              window=config.window, strict=config.strict)
+        return _chunk_forward(q_c, z_c, ops.k, ops.v, ops.kg, r0, seg_c, ops.seg, size=ops.size, length=length,
+                              walked=ops.walked, window=config.window, strict=config.strict)
 
-    out, lse, r, first_full = lax.map(one_chunk, (_chunked(qg, chunk), _chunked(z, chunk),
-                                                 _chunk_starts(padded, chunk), seg_chunks))
+    out, lse, r, first_full = lax.map(one_chunk, (_chunked(ops.scaled, ops.chunk), _chunked(ops.z, ops.chunk),
+                                                 _chunk_starts(ops.padded, ops.chunk), ops.seg_chunks))
     out, lse, r = _unchunked(out), _unchunked(lse), _unchunked(r)
     residuals = (q, k, v, kg, pos_emb, sm_scale, segment_ids, out, lse, r, first_full)
     return (_ungrouped(out, length), _ungrouped(lse, length)), residuals
@@ -343,24 +366,22 @@ def _cope_blockwise_bwd(config: _Config, residuals, cotangents):
     q, k, v, kg, pos_emb, sm_scale, segment_ids, out, lse, r, first_full = residuals
     dout, dlse = cotangents
     length, num_kv = q.shape[1], k.shape[2]
-    size, chunk, padded = _tiling(length, config)
-    walked = _walked_blocks(chunk, size, config.window, padded)
-    qg, kt, vt, kgt, e = _grouped(q, k, v, kg, pos_emb, padded)
-    scaled = qg * sm_scale
-    z = _position_logits(scaled, e)
-    seg, seg_chunks = _segments(segment_ids, padded, chunk)
-    do = _grouped_rows(dout.astype(jnp.float32), padded, num_kv)
-    delta = jnp.sum(out * do, axis=-1) - _grouped_rows(dlse.astype(jnp.float32), padded, num_kv)
-    per_chunk = tuple(_chunked(x, chunk) for x in (scaled, z, do, lse, delta, r))
+    ops = _operands(q, k, v, kg, pos_emb, sm_scale, segment_ids, config)
+    qg, scaled, e = ops.q, ops.scaled, ops.e
+    do = _grouped_rows(dout.astype(jnp.float32), ops.padded, num_kv)
+    delta = jnp.sum(out * do, axis=-1) - _grouped_rows(dlse.astype(jnp.float32), ops.padded, num_kv)
+    per_chunk = tuple(_chunked(x, ops.chunk) for x in (scaled, ops.z, do, lse, delta, r))
 
     def one_chunk(dkv, xs):
         *chunk_inputs, first_c, r0, seg_c = xs
-        dq_c, dz_c, *dkv = _chunk_backward(*chunk_inputs, first_c, r0, seg_c, (kt, vt, kgt), dkv, seg, size=size,
-                                           walked=walked, window=config.window, strict=config.strict)
+        dq_c, dz_c, *dkv = _chunk_backward(*chunk_inputs, first_c, r0, seg_c, (ops.k, ops.v, ops.kg), dkv, ops.seg,
+                                           size=ops.size, walked=ops.walked, window=config.window,
+                                           strict=config.strict)
         return tuple(dkv), (dq_c, dz_c)
 
-    init = tuple(carry_init(0.0, kt.shape, jnp.float32, kt) for _ in range(3))
-    dkv, (dq, dz) = lax.scan(one_chunk, init, (*per_chunk, first_full, _chunk_starts(padded, chunk), seg_chunks))
+    init = tuple(carry_init(0.0, ops.k.shape, jnp.float32, ops.k) for _ in range(3))
+    dkv, (dq, dz) = lax.scan(one_chunk, init, (*per_chunk, first_full, _chunk_starts(ops.padded, ops.chunk),
+                                               ops.seg_chunks))
     dq, dz = _unchunked(dq), _unchunked(dz)  # with respect to sm_scale·q
     if e.ndim == 2:
         dq = dq + jnp.einsum("bkgtp,pd->bkgtd", dz, e)

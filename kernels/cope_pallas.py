@@ -49,19 +49,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, check_segment_ids, check_window
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, next_power_of_two,
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, next_power_of_two,
                                    resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two >= 16) of the forward and of the backward kernel, which need not match. Blocks
-    larger than the (padded) sequence are shrunk to fit. Defaults: `BlockSizes.default(head_dim, dtype, gate_k=)`."""
+    """Tile sizes of the forward and of the backward kernel, which need not match; None: the default for the problem
+    (`BlockSizes.default`). Rows and keys are powers of two >= 16 (Triton dots); blocks larger than the padded
+    sequence shrink (`fitted`)."""
 
-    block_q: int = 32  # query rows per forward program
-    block_k: int = 32  # keys per forward tile
-    block_q_bwd: int = 32  # query rows per backward program
-    block_k_bwd: int = 32  # keys per backward tile
+    block_q: int | None = None  # forward: query rows per program
+    block_k: int | None = None  # forward: keys per tile
+    block_q_bwd: int | None = None  # backward: query rows per program
+    block_k_bwd: int | None = None  # backward: keys per tile
 
     def __post_init__(self) -> None:
         check_block_sizes(self)
@@ -82,14 +83,17 @@ class BlockSizes:
             return cls(16, 32 if dp <= 64 else 16, *backward)
         return cls(32, 32 if dp <= 128 else 16, *backward)
 
-    def fitted(self, length: int) -> BlockSizes:
-        """The same sizes, each capped at the next power of two >= length (and >= 16)."""
+    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype, gate_k: bool) -> BlockSizes:
+        """Every size given (None: `default`'s for D, dtype and gate_k), each capped at the next power of two
+        >= length (and >= 16)."""
         cap = tile_extent(length)
-        return BlockSizes(*(min(getattr(self, f.name), cap) for f in dataclasses.fields(self)))
+        sizes = filled(self, BlockSizes.default(head_dim, dtype, gate_k=gate_k))
+        return BlockSizes(**{name: min(size, cap) for name, size in sizes.items()})
 
 
-def _default_warps(head_dim: int) -> int:
-    """4 warps up to Dp = 64, 8 above (in float32 and bfloat16 alike: the block sizes absorb the dtype)."""
+def default_num_warps(head_dim: int) -> int:
+    """Warps per program: 4 up to Dp = 64, 8 above (in float32 and bfloat16 alike: the block sizes absorb the
+    dtype)."""
     return 4 if tile_extent(head_dim) <= 64 else 8
 
 
@@ -481,9 +485,9 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
 
     q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
     (gates from k) -> [B, L, N, D] in q's dtype.
-    block_sizes: default `BlockSizes.default(D, q.dtype, gate_k=gate_k is not None)`; interpret: run the kernels in
-    the Pallas interpreter (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering
-    (defaults: 4 warps up to D = 64, else 8; 2 stages in the forward, 1 in the backward).
+    block_sizes: None fields (or None) take `BlockSizes.default(D, q.dtype, gate_k=gate_k is not None)`; interpret:
+    run the kernels in the Pallas interpreter (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering
+    (defaults: `default_num_warps`; 2 stages in the forward, 1 in the backward).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
@@ -508,10 +512,11 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
         q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
         sm_scale = 1.0
-    blocks = block_sizes or BlockSizes.default(q.shape[3], q.dtype, gate_k=gate_k is not None)
-    config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1],
-                     blocks=blocks.fitted(q.shape[1]), interpret=resolve_interpret(interpret),
-                     num_warps=num_warps or _default_warps(q.shape[3]), num_stages=num_stages,
+    blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
+                                                  gate_k=gate_k is not None)
+    config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1], blocks=blocks,
+                     interpret=resolve_interpret(interpret), num_warps=num_warps or default_num_warps(q.shape[3]),
+                     num_stages=num_stages,
                      window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
                      accurate_gates=q.dtype == jnp.float32)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

@@ -61,69 +61,58 @@ from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._checks import (KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, check_segment_ids,
                                    check_window)
-from jaxpe.kernels._common import (MASK_VALUE, MIN_BLOCK, check_head_dim, dot, resolve_interpret, rotary_frequencies,
-                                   sincos, tile_extent, triton_compiler_params, vary_alike)
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, resolve_interpret,
+                                   rotary_frequencies, sincos, tile_extent, triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq, effective_window
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes; None: the default for the head dim and dtype (`default_block_sizes`). Rows and keys must be powers
-    of two ≥ 16 (Triton dots), block_d a power of two ≥ 1; blocks larger than the padded problem shrink.
+    """Tile sizes of the forward and of the backward kernel, which need not match; None: the default for the problem
+    (`BlockSizes.default`). Rows and keys are powers of two >= 16 (Triton dots), block_d a power of two >= 1, block_h
+    and block_h_bwd positive ints; blocks larger than the padded problem shrink (`fitted`).
 
     A tile's temporaries are [block_q, block_k, block_d] float32, held in registers, and a program carries block_h
-    heads' [block_q, Dp] accumulators: keep those small. block_h, block_h_bwd: positive ints, fitted to a divisor of
-    the group size G.
+    heads' [block_q, Dp] accumulators: keep those small.
     """
 
-    block_q: int | None = None  # forward: query rows per program instance
+    block_q: int | None = None  # forward: query rows per program
     block_k: int | None = None  # forward: keys per step of the reverse walk
-    block_d: int | None = None  # rotary pairs per chunk (all kernels)
-    block_q_bwd: int | None = None  # backward: query rows per program instance
+    block_q_bwd: int | None = None  # backward: query rows per program
     block_k_bwd: int | None = None  # backward: keys per step
+    block_d: int | None = None  # rotary pairs per chunk (both kernels)
     block_h: int | None = None  # forward: query heads of one group per program (they share the trig)
     block_h_bwd: int | None = None  # backward: the same
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None:
-                continue
-            if field.name.startswith("block_h"):
-                if not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{field.name}={value!r} must be a positive int (or None)")
-                continue
-            least = 1 if field.name == "block_d" else MIN_BLOCK
-            if not isinstance(value, int) or value < least or value & (value - 1):
-                raise ValueError(f"{field.name}={value!r} must be a power of two >= {least} (or None)")
+        check_block_sizes(self)
 
-    def fitted(self, length: int, half: int, head_dim: int, dtype: jnp.dtype, groups: int) -> BlockSizes:
-        """Every size given (defaults filled in for D and dtype), the row and key blocks capped at the next power of
-        two >= length (and >= 16), block_d at the padded half head dim, the head blocks at the largest divisor of
-        the group size G not above them."""
-        default = default_block_sizes(head_dim, dtype, groups)
-        pick = lambda name: getattr(self, name) if getattr(self, name) is not None else getattr(default, name)
-        cap = tile_extent(length)
-        heads = lambda name: max(h for h in range(1, min(pick(name), groups) + 1) if groups % h == 0)
-        return BlockSizes(block_q=min(pick("block_q"), cap), block_k=min(pick("block_k"), cap),
-                          block_d=min(pick("block_d"), half), block_q_bwd=min(pick("block_q_bwd"), cap),
-                          block_k_bwd=min(pick("block_k_bwd"), cap), block_h=heads("block_h"),
+    @classmethod
+    def default(cls, head_dim: int, dtype: jnp.dtype, *, groups: int) -> BlockSizes:
+        """The defaults, chosen with the compile report (H100, 8 warps: no spills in any kernel for D 64-256, float32
+        and bfloat16, GQA 8/2 and MHA): tiles of 32 keys, chunks of 4 rotary pairs; up to 4 heads of a group per
+        forward program and 2 per backward program (their trig shared), 16 query rows per tile — 32 in a forward
+        program of one head while a row of q is at most 512 bytes."""
+        block_h = max(h for h in range(1, 5) if groups % h == 0)
+        block_q = 32 if block_h == 1 and head_dim * jnp.dtype(dtype).itemsize <= 512 else 16
+        return cls(block_q=block_q, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=block_h,
+                   block_h_bwd=2)
+
+    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype, groups: int) -> BlockSizes:
+        """Every size given (None: `default`'s for D, dtype and G), the row and key blocks capped at the next power
+        of two >= length (and >= 16), block_d at the padded D/2, the head blocks at the largest divisor of G not
+        above them."""
+        sizes = filled(self, BlockSizes.default(head_dim, dtype, groups=groups))
+        cap, half = tile_extent(length), tile_extent(head_dim // 2)
+        heads = lambda name: max(h for h in range(1, min(sizes[name], groups) + 1) if groups % h == 0)  # noqa: E731
+        return BlockSizes(block_q=min(sizes["block_q"], cap), block_k=min(sizes["block_k"], cap),
+                          block_q_bwd=min(sizes["block_q_bwd"], cap), block_k_bwd=min(sizes["block_k_bwd"], cap),
+                          block_d=min(sizes["block_d"], half), block_h=heads("block_h"),
                           block_h_bwd=heads("block_h_bwd"))
 
 
-def default_block_sizes(head_dim: int, dtype: jnp.dtype, groups: int) -> BlockSizes:
-    """The defaults, chosen with the compile report (H100, 8 warps: no spills in any kernel for D 64-256, float32
-    and bfloat16, GQA 8/2 and MHA): tiles of 32 keys, chunks of 4 rotary pairs; up to 4 heads of a group per
-    forward program and 2 per backward program (their trig shared), 16 query rows per tile — 32 in a forward
-    program of one head while a row of q is at most 512 bytes."""
-    block_h = max(h for h in range(1, 5) if groups % h == 0)
-    block_q = 32 if block_h == 1 and head_dim * jnp.dtype(dtype).itemsize <= 512 else 16
-    return BlockSizes(block_q=block_q, block_k=32, block_d=4, block_q_bwd=16, block_k_bwd=32, block_h=block_h,
-                      block_h_bwd=2)
-
-
 def default_num_warps(head_dim: int) -> int:
-    """Warps per program (see `default_block_sizes`)."""
+    """Warps per program: 8 for every head dim (see `BlockSizes.default`)."""
     del head_dim
     return 8
 
@@ -166,7 +155,7 @@ def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSi
     each half of D to a power of two >= 16."""
     length, d = q.shape[1], q.shape[3]
     half = tile_extent(d // 2)
-    blocks = block_sizes.fitted(length, half, d, q.dtype, q.shape[2] // k.shape[2])
+    blocks = block_sizes.fitted(length=length, head_dim=d, dtype=q.dtype, groups=q.shape[2] // k.shape[2])
     multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
     return _Config(sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
                    padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
@@ -532,7 +521,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     differentiated (its gradient is zero).
     Differentiable in q, k, v (one fused backward kernel). interpret: run the kernels in the Pallas interpreter
     (default: unless the backend is a GPU); block_sizes (None fields: defaults for D and dtype), num_warps and
-    num_stages tune the Triton lowering (defaults: `default_block_sizes`, `default_num_warps`, 2 stages).
+    num_stages tune the Triton lowering (defaults: `BlockSizes.default`, `default_num_warps`, 2 stages).
     causal=False, other dtypes, symbolic shapes, x64 mode and a traced sm_scale raise (`pallas_refusal`).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)

@@ -63,15 +63,15 @@ def test_default_blocks_rectangular_tiles():
 def test_default_block_sizes():
     """Up to 4 heads per forward program (a divisor of G), 16 rows; 32 rows for one head while a q row is ≤ 512
     bytes; the backward 16 × 32 tiles, 2 heads; chunks of 4 pairs; 8 warps."""
-    fwd = lambda d, t, g: (kernel.default_block_sizes(d, t, g).block_h, kernel.default_block_sizes(d, t, g).block_q)
+    fwd = lambda d, t, g: (BlockSizes.default(d, t, groups=g).block_h, BlockSizes.default(d, t, groups=g).block_q)
     assert [fwd(64, jnp.float32, g) for g in (1, 2, 3, 4, 5, 6, 8)] == [(1, 32), (2, 16), (3, 16), (4, 16), (1, 32),
                                                                         (3, 16), (4, 16)]
     assert fwd(256, jnp.float32, 1) == (1, 16) and fwd(256, jnp.bfloat16, 1) == (1, 32)
-    blocks = kernel.default_block_sizes(128, jnp.float32, 4)
+    blocks = BlockSizes.default(128, jnp.float32, groups=4)
     assert (blocks.block_k, blocks.block_d, blocks.block_q_bwd, blocks.block_k_bwd, blocks.block_h_bwd) == (32, 4, 16,
                                                                                                           32, 2)
     assert kernel.default_num_warps(128) == 8
-    fitted = BlockSizes(block_h=4, block_h_bwd=4).fitted(100, 32, 64, jnp.float32, 6)
+    fitted = BlockSizes(block_h=4, block_h_bwd=4).fitted(length=100, head_dim=64, dtype=jnp.float32, groups=6)
     assert (fitted.block_h, fitted.block_h_bwd) == (3, 3)  # the largest divisor of G = 6 not above 4
 
 
