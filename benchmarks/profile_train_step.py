@@ -70,10 +70,10 @@ def main() -> None:
     parser.add_argument("--data", help="a directory with the counting train/valid/test.jsonl (default: generated in a temp dir)")
     args = parser.parse_args()
 
-    from jaxpe.train import distributed, malloc
+    from jaxpe.train import _malloc, distributed
 
     distributed.split_host_cpu()  # as the entry points do ($JAXPE_CPU_DEVICES or XLA_FLAGS may set the count)
-    malloc.keep_freed_memory()
+    _malloc.keep_freed_memory()
     import jax
 
     if args.data:

@@ -7,7 +7,7 @@ of 16, as `run.pad_to="multiple"` does). The official side (facebookresearch/RAM
 its own PyTorch interpreter, through benchmarks/official_counting_step.py. The official side runs at its default
 thread count and at one thread (torch.set_num_threads(1)); jaxpe runs as its entry points do (a CPU device per core,
 the batch split over them: jaxpe.train.distributed.split_host_cpu; glibc keeping freed memory:
-jaxpe.train.malloc.keep_freed_memory), on one device, and on one device with one thread
+jaxpe.train._malloc.keep_freed_memory), on one device, and on one device with one thread
 (XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"), each in a fresh subprocess; the
 fastest median of each side counts: on 2 busy cores both can run several times slower with 2 threads. Sides alternate
 in rounds so that a change of load hits both. Without PyTorch or a RAM checkout only jaxpe runs, saying why.
@@ -161,10 +161,10 @@ def run_jaxpe(data_dir: pathlib.Path, name: str, first: int, steps: int, mode: s
 
 
 def worker(data_dir: str, name: str, first: int, steps: int) -> None:
-    from jaxpe.train import distributed, malloc
+    from jaxpe.train import _malloc, distributed
 
     distributed.split_host_cpu()  # as the entry points do (a no-op when XLA_FLAGS sets a device count)
-    malloc.keep_freed_memory()  # as the entry points do
+    _malloc.keep_freed_memory()  # as the entry points do
     side = JaxpeSide(pathlib.Path(data_dir), first + steps)
     side.build(name)
     times = side.time(name, range(first, first + steps))

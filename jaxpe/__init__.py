@@ -3,7 +3,7 @@
 Pure functions first, thin linen modules on top; every encoding is also selectable by name (`PE_NAMES`).
 Shapes: B batch, L length, H heads (Hq query, Hkv key/value), D head dim.
 """
-# Imported in registry order (SPEC §2): none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated,
+# Imported in registry order: none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated,
 # cope_rope, corope.
 from jaxpe import none, learned, sinusoidal, amspe, rope, alibi, relative, cope, cope_gated, corope  # noqa: F401,I001
 from jaxpe.alibi import alibi_bias, alibi_slopes

@@ -1,4 +1,4 @@
-"""The CoPE gate-network variant (seeds/cope_gate_network.md) and its RoPE hybrid.
+"""CoPE with its gates from a network on the token embeddings instead of q·k, and its RoPE hybrid.
 
 B batch, L length, H heads, D head dim, d_model width, max_pos table rows.
 Gates come from the token embeddings, not from q·k: g_j = sigmoid(x_j W_g + b_g) per head; absolute soft positions

@@ -2,7 +2,7 @@
 
 Every parameter is created through `partitioned`, so `model.init` returns `nn.LogicallyPartitioned` boxes:
 `nn.get_partition_spec(abstract_params)` gives each parameter's logical spec, and
-`nn.logical_to_mesh_sharding(specs, mesh, rules)` turns it into shardings for a mesh (see README "Sharding").
+`nn.logical_to_mesh_sharding(specs, mesh, rules)` turns it into shardings for a mesh (see docs/layers.md, "Sharding").
 `flax.linen.meta.unbox(params)` gives plain arrays; `apply` takes either form, and so does a function
 exported with `jax.export` (the boxes serialize with their names). Names: "vocab", "embed" (d_model),
 "heads" (query heads), "kv_heads", "head_dim", "mlp" (MLP hidden), "positions" (rows of a position table), "gates"

@@ -4,6 +4,7 @@
 # for CoPE, relative, learned, RoPE, no positions and Co-RoPE, 3 seeds: 36 runs, the two variable counts side by side
 # with one XLA thread and one device each (53 minutes in all on this 2-core machine).
 # Usage: bash results/run_cpu_medium.sh [counting_3var|counting_5var ...]   (resumes; PES=... SEEDS=... narrow it)
+# Tables: compare.json goes to results/cpu_medium/<setting>/; `bash results/tables.sh` prints docs/results.md's tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-cope,relative,learned,rope,none,corope}

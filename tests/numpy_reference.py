@@ -1,4 +1,18 @@
-"""An independent float64 NumPy restatement of every encoding, written from SPEC §3 and the seeds, not from jaxpe.
+"""An independent float64 NumPy restatement of every encoding, written from the papers and the official code, not
+from jaxpe.
+
+Sources:
+- sinusoidal: Vaswani et al., "Attention Is All You Need", arXiv:1706.03762 (section 3.5).
+- RoPE: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864 (half-split
+  pairs (d, d + D/2), as in GPT-NeoX and Hugging Face models).
+- ALiBi: Press et al., "Train Short, Test Long", arXiv:2108.12409 (slopes 2^(−8h/H)).
+- relative logits: Shaw et al., "Self-Attention with Relative Position Representations", arXiv:1803.02155, computed
+  as q_i·r[i − j] as in Huang et al., "Music Transformer", arXiv:1809.04281.
+- CoPE: Golovneva et al., "Contextual Position Encoding", arXiv:2405.18719, and the official code, github
+  facebookresearch/RAM, projects/cope.
+- Co-RoPE: github Superposition09m/Co-RoPE, corope-exp/corope_attn_gqa_pytorch.py (leader-head mileage under GQA).
+- AM-SPE and the CoPE gate network: this repository's own encodings, restated from the definitions in the docstrings
+  of jaxpe/amspe.py and jaxpe/cope_gated.py.
 
 Loops over (batch, head, query, key) on purpose: each line should read like the formula it restates.
 Shapes: B batch, L length, Hq query heads, Hkv key/value heads (G = Hq // Hkv, query head h reads kv head h // G),
@@ -29,7 +43,7 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
 
 
 def amspe(x: np.ndarray, alpha_param: float, *, detail_level: float = 0.5, coarse_scale: float = 10.0) -> np.ndarray:
-    """x [B, L, d] -> x + α·coarse[:L] + (1 − α)·detail_level·detail[:L], α = sigmoid(alpha_param) (the seed's code)."""
+    """x [B, L, d] -> x + α·coarse[:L] + (1 − α)·detail_level·detail[:L], α = sigmoid(alpha_param)."""
     length, dim = x.shape[1], x.shape[2]
     alpha = sigmoid(alpha_param)
     coarse = sinusoidal_table(length, dim, scale=coarse_scale)
@@ -76,15 +90,11 @@ def causal_attention(logits: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def dot_logits(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """q [B, L, Hq, D], k [B, L, Hkv, D] -> q_i·k_j [B, Hq, L, L] with GQA (query head h reads kv head h // G)."""
-    b, length, hq, _ = q.shape
-    groups = hq // k.shape[2]
-    out = np.zeros((b, hq, length, k.shape[1]))
-    for bi in range(b):
-        for h in range(hq):
-            for i in range(length):
-                for j in range(k.shape[1]):
-                    out[bi, h, i, j] = q[bi, i, h] @ k[bi, j, h // groups]
-    return out
+    groups = q.shape[2] // k.shape[2]
+    return np.array([[[[q[bi, i, h] @ k[bi, j, h // groups] for j in range(k.shape[1])]
+                       for i in range(q.shape[1])]
+                      for h in range(q.shape[2])]
+                     for bi in range(q.shape[0])])
 
 
 def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, sm_scale: float | None = None,
@@ -129,7 +139,7 @@ def relative_logits(q: np.ndarray, table: np.ndarray, q_pos: np.ndarray, k_len: 
     return out
 
 
-# --- CoPE (the paper) --------------------------------------------------------------------------------------------
+# --- CoPE (arXiv:2405.18719) -------------------------------------------------------------------------------------
 
 def cope_positions(q: np.ndarray, k: np.ndarray, *, npos: int, sm_scale: float | None = None,
                    gate_k: np.ndarray | None = None) -> np.ndarray:
@@ -179,7 +189,7 @@ def cope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos_emb: np.ndar
     return causal_attention(sm_scale * logits, v)
 
 
-# --- CoPE gate-network variant (seeds/cope_gate_network.md) -------------------------------------------------------
+# --- CoPE gate-network variant (jaxpe/cope_gated.py) -------------------------------------------------------------
 
 def gated_cope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, x: np.ndarray, *, gate_w: np.ndarray,
                          gate_b: np.ndarray, table: np.ndarray, pos_query: np.ndarray, rope_theta: float | None = None
@@ -212,7 +222,7 @@ def gated_cope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, x: np.ndar
     return softmax_attention(q, k, v, bias=bias)
 
 
-# --- Co-RoPE (seeds/corope_triton.md) ----------------------------------------------------------------------------
+# --- Co-RoPE (Superposition09m/Co-RoPE) --------------------------------------------------------------------------
 
 def corope_mileage(q: np.ndarray, k: np.ndarray, *, sm_scale: float | None = None) -> np.ndarray:
     """Δ [B, Hkv, L, L]: Δ_ij = a_ii − a_ij, a_ij = Σ_{t≤j} sigmoid(sm_scale·q^leader_i·k_t), leader = head g·G."""
@@ -233,8 +243,10 @@ def corope_mileage(q: np.ndarray, k: np.ndarray, *, sm_scale: float | None = Non
 
 
 def corope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, theta: float = 10000.0,
-                     sm_scale: float | None = None, mileage: np.ndarray | None = None) -> np.ndarray:
-    """Co-RoPE [B, L, Hq, D]: score_ij = sm_scale·Σ_{d<D/2} (E_A cos φ − E_B sin φ), φ = Δ_ij·ω_d, ω_d = θ^(−2d/D)."""
+                     sm_scale: float | None = None, mileage: np.ndarray | None = None,
+                     freqs: np.ndarray | None = None) -> np.ndarray:
+    """Co-RoPE [B, L, Hq, D]: score_ij = sm_scale·Σ_{d<D/2} (E_A cos φ − E_B sin φ), φ = Δ_ij·ω_d, ω_d = θ^(−2d/D)
+    or freqs[d] (freqs [D/2]: scaled RoPE frequencies)."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mileage is None:
         mileage = corope_mileage(q, k, sm_scale=sm_scale)
@@ -251,7 +263,8 @@ def corope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, theta: floa
                     k1, k2 = k[bi, j, g, :half], k[bi, j, g, half:]
                     total = 0.0
                     for d in range(half):
-                        phi = mileage[bi, g, i, j] * theta ** (-2.0 * d / dim)
+                        omega = theta ** (-2.0 * d / dim) if freqs is None else freqs[d]
+                        phi = mileage[bi, g, i, j] * omega
                         e_a = q1[d] * k1[d] + q2[d] * k2[d]
                         e_b = q2[d] * k1[d] - q1[d] * k2[d]
                         total += e_a * math.cos(phi) - e_b * math.sin(phi)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpe.train.config import build_config
+from jaxpe.train.config import build_config, build_model, build_task, longest_length
 from jaxpe.train.evaluate import compute_metrics
 from jaxpe.train.experiments import train_and_evaluate
 from jaxpe.train.tasks import make_task
 from jaxpe.train.tasks.base import bucket_length, scored_lengths, trim_batch
-from jaxpe.train.trainer import Trainer, build_model, build_task, longest_length
+from jaxpe.train.trainer import Trainer
 
 COUNTING = [
     "task.max_steps=8", "task.seq_len=32", "task.n_train=64", "task.n_valid=40", "task.n_test=24",

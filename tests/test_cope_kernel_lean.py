@@ -1,4 +1,4 @@
-"""The lean CoPE kernels (issue 12): O(L) residuals and backward memory, the interpolation's edge cases (positions on
+"""The lean CoPE kernels: O(L) residuals and backward memory, the interpolation's edge cases (positions on
 table rows, at 0 and at P − 1, npos = 2), lengths that are no multiple of a block, and forward and backward blocks
 that differ (with documents, windows, GQA, gate_k, per-head tables). Outputs and every gradient are compared with
 the dense reference `jaxpe.cope_attention(impl="reference")` in interpret mode.

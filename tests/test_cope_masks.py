@@ -1,6 +1,6 @@
 """CoPE with packed documents, padding and sliding windows (every impl), and x-transformers' CoPE variants.
 
-The references are not the code under test: a NumPy restatement of CoPE (SPEC §3) with a visibility mask written
+The references are not the code tested: a NumPy restatement of CoPE (arXiv 2405.18719) with a visibility mask written
 from its definition (key j visible to query i iff j ≤ i, same document, i − j < window), and the identity that a
 packed row equals its documents run on their own (through the plain causal reference, no mask). Pallas runs in
 interpret mode on tiny shapes; blockwise and Pallas use small blocks so that several blocks, partial blocks and

@@ -1,6 +1,6 @@
 """Co-RoPE with packed documents, padding, sliding windows and caller-given frequencies, in every implementation.
 
-Checked against things the code under test did not derive: `restated` below (Co-RoPE written again from SPEC §3 with
+Checked against things the code under test did not derive: `restated` below (Co-RoPE restated from its definition with
 the mileage as a_ii − a_ij of a forward cumsum, and a visibility mask written from the definition), plain softmax
 attention (Co-RoPE with every ω = 0), and identities: a packed row equals its documents run on their own, padding
 changes nothing, θ^(−2d/D) passed as inv_freq equals the default. Pallas runs in interpret mode on CPU.
@@ -50,7 +50,7 @@ def visible(length: int, segment_ids: np.ndarray | None = None, window: int | No
 
 
 def restated(q, k, v, mask, omega):
-    """Co-RoPE from SPEC §3, dense, float32: z_ij = sigmoid(sm_scale·q^leader_i·k_j) on visible keys (0 elsewhere),
+    """Co-RoPE by its definition, dense, float32: z_ij = sigmoid(sm_scale·q^leader_i·k_j) on visible keys (0 elsewhere),
     a_ij = Σ_{t≤j} z_it, Δ_ij = a_ii − a_ij, score = sm_scale·Σ_d (E_A cos Δω_d − E_B sin Δω_d), softmax over the
     visible keys. q [B, L, N, D], k/v [B, L, K, D], mask [B, L, L], omega [D/2] -> [B, L, N, D]."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))

@@ -115,7 +115,7 @@ def test_sinusoidal_and_learned_layers_add_their_table():
 # --- AM-SPE -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("alpha, detail_level, d_model", [(0.0, 0.5, 8), (1.3, 0.5, 8), (-0.7, 0.2, 7), (2.0, 1.0, 5)])
-def test_amspe_against_seed_code(alpha, detail_level, d_model):
+def test_amspe_against_numpy_restatement(alpha, detail_level, d_model):
     rng = np.random.default_rng(1)
     x = normal(rng, 2, 6, d_model)
     layer = jaxpe.AMSPE(d_model, max_len=10)

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from jaxpe.train import malloc
+from jaxpe.train import _malloc as malloc
 
 GLIBC = malloc._glibc()
 
@@ -18,7 +18,7 @@ GLIBC = malloc._glibc()
 # whether the settings were made and the page faults of rounds 2..11.
 ROUNDS = textwrap.dedent("""
     import ctypes, resource, sys
-    from jaxpe.train import malloc
+    from jaxpe.train import _malloc as malloc
     made = malloc.keep_freed_memory() if sys.argv[1] == "1" else False
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -1,4 +1,4 @@
-"""The README's result tables are what `bash results/tables.sh` prints from the committed results/*/compare.json."""
+"""docs/results.md's tables are what `bash results/tables.sh` prints from the committed results/*/compare.json."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_readme_holds_the_tables_exactly():
+def test_results_page_holds_the_tables_exactly():
     out = subprocess.run(["bash", str(REPO / "results" / "tables.sh")], capture_output=True, text=True,
                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"}, check=True).stdout
     tables = out.strip()
     assert tables.count("| pe |") >= 6, out
-    readme = (REPO / "README.md").read_text()
-    assert tables in readme, "README's result tables differ from `bash results/tables.sh`; paste its output"
+    page = (REPO / "docs" / "results.md").read_text()
+    assert tables in page, "docs/results.md's tables differ from `bash results/tables.sh`; paste its output"
 
 
 def test_results_have_three_seeds_and_full_evaluation_sets():

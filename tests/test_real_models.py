@@ -1,4 +1,4 @@
-"""Layers for real models (issue 14): packed documents, padding, caller positions, left-padded generation, sliding
+"""Layers for real models: packed documents, padding, caller positions, left-padded generation, sliding
 windows, parameter dtype and logical sharding names.
 
 References are identities that do not depend on how the code computes them: a packed row equals its documents run one

@@ -1,13 +1,13 @@
-"""jaxpe.train.report and the intervals behind it: each encoding's mean and 95 % interval in the right column, bold
-only for a best whose interval overlaps no other."""
+"""jaxpe.train.tables and its command line jaxpe.train.report: each encoding's mean and 95 % interval in the right
+column, bold only for a best whose interval overlaps no other."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-from jaxpe.train import report
-from jaxpe.train.evaluate import interval95, summarize_seeds
+from jaxpe.train import report, tables
+from jaxpe.train.tables import interval95, summarize_seeds
 
 
 def comparison(tmp_path, name, metric, rows=None, runs=None):
@@ -58,24 +58,33 @@ def test_table_places_each_value_and_bolds_only_clear_bests(tmp_path):
         run("rope", 0, valid=(0.20, 1000), ood=(0.51, 1000)), run("rope", 1, valid=(0.30, 1000), ood=(0.53, 1000))])
     b = comparison(tmp_path, "lm", "bits_per_byte", rows=[
         {"pe": "rope", "splits": {"valid": {"bits_per_byte": 2.12345}}}])
-    lines = report.comparison_table([a, b], splits=["valid"], labels=["copy", "lm"]).splitlines()
+    lines = tables.comparison_table([a, b], splits=["valid"], labels=["copy", "lm"]).splitlines()
     assert lines[0] == "| pe | copy: valid | lm: valid |"
     cope = summarize_seeds([run("cope", 0, valid=(0.01, 1000)), run("cope", 1, valid=(0.014, 1000))])[0]
     low, high = cope["splits"]["valid"]["seq_error_ci95"]
     assert lines[2] == f"| cope | **1.2** [{100 * low:.1f}, {100 * high:.1f}] | — |"  # far below rope's interval
     assert lines[3].startswith("| rope | 25.0 [") and lines[3].endswith("| 2.123 |")  # alone: nothing to beat
-    full = report.comparison_table([a]).splitlines()
+    full = tables.comparison_table([a]).splitlines()
     assert full[0] == "| pe | copy: valid | copy: ood |"
     assert "**" not in full[2].split(" | ")[2] and "**" not in full[3]  # ood: 51 % against 52 %, within noise
     with pytest.raises(ValueError, match="is not a compare.json"):
-        report.comparison_table([tmp_path / "missing"])
+        tables.comparison_table([tmp_path / "missing"])
     with pytest.raises(ValueError, match="len\\(labels\\)=1"):
-        report.comparison_table([a, b], labels=["x"])
+        tables.comparison_table([a, b], labels=["x"])
 
 
 def test_older_comparisons_without_runs_still_print(tmp_path):
     old = comparison(tmp_path, "old", "seq_error", rows=[
         {"pe": "cope", "splits": {"test": {"seq_error": 0.004, "seq_error_std": 0.001}}},
         {"pe": "none", "splits": {"test": {"seq_error": 0.02}}}])
-    lines = report.comparison_table([old]).splitlines()
+    lines = tables.comparison_table([old]).splitlines()
     assert lines[2] == "| cope | 0.4 ± 0.1 |" and lines[3] == "| none | 2.0 |"  # no intervals: nothing is bold
+
+
+def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path, capsys):
+    old = comparison(tmp_path, "old", "seq_error", rows=[{"pe": "cope", "splits": {"test": {"seq_error": 0.004}}}])
+    assert report.main([str(old), "--labels", "first"]) == 0
+    assert capsys.readouterr().out.splitlines()[:3] == ["| pe | first: test |", "|---|---|", "| cope | 0.4 |"]
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(tmp_path / "missing")])
+    assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err

@@ -10,23 +10,10 @@ import numpy as np
 import pytest
 
 import jaxpe
-from jaxpe.train.config import (
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TaskConfig,
-    TrainConfig,
-    apply_overrides,
-    build_config,
-    field_comments,
-    format_config,
-    from_dict,
-    load_config,
-    load_preset,
-    preset_names,
-    to_dict,
-)
-from jaxpe.train.trainer import Trainer, build_model, build_task, longest_length
+from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig, TrainConfig, apply_overrides,
+                                build_config, build_model, build_task, field_comments, format_config, from_dict,
+                                load_config, load_preset, longest_length, preset_names, to_dict)
+from jaxpe.train.trainer import Trainer
 
 PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "train" / "presets"
 
@@ -256,3 +243,24 @@ def test_printed_config_lists_every_key_with_its_comment_and_reads_back():
         dataclasses.replace(config.model, pe_options=again.model.pe_options), config.optim, config.run)
     with pytest.raises(ValueError, match="npoz"):
         format_config(build_config(pe="cope", overrides=["model.pe_options.npoz=3"]))
+
+
+def holds(saved: dict, loaded: dict) -> bool:
+    """Whether every value of the nested dict `saved` is in `loaded` at the same key."""
+    return all(holds(v, loaded.get(k, {})) if isinstance(v, dict) else k in loaded and loaded[k] == v
+               for k, v in saved.items())
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+SAVED_CONFIGS = sorted(RESULTS.glob("*/*/compare.json"))
+
+
+@pytest.mark.skipif(not SAVED_CONFIGS, reason="no committed results")
+@pytest.mark.parametrize("path", SAVED_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
+def test_committed_run_configs_load_and_keep_every_saved_value(path):
+    runs = json.loads(path.read_text())["runs"]
+    assert runs
+    for run in runs:
+        loaded = to_dict(from_dict(run["config"]))
+        assert holds(run["config"], loaded)  # fields added since keep their defaults
+        assert loaded["task"]["name"] == run["task"] and loaded["model"]["pe"] == run["pe"]

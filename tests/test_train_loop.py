@@ -16,12 +16,12 @@ import pytest
 
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.cli import compare_main, eval_main
-from jaxpe.train.config import OptimConfig, to_dict
+from jaxpe.train.config import OptimConfig, build_model, build_task, to_dict
 from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
 from jaxpe.train.experiments import check_same_run, train_and_evaluate
 from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
-from jaxpe.train.trainer import Trainer, build_model, build_task
+from jaxpe.train.trainer import Trainer
 
 from tiny_config import TINY, tiny
 

@@ -6,31 +6,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
-from jaxpe.train.config import build_config
 from jaxpe.train.experiments import train_and_evaluate
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
-TINY = [
-    "task.seq_len=16", "task.n_eval=24", "model.d_model=16", "model.num_layers=1", "model.num_heads=2",
-    "model.max_len=16", "optim.batch_size=16", "optim.warmup_steps=2", "optim.learning_rate=3e-3",
-    "run.log_every=1", "run.eval_every=0", "run.eval_batch_size=16", "run.progress=false",
-]
-
-
-def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-c", CLI, "--task", "flipflop", "--pe", "rope", "--workdir", str(workdir),
-            *TINY, *overrides]
-
-
-def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+from tiny_config import cli_command, cli_env, tiny, wait_for
 
 
 def records(workdir: pathlib.Path, split: str) -> list[dict]:
@@ -39,27 +21,24 @@ def records(workdir: pathlib.Path, split: str) -> list[dict]:
 
 
 def test_sigkill_then_restart_matches_uninterrupted_run(tmp_path):
-    steps = ["run.steps=150", "run.checkpoint_every=10", "run.keep=2", "run.num_devices=1", "model.dropout=0.1"]
+    steps = ["run.steps=150", "run.checkpoint_every=5", "run.keep=2", "run.num_devices=1", "model.dropout=0.1"]
     killed = tmp_path / "killed"
-    process = subprocess.Popen(cli_command(killed, *steps), env=env(), stdout=subprocess.PIPE,
+    process = subprocess.Popen(cli_command(killed, *steps), env=cli_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not (killed / "checkpoints" / "10").is_dir():  # orbax renames a finished save into place
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
+    # the first checkpoint, 145 steps before the end: orbax renames a finished save into place
+    wait_for(lambda: (killed / "checkpoints" / "5").is_dir(), process, "the first checkpoint")
     os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    process.communicate()
     assert not (killed / "result.json").exists(), "the run finished before the kill; make it longer"
 
-    restarted = subprocess.run(cli_command(killed, *steps), env=env(), capture_output=True, text=True, timeout=300)
+    restarted = subprocess.run(cli_command(killed, *steps), env=cli_env(), capture_output=True, text=True,
+                               timeout=600)
     assert restarted.returncode == 0, restarted.stderr
     resumed = json.loads((killed / "result.json").read_text())
-    assert resumed["resumed_from"] is not None and 10 <= resumed["resumed_from"] < 150
-    assert resumed["resumed_from"] % 10 == 0
+    assert resumed["resumed_from"] is not None and 5 <= resumed["resumed_from"] < 150
+    assert resumed["resumed_from"] % 5 == 0
 
-    reference = train_and_evaluate(build_config(task="flipflop", pe="rope", overrides=[*TINY, *steps]),
-                                   tmp_path / "reference")
+    reference = train_and_evaluate(tiny(*steps), tmp_path / "reference")
     got, want = records(killed, "train"), records(tmp_path / "reference", "train")
     assert [r["step"] for r in got] == list(range(1, 151))
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
@@ -79,13 +58,13 @@ def launch_two_processes(workdir: pathlib.Path, steps: list[str]) -> list[str]:
     processes = [
         subprocess.Popen(
             cli_command(workdir, *steps, "run.num_devices=0"),
-            env=env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAXPE_COORDINATOR=coordinator,
+            env=cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAXPE_COORDINATOR=coordinator,
                     JAXPE_NUM_PROCESSES="2", JAXPE_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=300) for p in processes]
+    outputs = [p.communicate(timeout=600) for p in processes]
     for p, (out, err) in zip(processes, outputs):
         assert p.returncode == 0, err
     return [out for out, _ in outputs]
@@ -100,9 +79,7 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path):
     tables = [out.strip().splitlines()[-1] for out in outputs]  # the result row of each process
     assert tables[0] == tables[1] and tables[0].startswith("| flipflop | rope | 0 |")
 
-    reference = train_and_evaluate(build_config(task="flipflop", pe="rope", overrides=[*TINY, *steps,
-                                                                                      "run.num_devices=2"]),
-                                   tmp_path / "reference")
+    reference = train_and_evaluate(tiny(*steps, "run.num_devices=2"), tmp_path / "reference")
     got, want = records(multi, "train"), records(tmp_path / "reference", "train")
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
     first = json.loads((multi / "result.json").read_text())

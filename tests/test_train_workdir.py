@@ -1,63 +1,37 @@
-"""Training runs that cannot go silently wrong (issue 11): one run per workdir, everything validated before anything
+"""Training runs that cannot go silently wrong: one run per workdir, everything validated before anything
 is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
 import errno
 import json
-import os
-import pathlib
 import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
-from jaxpe.train import cli, evaluate
-from jaxpe.train.config import to_dict
+from jaxpe.train import cli, experiments
+from jaxpe.train.config import build_task, to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
 from jaxpe.train.tasks import read_jsonl
-from jaxpe.train.trainer import build_task
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
 
-from tiny_config import TINY, tiny
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
-
-
-def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-c", CLI, "--task", "flipflop", "--pe", "rope", "--workdir", str(workdir),
-            *TINY, *overrides]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, f"{what} did not happen"
-        time.sleep(0.05)
+from tiny_config import TINY, cli_command, cli_env, tiny, wait_for
 
 
 # 1. One run per workdir.
 
 def test_a_second_process_on_a_workdir_is_refused_at_once_and_a_killed_holder_does_not_block(tmp_path):
-    first = subprocess.Popen(cli_command(tmp_path, "run.steps=100000"), env=env(), stdout=subprocess.PIPE,
+    first = subprocess.Popen(cli_command(tmp_path, "run.steps=100000"), env=cli_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         lock = tmp_path / LOCK_NAME
         wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid), first, "the first run's lock")
-        start = time.monotonic()
-        second = subprocess.run(cli_command(tmp_path, "run.steps=100000"), env=env(), capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(cli_command(tmp_path, "run.steps=100000"), env=cli_env(), capture_output=True,
+                                text=True, timeout=600)
         assert second.returncode == 1, second.stderr
         assert f"workdir {str(tmp_path)!r} is in use by another run (pid {first.pid})" in second.stderr
         assert "Traceback" not in second.stderr
-        assert time.monotonic() - start < 60  # refused at once: before any compile or step
+        assert "train step" not in second.stderr  # refused at once: no step compiled (the Trainer logs each one)
         assert first.poll() is None
     finally:
         first.kill()
@@ -184,7 +158,7 @@ def test_eval_falls_back_past_a_corrupt_checkpoint_and_reports_an_unwritable_wor
     def read_only(path, data):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(evaluate, "write_json", read_only)
+    monkeypatch.setattr(experiments, "write_json", read_only)
     capsys.readouterr()
     assert cli.eval_main(["--workdir", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
@@ -207,7 +181,7 @@ def test_resume_is_logged_and_full_disk_is_one_line(tmp_path, capsys, monkeypatc
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(evaluate, "write_json", full)
+    monkeypatch.setattr(experiments, "write_json", full)
     assert cli.train_main([*argv, "run.steps=6"]) == 1
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == f"jaxpe-train: error: No space left on device: {tmp_path / 'config.json'}"
@@ -215,7 +189,7 @@ def test_resume_is_logged_and_full_disk_is_one_line(tmp_path, capsys, monkeypatc
 
 
 def test_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
-    process = subprocess.Popen(cli_command(tmp_path, "run.steps=100000", "run.checkpoint_every=5"), env=env(),
+    process = subprocess.Popen(cli_command(tmp_path, "run.steps=100000", "run.checkpoint_every=5"), env=cli_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (tmp_path / "checkpoints" / "5").is_dir(), process, "a checkpoint")

@@ -15,7 +15,8 @@ import numpy_reference as npr
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from kernel_harness import assert_matches, equations, outputs_and_grads
+from kernel_harness import assert_matches, outputs_and_grads
+from transformation_harness import bidirectional_visibility, float64, float64_values, softmax_average
 
 import jaxpe
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
@@ -42,10 +43,6 @@ def inputs(batch: int, length: int, heads: tuple[int, int], dtype=jnp.float32, s
 def attention(impl: str, **options) -> callable:
     """jaxpe.cope_attention with `impl` and `options` fixed: a function of q, k, v, pos_emb."""
     return functools.partial(jaxpe.cope_attention, impl=impl, **options)
-
-
-def float64(*arrays: jax.Array) -> tuple[np.ndarray, ...]:
-    return tuple(np.asarray(x, np.float64) for x in arrays)
 
 
 # --- shard_map (check_vma=True, the default) -----------------------------------------------------------------------
@@ -90,12 +87,6 @@ def test_shard_map_blockwise_documents_window_and_traced_scale():
 
 
 # --- x64 mode ------------------------------------------------------------------------------------------------------
-
-def float64_values(fn: callable, *args: jax.Array) -> list[str]:
-    """The float64 values anywhere in fn's jaxpr (nested jaxprs included), as strings."""
-    return [str(var.aval) for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr) for var in eqn.outvars
-            if getattr(var.aval, "dtype", None) == jnp.float64]
-
 
 @pytest.mark.parametrize("impl, heads, length", [
     ("reference", GQA, 16), ("blockwise", GQA, 40), ("pallas", MHA, 16),
@@ -260,25 +251,18 @@ def bidirectional_cope(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos_emb: np.
     groups = hq // k.shape[2]
     kg = k if gate_k is None else gate_k
     npos = pos_emb.shape[-2]
+    visible = bidirectional_visibility(b, length, segment_ids=segment_ids, window=window)  # [B, L, L]
     out = np.zeros(q.shape)
-    for bi in range(b):
-        def visible(i, j):
-            same = segment_ids is None or segment_ids[bi, i] == segment_ids[bi, j]
-            return same and (window is None or abs(i - j) < window)
-
-        for h in range(hq):
-            g = h // groups
-            table = pos_emb if pos_emb.ndim == 2 else pos_emb[h]
-            for i in range(length):
-                gates = [npr.sigmoid(sm_scale * q[bi, i, h] @ kg[bi, t, g]) if visible(i, t) else 0.0
-                         for t in range(length)]
-                keys = [j for j in range(length) if visible(i, j)]
-                logits = []
-                for j in keys:
-                    p = min(sum(gates[min(i, j): max(i, j) + 1]), npos - 1)
-                    logits.append(sm_scale * (q[bi, i, h] @ k[bi, j, g] + npr.cope_interpolate(q[bi, i, h], table, p)))
-                weights = np.exp(np.array(logits) - max(logits))
-                out[bi, i, h] = (weights / weights.sum()) @ v[bi, keys, g]
+    for bi, i, h in np.ndindex(b, length, hq):
+        g = h // groups
+        table = pos_emb if pos_emb.ndim == 2 else pos_emb[h]
+        gates = [npr.sigmoid(sm_scale * q[bi, i, h] @ kg[bi, t, g]) if visible[bi, i, t] else 0.0
+                 for t in range(length)]
+        keys = np.flatnonzero(visible[bi, i])
+        positions = [min(sum(gates[min(i, j): max(i, j) + 1]), npos - 1) for j in keys]
+        logits = [sm_scale * (q[bi, i, h] @ k[bi, j, g] + npr.cope_interpolate(q[bi, i, h], table, p))
+                  for j, p in zip(keys, positions)]
+        out[bi, i, h] = softmax_average(logits, v[bi, keys, g])
     return out
 
 

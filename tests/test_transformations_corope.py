@@ -16,7 +16,8 @@ import numpy_reference as npr
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from kernel_harness import FAST_COMPILE, assert_matches, equations, outputs_and_grads
+from kernel_harness import FAST_COMPILE, assert_matches, outputs_and_grads
+from transformation_harness import bidirectional_visibility, float64, float64_values, softmax_average
 
 import jaxpe
 from jaxpe.kernels.corope_blockwise import corope_attention_blockwise
@@ -40,10 +41,6 @@ def inputs(batch: int, length: int, heads: tuple[int, int], dtype=jnp.float32, s
 def attention(impl: str, **options) -> callable:
     """jaxpe.corope_attention with `impl` and `options` fixed: a function of q, k, v."""
     return functools.partial(jaxpe.corope_attention, theta=THETA, impl=impl, **options)
-
-
-def float64(*arrays: jax.Array) -> tuple[np.ndarray, ...]:
-    return tuple(np.asarray(x, np.float64) for x in arrays)
 
 
 def compiled(fn: callable, *args: jax.Array) -> jax.Array:
@@ -97,12 +94,6 @@ def test_shard_map_blockwise_documents_window_sm_scale():
 
 
 # --- x64 mode ------------------------------------------------------------------------------------------------------
-
-def float64_values(fn: callable, *args: jax.Array) -> list[str]:
-    """The float64 values anywhere in fn's jaxpr (nested jaxprs included), as strings."""
-    return [str(var.aval) for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr) for var in eqn.outvars
-            if getattr(var.aval, "dtype", None) == jnp.float64]
-
 
 @pytest.mark.parametrize("impl, heads, length", [("reference", GQA, 16), ("blockwise", MHA, 300)])
 def test_x64_keeps_float32(impl, heads, length):
@@ -243,31 +234,24 @@ def bidirectional_corope(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, sm_scal
     |i − j| < window; z_it = sigmoid(sm_scale·q^leader_i·k_t) for visible t, 0 otherwise; a_ij = Σ_{t≤j} z_it;
     Δ_ij = a_ii − a_ij; score_ij = sm_scale·Σ_d (E_A cos Δω_d − E_B sin Δω_d); softmax over the visible keys."""
     b, length, hq, dim = q.shape
-    hkv = k.shape[2]
-    groups, half = hq // hkv, dim // 2
+    groups, half = hq // k.shape[2], dim // 2
+    visible = bidirectional_visibility(b, length, segment_ids=segment_ids, window=window)  # [B, L, L]
     out = np.zeros(q.shape)
-    for bi in range(b):
-        def visible(i, j):
-            same = segment_ids is None or segment_ids[bi, i] == segment_ids[bi, j]
-            return same and (window is None or abs(i - j) < window)
-
-        for h in range(hq):
-            g = h // groups
-            for i in range(length):
-                leader = q[bi, i, g * groups]
-                z = [npr.sigmoid(sm_scale * leader @ k[bi, t, g]) if visible(i, t) else 0.0 for t in range(length)]
-                a = np.cumsum(z)
-                keys = [j for j in range(length) if visible(i, j)]
-                scores = []
-                for j in keys:
-                    total = 0.0
-                    for d in range(half):
-                        phi = (a[i] - a[j]) * THETA ** (-2.0 * d / dim)
-                        q1, q2, k1, k2 = q[bi, i, h, d], q[bi, i, h, d + half], k[bi, j, g, d], k[bi, j, g, d + half]
-                        total += (q1 * k1 + q2 * k2) * math.cos(phi) - (q2 * k1 - q1 * k2) * math.sin(phi)
-                    scores.append(sm_scale * total)
-                p = np.exp(np.array(scores) - max(scores))
-                out[bi, i, h] = (p / p.sum()) @ v[bi, keys, g]
+    for bi, i, h in np.ndindex(b, length, hq):
+        g = h // groups
+        leader = q[bi, i, g * groups]
+        z = [npr.sigmoid(sm_scale * leader @ k[bi, t, g]) if visible[bi, i, t] else 0.0 for t in range(length)]
+        a = np.cumsum(z)
+        keys = np.flatnonzero(visible[bi, i])
+        scores = []
+        for j in keys:
+            total = 0.0
+            for d in range(half):
+                phi = (a[i] - a[j]) * THETA ** (-2.0 * d / dim)
+                q1, q2, k1, k2 = q[bi, i, h, d], q[bi, i, h, d + half], k[bi, j, g, d], k[bi, j, g, d + half]
+                total += (q1 * k1 + q2 * k2) * math.cos(phi) - (q2 * k1 - q1 * k2) * math.sin(phi)
+            scores.append(sm_scale * total)
+        out[bi, i, h] = softmax_average(scores, v[bi, keys, g])
     return out
 
 

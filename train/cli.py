@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxpe import PE_NAMES
-from jaxpe.train import distributed, evaluate, experiments, malloc
+from jaxpe.train import _malloc, distributed, experiments
 from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
 from jaxpe.train.loop import NonFiniteLossError, TrainingInterrupted
+from jaxpe.train.tables import metric_label, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
 from jaxpe.train.workdir import WorkdirBusyError
 
@@ -120,7 +121,7 @@ def _start(args: argparse.Namespace) -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
     distributed.split_host_cpu()
-    malloc.keep_freed_memory()
+    _malloc.keep_freed_memory()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
@@ -205,8 +206,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         [config] = _resolve(parser, args, [args.pe])
         _start(args)
         result = experiments.train_and_evaluate(config, args.workdir)
-        print(evaluate.results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
-                                        label_keys=("task", "pe", "seed")), end="")
+        print(results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
+                               label_keys=("task", "pe", "seed")), end="")
         _print_outputs(args.workdir, RUN_OUTPUTS)
         return 0
 
@@ -249,7 +250,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir)
         seeds = ",".join(map(str, args.seeds))
-        label = evaluate.metric_label(comparison["metric"])
+        label = metric_label(comparison["metric"])
         print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
         print(comparison["table"], end="")
         _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))

@@ -8,7 +8,8 @@ overrides such as `model.num_layers=2`, `task.nvars=3` or `model.pe_options.npos
 override is parsed against the field's type; an unknown key or a value of the wrong type raises
 ValueError naming the key. The values of one step (a preset, a list of overrides) are set
 together, so that checks across fields (d_model against num_heads) see them all.
-`format_config` prints a resolved config with the comment of every field.
+`format_config` prints a resolved config with the comment of every field. `build_task` and `build_model` make what
+a config names: its task, and its model with the vocabulary and length filled in from the task.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ from collections.abc import Mapping, Sequence
 from importlib.resources.abc import Traversable
 from typing import Any
 
-from jaxpe.model import ModelConfig
+from jaxpe.model import ModelConfig, TransformerLM
 from jaxpe.registry import pe_config
-from jaxpe.train.tasks import task_config_class
-from jaxpe.train.tasks.base import PAD_TO, config_from_options
+from jaxpe.train.tasks import Task, make_task, task_config_class
+from jaxpe.train.tasks.base import PAD_TO, config_from_options, json_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,24 +141,16 @@ def load_preset(name: str) -> dict[str, Any]:
             raise ValueError(f"preset file {name!r} cannot be read: {error.strerror}") from error
     else:
         raise ValueError(f"preset {name=} not found; choose one of {preset_names()} or give a path to a .json file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"preset {name!r} is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"preset {name!r} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return json_object(text, f"preset {name!r}")
 
 
 def load_config(path: str | os.PathLike) -> TrainConfig:
     """The TrainConfig saved in a run's workdir (`config.json`, written by train_and_evaluate)."""
     try:
-        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"config file {str(path)!r} cannot be read as JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
-    return from_dict(data)
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {error.strerror}") from error
+    return from_dict(json_object(text, f"config file {str(path)!r}"))
 
 
 def build_config(
@@ -232,6 +225,26 @@ def to_dict(config: Any) -> dict[str, Any]:
 def from_dict(data: Mapping[str, Any]) -> TrainConfig:
     """Inverse of to_dict (checks every key and type)."""
     return apply_dict(TrainConfig(), data)
+
+
+def build_task(config: TrainConfig) -> Task:
+    """The jaxpe.train.tasks Task named in config.task."""
+    return make_task(config.task.name, **config.task.options)
+
+
+def longest_length(task: Task) -> int:
+    """The longest sequence the model will see (training or any evaluation split)."""
+    return max([task.seq_len, *(s.inputs.shape[1] for s in task.eval_splits().values())])
+
+
+def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
+    """jaxpe.TransformerLM for `model`, its vocab_size and max_len filled in where None (the task's vocabulary and
+    longest sequence); a vocab_size that is set must hold the task's `vocab_size` tokens."""
+    if model.vocab_size is not None and model.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the task's {vocab_size=}; "
+                         "leave it unset (none) to take the task's")
+    return TransformerLM(dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size,
+                                             max_len=model.max_len or max_len))
 
 
 def field_comments(cls: type) -> dict[str, str]:

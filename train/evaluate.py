@@ -1,23 +1,18 @@
-"""Evaluation: per-split sums on device, the task's metric on the host, JSON and Markdown.
+"""Metrics and evaluation: per-split sums on device, the task's metric on the host.
 
 `compute_metrics` is the one definition of what is counted, for training (jaxpe.train.step) and evaluation alike;
-`metrics_from_sums` turns the sums into metrics, `metric_scale`/`metric_label` are the one rule for showing them.
-Metrics (lower is better for all three):
+`metrics_from_sums` turns the sums into metrics (jaxpe.train.tables shows them). Metrics (lower is better for all
+three):
 - `seq_error`: fraction of sequences with any weighted token predicted wrong (counting);
 - `token_error`: fraction of weighted tokens predicted wrong (flip-flop reads, copied tokens);
 - `bits_per_byte`: mean NLL over weighted byte positions / ln 2 (language modelling).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import pathlib
-import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,105 +116,3 @@ def evaluate_split(
         for name, value in sums.items():
             totals[name] = totals.get(name, 0.0) + float(value)
     return metrics_from_sums(totals)
-
-
-PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
-
-
-def metric_scale(metric: str) -> float:
-    """Factor from a stored metric to its shown value: 100 for error rates, 1 otherwise."""
-    return 100.0 if metric in PERCENT_METRICS else 1.0
-
-
-def metric_label(metric: str) -> str:
-    """The metric's name with the unit it is shown in: "token_error (%)", "bits_per_byte"."""
-    return f"{metric} (%)" if metric in PERCENT_METRICS else metric
-
-
-def interval95(values: Sequence[float], samples: int | None, *, rate: bool) -> tuple[float, float] | None:
-    """A 95 % interval for the mean of per-seed values: normal approximation with the variance of the mean over seeds
-    (sample variance / S) plus, for an error rate on `samples` evaluation examples shared by the seeds, the binomial
-    variance of that evaluation set (Agresti–Coull: 2 errors and 2 successes added, so 0 % still has a width).
-    None when nothing measures the spread (one seed of a metric that is not a rate)."""
-    values = np.asarray(values, np.float64)
-    mean = float(values.mean())
-    variance = float(values.var(ddof=1)) / len(values) if len(values) > 1 else 0.0
-    if rate and samples:
-        shrunk = (mean * samples + 2.0) / (samples + 4.0)
-        variance += shrunk * (1.0 - shrunk) / (samples + 4.0)
-    elif len(values) == 1:
-        return None
-    half = 1.96 * float(np.sqrt(variance))
-    low, high = mean - half, mean + half
-    return (max(low, 0.0), min(high, 1.0)) if rate else (low, high)
-
-
-def format_metric(split: Mapping[str, Any], metric: str, digits: int) -> tuple[str, str] | None:
-    """(mean, " [low, high]" for the 95 % interval, else " ± std", else "") of `metric` in one split's summary,
-    scaled and rounded for display; None if absent."""
-    if metric not in split:
-        return None
-    scale = metric_scale(metric)
-    if split.get(f"{metric}_ci95") is not None:
-        low, high = split[f"{metric}_ci95"]
-        spread = f" [{scale * low:.{digits}f}, {scale * high:.{digits}f}]"
-    else:
-        spread = f" ± {scale * split[metric + '_std']:.{digits}f}" if f"{metric}_std" in split else ""
-    return f"{scale * split[metric]:.{digits}f}", spread
-
-
-def results_markdown(
-    rows: Sequence[Mapping[str, Any]], *, metric: str, splits: Sequence[str], label_keys: Sequence[str]
-) -> str:
-    """A Markdown table: one row per run, columns label_keys then `metric` (error rates in %) per split."""
-    header = [*label_keys, *(f"{s} {metric_label(metric)}" for s in splits)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [str(row[k]) for k in label_keys]
-        for split in splits:
-            shown = format_metric(row["splits"].get(split, {}), metric, 2)
-            cells.append("-" if shown is None else "".join(shown))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def environment() -> dict[str, Any]:
-    """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
-    device = jax.devices()[0]
-    return {
-        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "device_count": jax.device_count(),
-        "process_count": jax.process_count(), "jax_version": jax.__version__, "flax_version": flax.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def write_json(path: pathlib.Path, data: Any) -> None:
-    """Writes `data` as indented JSON, atomically (write then rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "pe") -> list[dict[str, Any]]:
-    """Groups run results by `label_key`; each split's metrics become the mean over seeds plus `<name>_std` (with
-    more than one seed) and `<name>_ci95`, the 95 % interval of `interval95` (over seeds and, for error rates, the
-    evaluation samples; None when nothing measures it)."""
-    groups: dict[Any, list[Mapping[str, Any]]] = {}
-    for result in results:
-        groups.setdefault(result[label_key], []).append(result)
-    rows = []
-    for label, runs in groups.items():
-        splits: dict[str, dict[str, float]] = {}
-        for split in runs[0]["splits"]:
-            names = [k for k, v in runs[0]["splits"][split].items() if isinstance(v, float)]
-            splits[split] = {}
-            for name in names:
-                values = np.array([run["splits"][split][name] for run in runs], np.float64)
-                splits[split][name] = float(values.mean())
-                if len(runs) > 1:
-                    splits[split][f"{name}_std"] = float(values.std())
-                samples = runs[0]["splits"][split].get("sequences")
-                splits[split][f"{name}_ci95"] = interval95(values, samples, rate=name in PERCENT_METRICS)
-        rows.append({label_key: label, "seeds": ",".join(str(r["seed"]) for r in runs), "splits": splits})
-    return rows

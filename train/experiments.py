@@ -9,25 +9,29 @@ before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import pathlib
+import platform
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 
 from jaxpe.model import TransformerLM
-from jaxpe.train import distributed, evaluate, plots
-from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.registry import pe_config
-from jaxpe.train.config import TrainConfig, from_dict, load_config, to_dict
+from jaxpe.train import distributed, plots
+from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
+                                to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
+from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
-from jaxpe.train.trainer import Trainer, build_model, build_task, longest_length
-from jaxpe.train.workdir import (RESUMABLE_RUN_FIELDS, WorkdirLock, check_same_run, check_workdir,  # noqa: F401
-                                 config_differences)
+from jaxpe.train.trainer import Trainer
+from jaxpe.train.workdir import check_same_run, check_workdir, config_differences, locked_workdir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +53,11 @@ def train_and_evaluate(
     model = model if model is not None else build_model(config.model, task.vocab_size, longest_length(task))
     check_tokens(task, config.optim.batch_size)
     check_same_run(workdir, config)
-    lock = WorkdirLock(workdir) if is_main else None
-    if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    try:
+    with locked_workdir(workdir, is_main=is_main):
         check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
         if is_main:
-            evaluate.write_json(workdir / "config.json", to_dict(config))
+            write_json(workdir / "config.json", to_dict(config))
         return _train_and_evaluate(config, workdir, task, model, is_main)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def validate_config(config: TrainConfig) -> Task:
@@ -146,14 +143,25 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
         "task": config.task.name, "pe": config.model.pe, "seed": run.seed, "metric": task.metric,
         "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": problems,
         "splits": final, "config": to_dict(config), "encoding": _resolved_encoding(model),
-        "environment": evaluate.environment(),
+        "environment": environment(),
     }
     if is_main:
-        evaluate.write_json(workdir / "result.json", result)
-        (workdir / "result.md").write_text(evaluate.results_markdown([result], metric=task.metric, splits=list(final),
-                                                                     label_keys=("task", "pe", "seed")))
+        write_json(workdir / "result.json", result)
+        (workdir / "result.md").write_text(results_markdown([result], metric=task.metric, splits=list(final),
+                                                            label_keys=("task", "pe", "seed")))
         plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
     return result
+
+
+def environment() -> dict[str, Any]:
+    """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
+    device = jax.devices()[0]
+    return {
+        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "device_count": jax.device_count(),
+        "process_count": jax.process_count(), "jax_version": jax.__version__, "flax_version": flax.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, directory: pathlib.Path,
@@ -228,12 +236,12 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None)
     splits = run.trainer.evaluate(run.state.params, run.task.eval_splits())
     result = {"task": run.config.task.name, "pe": run.config.model.pe, "seed": run.config.run.seed,
               "metric": run.task.metric, "step": int(distributed.to_host(run.state.step)), "splits": splits}
-    table = evaluate.results_markdown([result], metric=run.task.metric, splits=list(splits),
-                                      label_keys=("task", "pe", "seed", "step"))
+    table = results_markdown([result], metric=run.task.metric, splits=list(splits),
+                             label_keys=("task", "pe", "seed", "step"))
     unwritten = None
     if jax.process_index() == 0:
         try:
-            evaluate.write_json(workdir / "eval.json", result)
+            write_json(workdir / "eval.json", result)
             (workdir / "eval.md").write_text(table)
         except OSError as error:
             unwritten = f"could not write eval.json, eval.md in {workdir}: {error.strerror or error}"
@@ -272,16 +280,8 @@ def compare_encodings(
             if finished is None:
                 check_same_run(run_dir, run_config)
             runs.append((run_config, run_dir, task, finished))
-    is_main = jax.process_index() == 0
-    lock = WorkdirLock(workdir) if is_main else None
-    if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    try:
+    with locked_workdir(workdir, is_main=jax.process_index() == 0):
         return _compare(configs, seeds, workdir, runs)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: pathlib.Path,
@@ -300,13 +300,13 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         results.append(train_and_evaluate(run_config, run_dir, task=task))
     metric = results[0]["metric"]
     splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
-    rows = evaluate.summarize_seeds(results)
-    table = evaluate.results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
+    rows = summarize_seeds(results)
+    table = results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
     task_name = configs[0].task.name
     comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "seeds": list(seeds),
-                  "environment": evaluate.environment(), "runs": results}
+                  "environment": environment(), "runs": results}
     if jax.process_index() == 0:
-        evaluate.write_json(workdir / "compare.json", comparison)
+        write_json(workdir / "compare.json", comparison)
         (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
         plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
     return {**comparison, "table": table}

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from jaxpe.train.evaluate import metric_label, metric_scale
+from jaxpe.train.tables import metric_label, metric_scale
 
 
 def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:

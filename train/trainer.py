@@ -1,5 +1,5 @@
-"""The Trainer: one model on one mesh, its jitted train and eval steps with their shardings and its initial state;
-and the model and task that a TrainConfig names, with what the model leaves to the data filled in from the task.
+"""The Trainer: one model on one mesh, its jitted train and eval steps with their shardings and its initial state.
+The model and task it trains are built from the config by jaxpe.train.config (build_model, build_task).
 
 B batch, L length, V vocabulary.
 """
@@ -14,24 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpe.model import ModelConfig, TransformerLM
 from jaxpe.train import distributed, evaluate
 from jaxpe.train.config import TrainConfig
 from jaxpe.train.step import Batch, Metrics, StepFn, TrainState, make_optimizer, make_train_step, weighted_loss
-from jaxpe.train.tasks import Task, make_task
 from jaxpe.train.tasks.base import bucket_length, scored_lengths, trim_batch
 
 log = logging.getLogger(__name__)
-
-
-def build_task(config: TrainConfig) -> Task:
-    """The jaxpe.train.tasks Task named in config.task."""
-    return make_task(config.task.name, **config.task.options)
-
-
-def longest_length(task: Task) -> int:
-    """The longest sequence the model will see (training or any evaluation split)."""
-    return max([task.seq_len, *(s.inputs.shape[1] for s in task.eval_splits().values())])
 
 
 def positions_depend_on_length(model: Any) -> bool:
@@ -40,16 +28,6 @@ def positions_depend_on_length(model: Any) -> bool:
     pe = getattr(getattr(model, "config", None), "pe_config", None)
     scaling = getattr(pe, "scaling", None)
     return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
-
-
-def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
-    """jaxpe.TransformerLM for `model`, its vocab_size and max_len filled in where None (the task's vocabulary and
-    longest sequence); a vocab_size that is set must hold the task's `vocab_size` tokens."""
-    if model.vocab_size is not None and model.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the task's {vocab_size=}; "
-                         "leave it unset (none) to take the task's")
-    return TransformerLM(dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size,
-                                             max_len=model.max_len or max_len))
 
 
 @dataclasses.dataclass

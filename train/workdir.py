@@ -9,10 +9,12 @@ saved config.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxpe.train.config import TrainConfig, load_config, to_dict
@@ -64,6 +66,25 @@ class WorkdirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def locked_workdir(workdir: pathlib.Path, *, is_main: bool) -> Iterator[None]:
+    """The main process creates `workdir` and holds its WorkdirLock for the block; other processes (which write no
+    files there) take no lock."""
+    if not is_main:
+        yield
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    with WorkdirLock(workdir):
+        yield
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    """Writes `data` as indented JSON, atomically (write then rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -123,6 +124,14 @@ def derive_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+def seeded_splits(seed: int, task: str, make: Callable[[np.random.Generator, Any], tuple[np.ndarray, ...]],
+                  settings: Mapping[str, Any]) -> dict[str, Split]:
+    """One Split per `name: setting`, its (inputs, targets, weights) [N, L] made by `make(rng, setting)` from a
+    generator seeded by (seed, task, name): each split fixed by the seed and apart from the others."""
+    return {name: Split(name, *make(np.random.default_rng(derive_seed(seed, task, name)), setting))
+            for name, setting in settings.items()}
+
+
 def check_step(step: int, batch_size: int) -> None:
     """Shared argument check of `Task.train_batch`."""
     if not isinstance(step, (int, np.integer)) or step < 0:
@@ -218,6 +227,17 @@ def config_from_options(config_cls: type, task_name: str, options: Mapping[str, 
     return config_cls(**options)
 
 
+def json_object(text: str, where: str) -> dict[str, Any]:
+    """The JSON object `text` holds; a ValueError starting with `where` when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     """A ValueError/TypeError naming the field unless minimum <= value (<= maximum)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -225,6 +245,12 @@ def check_int(name: str, value: object, minimum: int, maximum: int | None = None
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value!r} must be {bound}")
+
+
+def check_ints(**checks: tuple[object, int] | tuple[object, int, int]) -> None:
+    """check_int(name, value, minimum[, maximum]) for every name=(value, minimum[, maximum]), in order."""
+    for name, check in checks.items():
+        check_int(name, *check)
 
 
 def check_probability(name: str, value: object) -> None:

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_int, derive_seed, epoch_indices,
-                              make_batch, pad_and_shift)
+from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_ints, derive_seed, epoch_indices, json_object,
+                                   make_batch, pad_and_shift)
 
 Sample = dict[str, str]  # {"context": ..., "question": ..., "answer": ...}
 
@@ -62,14 +62,9 @@ class CountingConfig:
     data_dir: str | None = None  # a directory of official train/valid/test .jsonl files; None: generate
 
     def __post_init__(self) -> None:
-        check_int("seed", self.seed, 0)
-        check_int("nvars", self.nvars, 1, len(VARIABLE_NAMES))
-        check_int("max_steps", self.max_steps, 3)
-        check_int("max_value", self.max_value, 1)
-        check_int("n_train", self.n_train, 1)
-        check_int("n_valid", self.n_valid, 1)
-        check_int("n_test", self.n_test, 1)
-        check_int("seq_len", self.seq_len, 2)
+        check_ints(seed=(self.seed, 0), nvars=(self.nvars, 1, len(VARIABLE_NAMES)), max_steps=(self.max_steps, 3),
+                   max_value=(self.max_value, 1), n_train=(self.n_train, 1), n_valid=(self.n_valid, 1),
+                   n_test=(self.n_test, 1), seq_len=(self.seq_len, 2))
         if self.data_dir is not None and not isinstance(self.data_dir, (str, os.PathLike)):
             raise TypeError(f"data_dir={self.data_dir!r} must be a path or None")
 
@@ -77,11 +72,8 @@ class CountingConfig:
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,
                      seed: int = 0) -> list[Sample]:
     """`n` counting programs in the official format, deterministic in `seed`."""
-    check_int("n", n, 0)
-    check_int("nvars", nvars, 1, len(VARIABLE_NAMES))
-    check_int("min_steps", min_steps, 1)
-    check_int("max_steps", max_steps, min_steps)
-    check_int("max_value", max_value, 1)
+    check_ints(n=(n, 0), nvars=(nvars, 1, len(VARIABLE_NAMES)), min_steps=(min_steps, 1),
+               max_steps=(max_steps, min_steps), max_value=(max_value, 1))
     rng = random.Random(seed)
     samples = []
     while len(samples) < n:
@@ -141,12 +133,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Sample]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            obj = json_object(line, f"{path}:{lineno}: the line")
             if isinstance(obj.get("context"), list):
                 obj["context"] = " ".join(obj["context"])
             for key in SAMPLE_KEYS:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_int, check_probability, check_step, derive_seed,
-                              make_batch)
+                                   make_batch, seeded_splits)
 
 VOCAB = WordVocab(["w", "r", "i", "0", "1"], specials=("<bos>",))
 W, R, I, ZERO = (VOCAB.ids[t] for t in ("w", "r", "i", "0"))
@@ -92,12 +92,13 @@ class FlipFlopTask:
     @functools.cached_property
     def _eval_splits(self) -> dict[str, Split]:
         cfg = self.config
-        splits = {}
-        for name, p_ignore in (("valid", cfg.p_ignore_train), ("ood_sparse", cfg.p_ignore_sparse),
-                               ("ood_dense", cfg.p_ignore_dense)):
-            rng = np.random.default_rng(derive_seed(cfg.seed, "flipflop", name))
-            splits[name] = Split(name, *to_arrays(generate(rng, cfg.n_eval, self.seq_len, p_ignore)))
-        return splits
+
+        def make(rng: np.random.Generator, p_ignore: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return to_arrays(generate(rng, cfg.n_eval, self.seq_len, p_ignore))
+
+        return seeded_splits(cfg.seed, "flipflop", make, {"valid": cfg.p_ignore_train,
+                                                          "ood_sparse": cfg.p_ignore_sparse,
+                                                          "ood_dense": cfg.p_ignore_dense})
 
     def eval_splits(self) -> dict[str, Split]:
         """`valid` (p(i) = p_ignore_train), `ood_sparse` and `ood_dense`, each [n_eval, seq_len]."""

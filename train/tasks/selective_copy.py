@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxpe.train.tasks.base import Batch, Split, WordVocab, check_int, check_step, derive_seed, make_batch
+from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_ints, check_step, derive_seed, make_batch,
+                                   seeded_splits)
 
 BLANK, SEP = "_", "|"
 
@@ -39,13 +40,9 @@ class SelectiveCopyConfig:
     n_eval: int = 1_000  # sequences in each evaluation split
 
     def __post_init__(self) -> None:
-        check_int("seed", self.seed, 0)
-        check_int("n_tokens", self.n_tokens, 1)
-        check_int("n_symbols", self.n_symbols, 2)
-        check_int("n_blanks", self.n_blanks, 0)
-        check_int("n_blanks_dense", self.n_blanks_dense, 0)
-        check_int("n_blanks_sparse", self.n_blanks_sparse, 0)
-        check_int("n_eval", self.n_eval, 1)
+        check_ints(seed=(self.seed, 0), n_tokens=(self.n_tokens, 1), n_symbols=(self.n_symbols, 2),
+                   n_blanks=(self.n_blanks, 0), n_blanks_dense=(self.n_blanks_dense, 0),
+                   n_blanks_sparse=(self.n_blanks_sparse, 0), n_eval=(self.n_eval, 1))
 
 
 def make_vocab(n_symbols: int) -> WordVocab:
@@ -91,13 +88,12 @@ class SelectiveCopyTask:
     @functools.cached_property
     def _eval_splits(self) -> dict[str, Split]:
         cfg = self.config
-        splits = {}
-        for name, n_blanks in (("valid", cfg.n_blanks), ("ood_dense", cfg.n_blanks_dense),
-                               ("ood_sparse", cfg.n_blanks_sparse)):
-            rng = np.random.default_rng(derive_seed(cfg.seed, "selective_copy", name))
-            splits[name] = Split(name, *generate(rng, cfg.n_eval, n_tokens=cfg.n_tokens, n_blanks=n_blanks,
-                                                 n_symbols=cfg.n_symbols))
-        return splits
+
+        def make(rng: np.random.Generator, n_blanks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return generate(rng, cfg.n_eval, n_tokens=cfg.n_tokens, n_blanks=n_blanks, n_symbols=cfg.n_symbols)
+
+        return seeded_splits(cfg.seed, "selective_copy", make, {"valid": cfg.n_blanks, "ood_dense": cfg.n_blanks_dense,
+                                                                 "ood_sparse": cfg.n_blanks_sparse})
 
     def eval_splits(self) -> dict[str, Split]:
         """`valid`, `ood_dense` and `ood_sparse`, each [n_eval, 2·n_tokens + blanks of that split]."""
