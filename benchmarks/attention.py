@@ -182,7 +182,8 @@ def markdown(rows: list[dict], header: str) -> str:
         return tuple((r | kw)[f] for f in ("op", "impl", "length", "head_dim", "groups", "mode"))
 
     index = {key(r): r for r in rows}
-    lines = [header, "", "| op | impl | L | D | G | mode | time (ms) | × RoPE anchor | × reference | peak (MiB) | note |",
+    lines = [header, "",
+             "| op | impl | L | D | G | mode | time (ms) | × RoPE anchor | × reference | peak (MiB) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         anchor = index.get(key(r, op="rope", impl="anchor"))

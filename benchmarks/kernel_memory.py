@@ -4,9 +4,9 @@ For the fused CoPE and Co-RoPE kernels (the compiled path, `interpret=False`: th
 runs), traces the forward + backward of `sum(attention(q, k, v))` at each length and walks every array the program
 creates outside the kernels — residuals saved by the custom VJP, kernel outputs, XLA glue — recording the largest
 and the sum of all of them (an upper bound on the peak: not all are live at once). An O(L) backward has a largest
-array that grows linearly in L. For comparison, a backward split into a dq kernel and a dk/dv kernel saves two arrays
-of per-key-block partial sums of Hq·L·L/block_k floats each (one of them, block_k 64, is the `before` column), and the
-dense reference holds L×L arrays.
+array that grows linearly in L. For comparison, a backward split into a dq kernel and a dk/dv kernel saves two
+arrays of per-key-block partial sums of Hq·L·L/block_k floats each (one, block_k 64, is the `split` column,
+before_bytes in the JSON), and the dense reference holds L×L arrays.
 B batch, L length, Hq/Hkv heads, D head dim, P CoPE table rows.
 
     python benchmarks/kernel_memory.py --out results/bench/kernel_memory.json   # L 4096, 16384, 32768; prints too
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     npos=args.npos)
             for op in ("cope", "corope") for length in args.lengths.split(",")]
     print(f"B {args.batch}, Hq/Hkv {heads}/{kv_heads}, D {args.head_dim}, P {args.npos}, float32; MiB")
-    print("| op | L | largest array (shape) | sum of all arrays | q, k, v, out | before: one per-key-block sum | dense L×L |")
+    print("| op | L | largest array (shape) | sum of all arrays | q, k, v, out | split: one per-key-block sum "
+          "| dense L×L |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['op']} | {r['length']} | {_mib(r['largest_bytes'])} {tuple(r['largest_shape'])} | "

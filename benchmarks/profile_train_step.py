@@ -67,7 +67,8 @@ def main() -> None:
     parser.add_argument("--pe", default="cope", choices=sorted(train_step.ENCODINGS))
     parser.add_argument("--steps", type=int, default=10, help="steps traced (after 10 untraced ones)")
     parser.add_argument("--top", type=int, default=40, help="rows printed")
-    parser.add_argument("--data", help="a directory with the counting train/valid/test.jsonl (default: generated in a temp dir)")
+    parser.add_argument("--data", help="a directory with the counting train/valid/test.jsonl "
+                                       "(default: generated in a temp dir)")
     args = parser.parse_args()
 
     from jaxpe.train import _malloc, distributed

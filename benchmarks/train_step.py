@@ -49,7 +49,8 @@ def find_ram(given: str | None) -> tuple[pathlib.Path | None, str]:
     if not candidate:
         return None, "no RAM checkout given (--ram or $RAM_CHECKOUT)"
     path = pathlib.Path(candidate)
-    commit = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     origin = f"facebookresearch/RAM at {commit or 'an unknown commit'}"
     if (path / "projects" / "cope" / "src").is_dir():
         path = path / "projects" / "cope"
@@ -208,7 +209,8 @@ def main() -> None:
     if not (python and pathlib.Path(python).exists()):
         why_not, python = f"no PyTorch interpreter at {args.torch_python!r} (--torch-python)", None
     elif subprocess.run([python, "-c", "import torch, tqdm, wandb, submitit"], capture_output=True).returncode:
-        why_not, python = f"{args.torch_python} lacks torch or the official code's imports (tqdm, wandb, submitit)", None
+        why_not = f"{args.torch_python} lacks torch or the official code's imports (tqdm, wandb, submitit)"
+        python = None
     if ram is None:
         why_not = why_not or ram_note
     if why_not:
