@@ -2,6 +2,7 @@
 is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
 import errno
 import json
+import os
 import re
 import shutil
 import signal
@@ -38,6 +39,17 @@ def test_a_second_process_on_a_workdir_is_refused_at_once_and_a_killed_holder_do
         first.communicate()
     with WorkdirLock(tmp_path):  # the kernel dropped the dead holder's lock: a restart is not blocked
         pass
+
+
+def test_compare_refuses_a_locked_workdir_before_any_run(tmp_path, capsys):
+    argv = ["--task", "flipflop", "--pe", "rope,none", "--seeds", "0", "--workdir", str(tmp_path), *TINY,
+            "run.steps=2"]
+    with WorkdirLock(tmp_path):  # another run holds the comparison's workdir (this process: a lock of its own)
+        assert cli.compare_main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"jaxpe-compare: error: workdir {str(tmp_path)!r} is in use by another run (pid {os.getpid()})" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no run directory, no compare.json
 
 
 def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
