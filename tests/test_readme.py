@@ -71,21 +71,16 @@ def without_code(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
-_RUNS: dict[str, dict[str, dict]] = {}
-
-
 def run_page(path: pathlib.Path) -> dict[str, dict]:
     """Runs a page's Python blocks in order in one namespace; returns the namespace as each `## ` section left it."""
-    if path.name not in _RUNS:
-        scope: dict = {}
-        exec(compile(PRELUDES.get(path.name, ""), f"{path.name} prelude", "exec"), scope)
-        sections: dict[str, dict] = {}
-        for language, code, section, before in code_blocks(path.read_text()):
-            if language == "python" and not before.startswith(SIGNATURES):
-                exec(compile(code, _rel(path), "exec"), scope)
-                sections[section] = dict(scope)
-        _RUNS[path.name] = sections
-    return _RUNS[path.name]
+    scope: dict = {}
+    exec(compile(PRELUDES.get(path.name, ""), f"{path.name} prelude", "exec"), scope)
+    sections: dict[str, dict] = {}
+    for language, code, section, before in code_blocks(path.read_text()):
+        if language == "python" and not before.startswith(SIGNATURES):
+            exec(compile(code, _rel(path), "exec"), scope)
+            sections[section] = dict(scope)
+    return sections
 
 
 def test_setup_commands_open_the_readme():
@@ -182,13 +177,9 @@ def test_signature_listings_match_the_functions(page: pathlib.Path):
                     assert parameters[arg].default == ast.literal_eval(default), f"jaxpe.{name}({item})"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_rel)
-def test_every_python_block_runs(page: pathlib.Path):
-    run_page(page)
-
-
-def test_readme_quick_starts_compute_what_they_say():
-    sections = run_page(README)
+def check_readme(sections: dict[str, dict]) -> None:
+    """The quick starts: the layer keeps the shape and owns CoPE's table, the fused/auto path equals the dense one,
+    RoPE is a rotation, and each example is short."""
     layer = sections["Quick start: a layer in your own Flax model"]
     x, y = layer["x"], layer["y"]
     assert y.shape == (2, 32, 64) and y.dtype == jnp.float32 and not np.allclose(x, y)
@@ -206,8 +197,8 @@ def test_readme_quick_starts_compute_what_they_say():
             assert len(code.strip().splitlines()) <= 16, f"README's {section!r} example is longer than a quick start"
 
 
-def test_layers_page_blocks_compute_what_they_say():
-    sections = run_page(ROOT / "docs" / "layers.md")
+def check_layers(sections: dict[str, dict]) -> None:
+    """The LM decodes after its prompt, NNX trains and decodes, and a left-padded row computes what it computes alone."""
     lm = sections["A Transformer LM and cached decoding"]
     assert lm["logits"].shape == (2, 24, 256) and lm["logits"].dtype == jnp.float32
     assert lm["out"].shape == (2, 24)
@@ -229,11 +220,24 @@ def test_layers_page_blocks_compute_what_they_say():
     assert real["sharded"]["embed"]["embedding"].shape == (32, 64)
 
 
-def test_decoding_page_blocks_compute_what_they_say():
-    sections = run_page(ROOT / "docs" / "decoding.md")
+def check_decoding(sections: dict[str, dict]) -> None:
+    """generate keeps the prompt and returns per-row lengths; the jitted sampler runs with a traced temperature."""
     first = sections[""]
-    assert first["tokens"].shape == (2, 4 + 64) and first["lengths"].shape == (2,)
+    lengths = first["lengths"]
+    assert first["tokens"].shape == (2, 4 + 64) and lengths.shape == (2,) and ((lengths >= 1) & (lengths <= 64)).all()
     np.testing.assert_array_equal(first["tokens"][:, :4], first["prompt"])
     jitted = sections["jit"]
     out = jitted["sample"](jitted["params"], jitted["prompt"], 0.7, jax.random.key(3))
     assert out.shape == (2, 4 + 32)
+
+
+# What a page's blocks must have computed, beyond running.
+CHECKS = {"README.md": check_readme, "layers.md": check_layers, "decoding.md": check_decoding}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_python_blocks_run_and_compute_what_they_say(page: pathlib.Path):
+    """Every Python block of the page runs in order (one run per page, also under xdist); then its checks."""
+    sections = run_page(page)
+    if page.name in CHECKS:
+        CHECKS[page.name](sections)
