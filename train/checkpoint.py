@@ -73,7 +73,8 @@ class Checkpoints:
             try:
                 return (*self.restore(step, abstract_state), problems)
             except Exception as error:  # noqa: BLE001 -- any failure to read means "use the previous one"
-                message = f"checkpoint at step {step} in {self.directory} is unreadable ({type(error).__name__}: {error})"
+                message = (f"checkpoint at step {step} in {self.directory} is unreadable "
+                           f"({type(error).__name__}: {error})")
                 log.warning("%s; falling back to the previous checkpoint", message)
                 problems.append({"step": step, "error": message})
                 if quarantine:

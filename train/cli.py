@@ -9,9 +9,10 @@
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
 ...`: exit status 2 for a bad config, data or workdir, 1 for a busy workdir, a NaN loss, a full disk or a permission
-problem; Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU pods, Slurm, Open MPI
-and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
-$JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly).
+problem; Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
+pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
+$JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
+process-wide settings (logging, host CPU devices, glibc's malloc settings of jaxpe.train._malloc).
 """
 from __future__ import annotations
 

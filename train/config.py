@@ -64,7 +64,8 @@ class OptimConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"optim.{name}={getattr(self, name)!r} must be a finite number")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1] (a fraction of learning_rate)")
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1] "
+                             "(a fraction of learning_rate)")
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1)")
@@ -97,7 +98,8 @@ class RunConfig:
 
     def __post_init__(self):
         if self.steps < 1 or self.log_every < 1 or self.keep < 1 or self.eval_batch_size < 1:
-            raise ValueError(f"run: {self.steps=}, {self.log_every=}, {self.keep=}, {self.eval_batch_size=} must be >= 1")
+            raise ValueError(f"run: {self.steps=}, {self.log_every=}, {self.keep=}, {self.eval_batch_size=} "
+                             "must be >= 1")
         if self.eval_every < 0 or self.checkpoint_every < 0 or self.num_devices < 0:
             raise ValueError(f"run: {self.eval_every=}, {self.checkpoint_every=}, {self.num_devices=} must be >= 0")
         if self.pad_to not in PAD_TO:

@@ -143,7 +143,7 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
         "task": config.task.name, "pe": config.model.pe, "seed": run.seed, "metric": task.metric,
         "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": problems,
         "splits": final, "config": to_dict(config), "encoding": _resolved_encoding(model),
-        "environment": environment(),
+        "environment": _environment(),
     }
     if is_main:
         write_json(workdir / "result.json", result)
@@ -153,7 +153,7 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
     return result
 
 
-def environment() -> dict[str, Any]:
+def _environment() -> dict[str, Any]:
     """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
     device = jax.devices()[0]
     return {
@@ -304,7 +304,7 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
     table = results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
     task_name = configs[0].task.name
     comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "seeds": list(seeds),
-                  "environment": environment(), "runs": results}
+                  "environment": _environment(), "runs": results}
     if jax.process_index() == 0:
         write_json(workdir / "compare.json", comparison)
         (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")

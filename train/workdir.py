@@ -2,10 +2,11 @@
 
 `WorkdirLock(workdir)` holds an exclusive `fcntl.flock` on `workdir/.jaxpe.lock` (the holder's pid written in it) for
 as long as a run writes there; a second writer is refused at once. The kernel drops the lock when its holder dies, so
-a killed run never blocks its restart. `check_same_run(workdir, config)` refuses a config that differs from the one
+a killed run never blocks its restart; `locked_workdir` is the block a run writes in (the main process holding the
+lock). `check_same_run(workdir, config)` refuses a config that differs from the one
 saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
-saved config.
+saved config. `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
 
