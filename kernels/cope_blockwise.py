@@ -1,10 +1,11 @@
 """CoPE attention, blockwise in pure JAX: causal or bidirectional, GQA, packed documents, sliding windows, forward and
 fused backward, O(L·block) memory.
 
-Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
-dim, P = npos table rows, BK keys per block, C query rows per chunk (a multiple of BK). Einsum subscripts are the
-lower-case letters, with t for query and s for key positions. Inside, heads are grouped: q [B, K, G, Lp, D],
-k/v/kg [B, K, Lp, D], z [B, K, G, Lp, P]; everything is computed in float32.
+Letters (as in jaxpe/): B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv group
+size, D head dim, P = npos table rows, BK keys per block, C query rows per chunk (a multiple of BK). Einsum
+subscripts: b batch, k kv head (Hkv), g head of its group (G), t query and s key positions, d head dim, p table row.
+Inside, heads are grouped: q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], z [B, Hkv, G, Lp, P]; everything is
+computed in float32.
 
 The maths (arXiv 2405.18719): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p, pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋, hi = min(lo + 1, P − 1), w = p − lo,
@@ -27,7 +28,7 @@ the rows' log-sum-exps lse, both differentiable: lse's cotangent only shifts the
 Backward: the gate gradient dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys, so the backward walks key
 blocks forward, carrying prefix sums of g and of ∂L/∂p. Then p_ij = R_i − (gates before j), R_i being the
 forward's final carry: the gate sum over the blocks it computed in full. The clamped blocks come first and
-need no gate work (∂L/∂p = 0 there). Only [B, K, G, C, BK] tiles are ever built.
+need no gate work (∂L/∂p = 0 there). Only [B, Hkv, G, C, BK] tiles are ever built.
 
 Every loop has a trip count fixed by the shapes (a chunk walks as many blocks as the longest one needs and skips the
 others by lax.cond), so the backward is itself reverse-differentiable: jax.grad of jax.grad works. A length that is
@@ -98,14 +99,14 @@ def _walked_blocks(chunk: int, size: int, window: int | None, padded: int) -> in
 
 
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B, K, G, C, D] (times sm_scale), kg [B, K, BK, D], mask [B|1, 1, 1, C, BK] -> g [B, K, G, C, BK], zero
+    """q [B, Hkv, G, C, D] (times sm_scale), kg [B, Hkv, BK, D], mask [B|1, 1, 1, C, BK] -> g [B, Hkv, G, C, BK], zero
     where masked."""
     s = jnp.einsum("bkgtd,bksd->bkgts", q, kg)
     return jnp.where(mask, jax.nn.sigmoid(s), 0.0)
 
 
 def _interpolate(z: jax.Array, p: jax.Array) -> Interpolation:
-    """Position logits from z [B, K, G, C, P] at p [B, K, G, C, BK] (in [0, P − 1]): `.value`, and the indices,
+    """Position logits from z [B, Hkv, G, C, P] at p [B, Hkv, G, C, BK] (in [0, P − 1]): `.value`, and the indices,
     weights and logits read that the backward needs."""
     return interpolate(lambda index: jnp.take_along_axis(z, index, axis=-1), p, z.shape[-1])
 
@@ -115,8 +116,8 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
                    window: int | None, strict: bool) -> tuple[jax.Array, ...]:
     """One query chunk (rows r0 .. r0 + C) against key blocks of `size`, walked in reverse from the diagonal.
 
-    q [B, K, G, C, D] (times sm_scale), z [B, K, G, C, P], k/v/kg [B, K, Lp, D]; seg_rows [B, C] and seg [B, Lp]
-    document ids or None. Returns out [B, K, G, C, D], lse [B, K, G, C], R [B, K, G, C] and the first key block
+    q [B, Hkv, G, C, D] (times sm_scale), z [B, Hkv, G, C, P], k/v/kg [B, Hkv, Lp, D]; seg_rows [B, C] and seg [B, Lp]
+    document ids or None. Returns out [B, Hkv, G, C, D], lse [B, Hkv, G, C], R [B, Hkv, G, C] and the first key block
     that was not clamped (the clamped ones are always a prefix of the blocks walked: R only grows).
     """
     npos = z.shape[-1]
@@ -169,17 +170,17 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
                     window: int | None, strict: bool) -> tuple[jax.Array, ...]:
     """Gradients of one query chunk, key blocks walked forward (prefix sums of g and ∂L/∂p carried).
 
-    q/do [B, K, G, C, D] (q times sm_scale), z [B, K, G, C, P], lse/delta/r [B, K, G, C]; blocks before
-    `first_full` were clamped in the forward. kv = (k, v, kg) [B, K, Lp, D]; dkv = their gradients so far, to which
+    q/do [B, Hkv, G, C, D] (q times sm_scale), z [B, Hkv, G, C, P], lse/delta/r [B, Hkv, G, C]; blocks before
+    `first_full` were clamped in the forward. kv = (k, v, kg) [B, Hkv, Lp, D]; dkv = their gradients so far, to which
     this chunk's part is added; seg_rows [B, C] and seg [B, Lp] document ids or None.
-    Returns dq [B, K, G, C, D] and dz [B, K, G, C, P] (with respect to sm_scale·q and its z), dk, dv, dkg.
+    Returns dq [B, Hkv, G, C, D] and dz [B, Hkv, G, C, P] (with respect to sm_scale·q and its z), dk, dv, dkg.
     """
     npos = z.shape[-1]
     rows = r0 + jnp.arange(q.shape[3], dtype=jnp.int32)
     flat_rows = jnp.arange(z.size // npos, dtype=jnp.int32)[:, None]
 
     def scatter(dz: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
-        """dz[..., index] += values along the last axis (index/values [B, K, G, C, BK])."""
+        """dz[..., index] += values along the last axis (index/values [B, Hkv, G, C, BK])."""
         flat = dz.reshape(-1, npos).at[flat_rows, index.reshape(-1, size)].add(values.reshape(-1, size))
         return flat.reshape(dz.shape)
 
@@ -235,7 +236,7 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
 
 
 def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array:
-    """total[:, :, start : start + BK] += part, for total [B, K, Lp, D] and part [B, K, BK, D]."""
+    """total[:, :, start : start + BK] += part, for total [B, Hkv, Lp, D] and part [B, Hkv, BK, D]."""
     size = part.shape[2]
     return lax.dynamic_update_slice_in_dim(
         total, lax.dynamic_slice_in_dim(total, start, size, axis=2) + part, start, axis=2)
@@ -243,7 +244,7 @@ def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array
 
 def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, padded: int
              ) -> tuple[jax.Array, ...]:
-    """[B, L, N|K, D] inputs -> float32 q [B, K, G, Lp, D], k/v/kg [B, K, Lp, D], e [P, D] or [K, G, P, D],
+    """[B, L, Hq|Hkv, D] inputs -> float32 q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], e [P, D] or [Hkv, G, P, D],
     with L zero-padded to Lp = `padded`."""
     num_kv = k.shape[2]
     e = pos_emb.astype(q.dtype).astype(jnp.float32)  # the table at the inputs' precision, as the reference uses it
@@ -259,20 +260,20 @@ def _padded(x: jax.Array, padded: int) -> jax.Array:
 
 
 def _grouped_rows(x: jax.Array, padded: int, num_kv: int) -> jax.Array:
-    """[B, L, N, ...] -> [B, K, G, Lp, ...] (L zero-padded to Lp): query head n is head n % G of group n // G."""
+    """[B, L, Hq, ...] -> [B, Hkv, G, Lp, ...] (L zero-padded to Lp): query head n is head n % G of group n // G."""
     b, _, n, *rest = x.shape
     x = _padded(x, padded).reshape(b, padded, num_kv, n // num_kv, *rest)
     return jnp.moveaxis(x, 1, 3)
 
 
 def _ungrouped(x: jax.Array, length: int) -> jax.Array:
-    """Inverse of `_grouped_rows`: [B, K, G, Lp, ...] -> [B, L, N, ...]."""
+    """Inverse of `_grouped_rows`: [B, Hkv, G, Lp, ...] -> [B, L, Hq, ...]."""
     b, num_kv, g, padded, *rest = x.shape
     return jnp.moveaxis(x, 3, 1).reshape(b, padded, num_kv * g, *rest)[:, :length]
 
 
 def _position_logits(q: jax.Array, e: jax.Array) -> jax.Array:
-    """z [B, K, G, L, P] = q·e_p for the shared [P, D] or per-head [K, G, P, D] table."""
+    """z [B, Hkv, G, L, P] = q·e_p for the shared [P, D] or per-head [Hkv, G, P, D] table."""
     spec = "bkgtd,pd->bkgtp" if e.ndim == 2 else "bkgtd,kgpd->bkgtp"
     return jnp.einsum(spec, q, e)
 
@@ -301,7 +302,7 @@ def _segments(segment_ids: jax.Array | None, padded: int, chunk: int) -> tuple[j
 
 
 def _chunked(x: jax.Array, chunk: int) -> jax.Array:
-    """[B, K, G, Lp, ...] -> [Lp / C, B, K, G, C, ...], chunks first (for lax.map and lax.scan)."""
+    """[B, Hkv, G, Lp, ...] -> [Lp / C, B, Hkv, G, C, ...], chunks first (for lax.map and lax.scan)."""
     b, num_kv, g, padded, *rest = x.shape
     x = x.reshape(b, num_kv, g, padded // chunk, chunk, *rest)
     return jnp.moveaxis(x, 3, 0)
@@ -326,13 +327,13 @@ class _Operands(NamedTuple):
     chunk: int  # C
     padded: int  # Lp
     walked: int  # key blocks each chunk walks
-    q: jax.Array  # [B, K, G, Lp, D] float32, before sm_scale
+    q: jax.Array  # [B, Hkv, G, Lp, D] float32, before sm_scale
     scaled: jax.Array  # sm_scale·q
-    k: jax.Array  # [B, K, Lp, D] float32, as v and kg
+    k: jax.Array  # [B, Hkv, Lp, D] float32, as v and kg
     v: jax.Array
     kg: jax.Array
-    e: jax.Array  # the table [P, D] or [K, G, P, D] float32
-    z: jax.Array  # [B, K, G, Lp, P] = (sm_scale·q)·e
+    e: jax.Array  # the table [P, D] or [Hkv, G, P, D] float32
+    z: jax.Array  # [B, Hkv, G, Lp, P] = (sm_scale·q)·e
     seg: jax.Array | None  # every key's document id [B, Lp]
     seg_chunks: jax.Array | None  # the rows' per chunk [Lp / C, B, C]
 
@@ -399,7 +400,7 @@ def _cope_blockwise_bwd(config: _Config, residuals, cotangents):
 def _cope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array,
                     sm_scale: jax.Array, segment_ids: jax.Array | None, config: _Config
                     ) -> tuple[jax.Array, jax.Array]:
-    """float32 out [B, L, N, D] and lse [B, L, N] of the causal (or with config.strict, strictly causal) walk."""
+    """float32 out [B, L, Hq, D] and lse [B, L, Hq] of the causal (or with config.strict, strictly causal) walk."""
     return _cope_blockwise_fwd(q, k, v, kg, pos_emb, sm_scale, segment_ids, config)[0]
 
 
@@ -412,7 +413,7 @@ def _reversed(x: jax.Array | None) -> jax.Array | None:
 
 
 def _merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array) -> jax.Array:
-    """Softmax attention over two disjoint key sets from each one's output [B, L, N, D] and lse [B, L, N] (a row
+    """Softmax attention over two disjoint key sets from each one's output [B, L, Hq, D] and lse [B, L, Hq] (a row
     that sees no key of a set has a vanishing lse there: MASK_VALUE plus a log)."""
     m = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
     w_a, w_b = jnp.exp(lse_a - m)[..., None], jnp.exp(lse_b - m)[..., None]
@@ -438,8 +439,8 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
                              window: int | None = None) -> jax.Array:
     """CoPE attention in O(L·block) memory, differentiable (custom VJP), twice as well (jax.grad of jax.grad).
 
-    q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
-    (gates from k) -> [B, L, N, D] in q's dtype (any floating dtype; float32 inside).
+    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
+    (gates from k) -> [B, L, Hq, D] in q's dtype (any floating dtype; float32 inside).
     sm_scale: a number > 0 or a traced scalar (a learned temperature; differentiable).
     causal=False: bidirectional, positions count gates both ways from the query (module docstring).
     block_k: keys per scan step; block_q: query rows per chunk (rounded to a multiple of block_k). A symbolic length

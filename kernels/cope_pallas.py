@@ -1,9 +1,9 @@
 """Fused CoPE attention in Pallas (Triton lowering on GPU, interpret mode elsewhere): a forward kernel and one
 backward kernel, with packed documents and sliding windows.
 
-Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
-dim (Dp padded to a power of two), P = npos table rows (Pp padded). Einsum subscripts are the lower-case letters,
-with t for query and s for key positions. Kernel tiles are [block_q, block_k].
+Letters (as in jaxpe/): B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv group
+size, D head dim (Dp padded to a power of two), P = npos table rows (Pp padded). Einsum subscripts: b batch, t query
+and s key positions, n query head (Hq), d head dim, p table row. Kernel tiles are [block_q, block_k].
 
 The maths (arXiv 2405.18719): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p (one XLA matmul outside the kernels), pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋,
@@ -18,7 +18,7 @@ Forward: one program per (query block, batch, head) walks key blocks in reverse 
 suffix sum R_i of the gates; inside a tile p = R + (rowtotal − cumsum + g). Once every row's R reaches P − 1 the
 remaining tiles are plain attention plus the per-row constant z_i,P−1: a second loop with no gate work. When
 differentiating it saves, per row, only R_i where the reverse walk stopped and the first key e_i of the last block
-it walked ([B, N, Lp] each: O(L)); keys before e_i are clamped (or outside the window).
+it walked ([B, Hq, Lp] each: O(L)); keys before e_i are clamped (or outside the window).
 
 Backward: one query-major program per (query block, batch, head) walks key blocks forward from the first visible
 one to the diagonal. Blocks wholly before min_i e_i are clamped tiles (∂L/∂z_i,P−1 += Σ_j ds_ij). Later tiles
@@ -105,13 +105,11 @@ class _Config:
     sm_scale: float
     npos: int  # P
     length: int  # L, before padding
-    blocks: BlockSizes  # fitted to L
+    blocks: BlockSizes  # fitted to L, D, dtype and gate_k
     interpret: bool
     num_warps: int
     num_stages: int | None  # None: 2 in the forward, 1 in the backward
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
-    segments: bool = False  # document ids are an input of every kernel
-    gates_from_k: bool = False  # gate_k is None: the gates use k, and one q·kᵀ per tile serves both
     accurate_gates: bool = False  # float32-accurate gate logits (TF32×3 on the GPU)
 
     def compiler_params(self, *, backward: bool):
@@ -136,15 +134,6 @@ def _first_key_block(row0: jax.Array, window: int | None, block_k: int) -> jax.A
     if window is None:
         return 0
     return jnp.maximum(row0 - (window - 1), 0) // block_k
-
-
-def _split_refs(refs: tuple, config: _Config) -> tuple:
-    """Split a kernel's refs after q, k, v into (kg — None with gates from k —, row ids, key ids — both None
-    without documents —, the rest)."""
-    kg_ref, refs = (None, refs) if config.gates_from_k else (refs[0], refs[1:])
-    if not config.segments:
-        return kg_ref, None, None, refs
-    return kg_ref, refs[0], refs[1], refs[2:]
 
 
 _ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot (TF32×3 splits of wider tiles spill)
@@ -210,11 +199,12 @@ def _softmax_grads(s, mask, lse, delta, do, v, sm_scale):
     return probs, ds
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
+def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, o_ref, lse_ref, r_ref, e_ref, *,
+                    config: _Config):
     """One query block: key blocks in reverse from the diagonal, full tiles until every row is clamped, then
-    clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp], z [bq, Pp], (with documents: row ids [bq], key ids [Lp]),
-    lse [bq], when differentiating r [bq] (R where the walk stopped) and e [bq] int32 (its first full key)."""
-    kg_ref, seg_q_ref, seg_k_ref, (z_ref, o_ref, lse_ref, *saved) = _split_refs(refs, config)
+    clamped tiles. Refs: q/o [bq, Dp], k/v/kg [Lp, Dp] (kg None: gates from k), row ids seg_q [bq] and key ids
+    seg_k [Lp] (None without documents), z [bq, Pp], lse [bq], and when differentiating (else None) r [bq] (R where
+    the walk stopped) and e [bq] int32 (its first full key)."""
     sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
@@ -252,19 +242,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     m, l, acc = lax.fori_loop(0, walked, lambda i, c: tile(index - i, c, False), tuple(carry))
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
-    if saved:
-        saved[0][...] = r
-        saved[1][...] = jnp.full((block_q,), (index + 1) * block_k, jnp.int32)
+    if r_ref is not None:
+        r_ref[...] = r
+        e_ref[...] = jnp.full((block_q,), (index + 1) * block_k, jnp.int32)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
+def _backward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, do_ref, lse_ref, delta_ref, r_ref,
+                     e_ref, dz_in_ref, dk_in_ref, dv_in_ref, dkg_in_ref, dq_ref, dz_ref, dk_ref, dv_ref, dkg_ref, *,
+                     config: _Config):
     """One query block: key blocks forward from the first visible one to the diagonal, clamped tiles first.
-    Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp], z/dz [bq, Pp], lse/delta/r/e [bq], (with documents: row ids [bq],
-    key ids [Lp]), the zeros aliased to the outputs (unread), dk/dv/dkg [Lp, Dp] (atomic adds)."""
-    kg_ref, seg_q_ref, seg_k_ref, refs = _split_refs(refs, config)
-    z_ref, do_ref, lse_ref, delta_ref, r_ref, e_ref, *refs = refs
-    accumulated = 3 if config.gates_from_k else 4  # dz, dk, dv (, dkg)
-    dq_ref, dz_ref, dk_ref, dv_ref, *dkg_ref = refs[accumulated:]
+    Refs: q/do/dq [bq, Dp], k/v/kg [Lp, Dp] (kg None: gates from k), row ids seg_q [bq] and key ids seg_k [Lp] (None
+    without documents), z/dz [bq, Pp], lse/delta/r/e [bq], the zeros aliased to the outputs (the *_in refs, unread),
+    dk/dv/dkg [Lp, Dp] (atomic adds; dkg None with kg)."""
+    del dz_in_ref, dk_in_ref, dv_in_ref, dkg_in_ref  # the same buffers as dz_ref, dk_ref, dv_ref, dkg_ref
     sm_scale, npos = config.sm_scale, config.npos
     block_k = config.blocks.block_k_bwd
     block_q = q_ref.shape[0]
@@ -304,7 +294,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
                 dscore = ds
                 kg = kg_ref[keys, :]
                 dq = dq + dot(dgate.astype(kg.dtype), kg)
-                jax.ref.addupdate(dkg_ref[0], (keys, slice(None)), dot(dgate.astype(q.dtype), q, trans_a=True))
+                jax.ref.addupdate(dkg_ref, (keys, slice(None)), dot(dgate.astype(q.dtype), q, trans_a=True))
         jax.ref.addupdate(dk_ref, (keys, slice(None)), dot(dscore.astype(q.dtype), q, trans_a=True))
         jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(probs.astype(do.dtype), do, trans_a=True))
         return dq + dot(dscore.astype(k.dtype), k), dz_last, c, dp_before
@@ -322,7 +312,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
 
 def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
     """Zero-pad L to a multiple of every block and D to a power of two (kg may be None); e the padded table and
-    z [B, N, Lp, Pp] float32 = q·e."""
+    z [B, Hq, Lp, Pp] float32 = q·e."""
     length, d = q.shape[1], q.shape[3]
     multiple = max(dataclasses.astuple(blocks))
     padded, dp = -(-length // multiple) * multiple, tile_extent(d)
@@ -340,13 +330,13 @@ def _padded(q, k, v, kg, pos_emb, blocks: BlockSizes):
 @dataclasses.dataclass(frozen=True)
 class _RowSpecs:
     """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
-    (Lp / bq, B, N). Every key/value row of the head's kv head is visible; z and per-row values are blocked by
+    (Lp / bq, B, Hq). Every key/value row of the head's kv head is visible; z and per-row values are blocked by
     rows."""
 
-    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, N, Dp] array
-    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, K, Dp] array, kv head n // G
-    z: pl.BlockSpec  # [bq, Pp] of z [B, N, Lp, Pp]
-    stat: pl.BlockSpec  # [bq] of [B, N, Lp]
+    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
+    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head n // G
+    z: pl.BlockSpec  # [bq, Pp] of z [B, Hq, Lp, Pp]
+    stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
     grid: tuple[int, int, int]
     seg_rows: pl.BlockSpec  # [bq] of document ids [B, Lp]
     seg_keys: pl.BlockSpec  # [Lp] of document ids [B, Lp]
@@ -373,43 +363,43 @@ def _result(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.Sh
 
 
 def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save: bool):
-    """o [B, Lp, N, Dp], lse [B, N, Lp] (and with `save` R [B, N, Lp] float32 and e [B, N, Lp] int32)."""
+    """o [B, Lp, Hq, Dp], lse [B, Hq, Lp] (and with `save` R [B, Hq, Lp] float32 and e [B, Hq, Lp] int32, else
+    None); kg and seg may be None."""
     batch, padded, num_heads, _ = q.shape
     specs = _row_specs(q, k, z, config.blocks.block_q)
-    gates = () if kg is None else (kg,)
-    segments = () if seg is None else (seg, seg)
     stat = _result((batch, num_heads, padded), jnp.float32, q)
-    out_shape = [_result(q.shape, q.dtype, q), stat]
-    if save:
-        out_shape += [stat, _result(stat.shape, jnp.int32, q)]
+    saved = [stat, _result(stat.shape, jnp.int32, q)] if save else [None, None]
+    out_shape = [_result(q.shape, q.dtype, q), stat, *saved]
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
-                  *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z],
-        out_specs=[specs.row] + [specs.stat] * (len(out_shape) - 1), out_shape=out_shape,
-        compiler_params=config.compiler_params(backward=False), interpret=config.interpret, name="cope_forward",
-    )(q, k, v, *gates, *segments, z)
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full if kg is not None else None,
+                  *([specs.seg_rows, specs.seg_keys] if seg is not None else [None, None]), specs.z],
+        out_specs=[specs.row, specs.stat, *(specs.stat if x is not None else None for x in saved)],
+        out_shape=out_shape, compiler_params=config.compiler_params(backward=False), interpret=config.interpret,
+        name="cope_forward",
+    )(q, k, v, kg, seg, seg, z)
 
 
 def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
-    """dq [B, Lp, N, Dp], dz [B, N, Lp, Pp], dk, dv (, dkg) [B, Lp, K, Dp], all float32."""
+    """dq [B, Lp, Hq, Dp], dz [B, Hq, Lp, Pp], dk, dv, dkg [B, Lp, Hkv, Dp] (dkg None without kg), all float32."""
     specs = _row_specs(q, k, z, config.blocks.block_q_bwd)
-    gates = () if kg is None else (kg,)
-    segments = () if seg is None else (seg, seg)
-    zeros = [jnp.zeros_like(z, jnp.float32)] + [jnp.zeros_like(k, jnp.float32)] * (2 + len(gates))
-    inputs = [q, k, v, *gates, *segments, z, do, lse, delta, r, e, *zeros]
-    accumulated = [specs.z] + [specs.kv_full] * (2 + len(gates))
+    zeros = [jnp.zeros_like(z, jnp.float32)] + [jnp.zeros_like(k, jnp.float32)] * 2
+    zeros.append(None if kg is None else jnp.zeros_like(k, jnp.float32))
+    inputs = [q, k, v, kg, seg, seg, z, do, lse, delta, r, e]
+    accumulated = [specs.z, specs.kv_full, specs.kv_full, None if kg is None else specs.kv_full]
+    aliased_from = len(jax.tree.leaves(inputs))  # the flat index of the first zeros (None inputs are no operand)
     return pl.pallas_call(
         functools.partial(_backward_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, *[specs.kv_full] * len(gates),
-                  *([specs.seg_rows, specs.seg_keys] if segments else []), specs.z, specs.row,
+        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full if kg is not None else None,
+                  *([specs.seg_rows, specs.seg_keys] if seg is not None else [None, None]), specs.z, specs.row,
                   *[specs.stat] * 4, *accumulated],
         out_specs=[specs.row, *accumulated],
-        out_shape=[_result(q.shape, jnp.float32, q), *(_result(x.shape, x.dtype, q) for x in zeros)],
-        input_output_aliases={len(inputs) - len(zeros) + i: 1 + i for i in range(len(zeros))},
+        out_shape=[_result(q.shape, jnp.float32, q), *(None if x is None else _result(x.shape, x.dtype, q)
+                                                        for x in zeros)],
+        input_output_aliases={aliased_from + i: 1 + i for i in range(len(jax.tree.leaves(zeros)))},
         compiler_params=config.compiler_params(backward=True), interpret=config.interpret,
         name="cope_backward_dq",
-    )(*inputs)
+    )(*inputs, *zeros)
 
 
 def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | None:
@@ -448,8 +438,8 @@ def _cope_pallas_bwd(config: _Config, residuals, dout):
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, dk, dv, *dkg = _first_order_only(functools.partial(_backward_call, config), qp, kp, vp, kgp, z, do, lse,
-                                             delta, r, e, seg)
+    dq, dz, dk, dv, dkg = _first_order_only(functools.partial(_backward_call, config), qp, kp, vp, kgp, z, do, lse,
+                                            delta, r, e, seg)
     dz = dz[..., :config.npos]
     if table.ndim == 2:
         dq = dq + jnp.einsum("bntp,pd->btnd", dz, table.astype(jnp.float32))
@@ -458,7 +448,7 @@ def _cope_pallas_bwd(config: _Config, residuals, dout):
         dq = dq + jnp.einsum("bntp,npd->btnd", dz, table.astype(jnp.float32))
         de = jnp.einsum("bntp,btnd->npd", dz, qp.astype(jnp.float32))
     length, d = config.length, q.shape[3]
-    dgate_k = None if gate_k is None else dkg[0][:, :length, :, :d].astype(gate_k.dtype)
+    dgate_k = None if gate_k is None else dkg[:, :length, :, :d].astype(gate_k.dtype)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
             dv[:, :length, :, :d].astype(v.dtype), dgate_k, de[..., :d].astype(pos_emb.dtype), None)
 
@@ -483,11 +473,11 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
                           window: int | None = None) -> jax.Array:
     """Causal CoPE attention, fused kernels with a fused backward (custom VJP).
 
-    q [B, L, N, D], k/v [B, L, K, D] (K divides N), pos_emb [P, D] or [N, P, D], gate_k [B, L, K, D] or None
-    (gates from k) -> [B, L, N, D] in q's dtype.
+    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
+    (gates from k) -> [B, L, Hq, D] in q's dtype.
     block_sizes: None fields (or None) take `BlockSizes.default(D, q.dtype, gate_k=gate_k is not None)`; interpret:
-    run the kernels in the Pallas interpreter (default: unless the backend is a GPU); num_warps/num_stages tune the Triton lowering
-    (defaults: `default_num_warps`; 2 stages in the forward, 1 in the backward).
+    run the kernels in the Pallas interpreter (default: unless the backend is a GPU); num_warps/num_stages tune the
+    Triton lowering (defaults: `default_num_warps`; 2 stages in the forward, 1 in the backward).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
@@ -516,9 +506,7 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
                                                   gate_k=gate_k is not None)
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1], blocks=blocks,
                      interpret=resolve_interpret(interpret), num_warps=num_warps or default_num_warps(q.shape[3]),
-                     num_stages=num_stages,
-                     window=window, segments=segment_ids is not None, gates_from_k=gate_k is None,
-                     accurate_gates=q.dtype == jnp.float32)
+                     num_stages=num_stages, window=window, accurate_gates=q.dtype == jnp.float32)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     q, k, v, gate_k, pos_emb, segment_ids = vary_alike(q, k, v, gate_k, pos_emb, segment_ids)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)

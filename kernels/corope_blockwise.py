@@ -1,10 +1,10 @@
 """Co-RoPE attention, blockwise in pure JAX: causal or bidirectional, GQA, packed documents, sliding windows,
 caller-given rotary frequencies, forward and fused backward, any backend and any floating dtype.
 
-Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
-dim, Dh = D/2 rotary pairs, BK block size (queries and keys). Einsum subscripts are the lower-case letters, with t for
-query and s for key positions. Internally heads are grouped: q [B, K, G, Lp, D], k/v [B, K, Lp, D]; head 0 of a
-group is its leader.
+Letters (as in jaxpe/): B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv group
+size, D head dim, Dh = D/2 rotary pairs, BK block size (queries and keys). Einsum subscripts: b batch, k kv head
+(Hkv), g head of its group (G), t query and s key positions, d head dim. Internally heads
+are grouped: q [B, Hkv, G, Lp, D], k/v [B, Hkv, Lp, D]; head 0 of a group is its leader.
 
 The maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j), mileage a_ij = Σ_{t≤j} z_it, Δ_ij = a_ii − a_ij,
 φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
@@ -29,7 +29,7 @@ The walk: one loop over the visited (query block, key block) pairs, query blocks
 block down to the first that reaches into the window of the block's first row (causal early exit; O(L·window) work
 with a window), carrying the running suffix sum of z per row; documents are masked per tile. With a static length
 its trip count is static (a scan), so the custom VJP's own rules are reverse-differentiable (second order); with a
-symbolic length (jax.export) it is a while loop over the query blocks. Memory per step is O(B·N·BK²); nothing of
+symbolic length (jax.export) it is a while loop over the query blocks. Memory per step is O(B·Hq·BK²); nothing of
 size L×L is ever built, forward or backward.
 
 Backward, the same walk: with dS the softmax gradient of the scores,
@@ -155,13 +155,13 @@ def _tile_mask(qb: jax.Array, kb: jax.Array, seg: jax.Array | None, config: _Con
 
 
 def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Gates of the scaled leader rows q_lead [B, K, BK, D] and keys k [B, K, BK, D] -> z [B, K, BK, BK], 0 where
+    """Gates of the scaled leader rows q_lead [B, Hkv, BK, D] and keys k [B, Hkv, BK, D] -> z [B, Hkv, BK, BK], 0 where
     `mask` [B|1, 1, BK, BK] is False."""
     return jnp.where(mask, jax.nn.sigmoid(jnp.einsum("bktd,bksd->bkts", q_lead, k)), 0.0)
 
 
 def _mileage(z_suffix: jax.Array, z: jax.Array, config: _Config) -> jax.Array:
-    """Δ [B, K, BK, BK] of a tile from its gates z and z_suffix [B, K, BK], the rows' sums of the gates of the key
+    """Δ [B, Hkv, BK, BK] of a tile from its gates z and z_suffix [B, Hkv, BK], the rows' sums of the gates of the key
     blocks walked before (right of this one): Σ_{t>j} z_it, or Σ_{t≥j} z_it when strict."""
     inclusive = z_suffix[..., None] + lax.cumsum(z, axis=3, reverse=True)
     return inclusive if config.strict else inclusive - z
@@ -175,15 +175,15 @@ def _by_frequency(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array) -> jax.Array:
-    """Scaled q [B, K, G, BK, D], k [B, K, BK, D], delta [B, K, BK, BK] -> scores [B, K, G, BK(t), BK(s)]
+    """Scaled q [B, Hkv, G, BK, D], k [B, Hkv, BK, D], delta [B, Hkv, BK, BK] -> scores [B, Hkv, G, BK(t), BK(s)]
     = Σ_d q1 (k1 cos φ + k2 sin φ) + q2 (k2 cos φ − k1 sin φ): a scan over the frequencies, one [BK, BK] plane of
     sincos per step (shared by the G heads of a group) folded into the scores by one elementwise fusion."""
-    q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
-    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
+    q1, q2 = _by_frequency(q, -1)  # [Dh, B, Hkv, G, BK, 1]
+    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, Hkv, 1, 1, BK]
 
     def one_frequency(acc, xs):
         w, a1, a2, b1, b2 = xs
-        sin, cos = sincos(delta * w)  # [B, K, BK, BK]
+        sin, cos = sincos(delta * w)  # [B, Hkv, BK, BK]
         sin_g, cos_g = sin[:, :, None], cos[:, :, None]
         return acc + a1 * (b1 * cos_g + b2 * sin_g) + a2 * (b2 * cos_g - b1 * sin_g), None
 
@@ -193,8 +193,8 @@ def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array) -> j
 
 def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array, ds: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The score's cotangent ds [B, K, G, BK, BK] -> dq (scaled q) [B, K, G, BK, D], dk [B, K, BK, D],
-    dΔ [B, K, BK, BK].
+    """The score's cotangent ds [B, Hkv, G, BK, BK] -> dq (scaled q) [B, Hkv, G, BK, D], dk [B, Hkv, BK, D],
+    dΔ [B, Hkv, BK, BK].
 
     With X = ds·cos φ, Y = ds·sin φ: dq1 = Σ_s X k1 + Y k2, dq2 = Σ_s X k2 − Y k1, dk1 = Σ_gt X q1 − Y q2,
     dk2 = Σ_gt Y q1 + X q2, dΔ = Σ_d ω_d Σ_g X (q1 k2 − q2 k1) − Y (q1 k1 + q2 k2).
@@ -202,17 +202,17 @@ def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array,
     reductions of the same products); dk's contract t on a transposed tile with its own sincos (cheaper than the
     transposing copies XLA would make of X and Y at every frequency). Storing the score pass's sin/cos [Dh, BK, BK]
     instead of computing them again was slower on CPU (memory traffic costs more than the polynomial)."""
-    q1, q2 = _by_frequency(q, -1)  # [Dh, B, K, G, BK, 1]
-    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, K, 1, 1, BK]
-    delta_t, ds_t = jnp.swapaxes(delta, -1, -2), jnp.swapaxes(ds, -1, -2)  # [B, K, BK(s), BK(t)], [.., G, s, t]
+    q1, q2 = _by_frequency(q, -1)  # [Dh, B, Hkv, G, BK, 1]
+    k1, k2 = _by_frequency(k[:, :, None], -2)  # [Dh, B, Hkv, 1, 1, BK]
+    delta_t, ds_t = jnp.swapaxes(delta, -1, -2), jnp.swapaxes(ds, -1, -2)  # [B, Hkv, BK(s), BK(t)], [.., G, s, t]
 
     def one_frequency(d_delta, xs):
         w, a1, a2, b1, b2 = xs
-        sin, cos = sincos(delta * w)  # [B, K, BK(t), BK(s)]
-        x, y = ds * cos[:, :, None], ds * sin[:, :, None]  # [B, K, G, BK(t), BK(s)]
-        sin_t, cos_t = sincos(delta_t * w)  # [B, K, BK(s), BK(t)]
+        sin, cos = sincos(delta * w)  # [B, Hkv, BK(t), BK(s)]
+        x, y = ds * cos[:, :, None], ds * sin[:, :, None]  # [B, Hkv, G, BK(t), BK(s)]
+        sin_t, cos_t = sincos(delta_t * w)  # [B, Hkv, BK(s), BK(t)]
         x_t, y_t = ds_t * cos_t[:, :, None], ds_t * sin_t[:, :, None]
-        b1, b2, a1, a2 = b1[:, :, 0, 0], b2[:, :, 0, 0], a1[..., 0], a2[..., 0]  # [B, K, BK(s)], [B, K, G, BK(t)]
+        b1, b2, a1, a2 = b1[:, :, 0, 0], b2[:, :, 0, 0], a1[..., 0], a2[..., 0]  # [B, Hkv, BK(s)], [B, Hkv, G, BK(t)]
         dq1 = jnp.einsum("bkgts,bks->bkgt", x, b1) + jnp.einsum("bkgts,bks->bkgt", y, b2)
         dq2 = jnp.einsum("bkgts,bks->bkgt", x, b2) - jnp.einsum("bkgts,bks->bkgt", y, b1)
         dk1 = jnp.einsum("bkgst,bkgt->bks", x_t, a1) - jnp.einsum("bkgst,bkgt->bks", y_t, a2)
@@ -251,7 +251,7 @@ def _padded_segments(segment_ids: jax.Array | None, block: int) -> jax.Array | N
 
 
 def _group_queries(x: jax.Array, num_kv: int, block: int) -> jax.Array:
-    """[B, L, N, D] -> float32 [B, K, G, Lp, D] (zero rows appended)."""
+    """[B, L, Hq, D] -> float32 [B, Hkv, G, Lp, D] (zero rows appended)."""
     b, length, n, d = x.shape
     padded = _padded_length(length, block)
     x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
@@ -259,20 +259,20 @@ def _group_queries(x: jax.Array, num_kv: int, block: int) -> jax.Array:
 
 
 def _group_keys(x: jax.Array, block: int) -> jax.Array:
-    """[B, L, K, D] -> float32 [B, K, Lp, D] (zero rows appended)."""
+    """[B, L, Hkv, D] -> float32 [B, Hkv, Lp, D] (zero rows appended)."""
     length = x.shape[1]
     return jnp.pad(x.astype(jnp.float32), [(0, 0), (0, _padded_length(length, block) - length), (0, 0), (0, 0)]
                    ).transpose(0, 2, 1, 3)
 
 
 def _ungroup_queries(x: jax.Array, length: int) -> jax.Array:
-    """[B, K, G, Lp, D] -> [B, L, N, D]."""
+    """[B, Hkv, G, Lp, D] -> [B, L, Hq, D]."""
     b, num_kv, g, padded, d = x.shape
     return lax.slice_in_dim(x.transpose(0, 3, 1, 2, 4).reshape(b, padded, num_kv * g, d), 0, length, axis=1)
 
 
 def _ungroup_keys(x: jax.Array, length: int) -> jax.Array:
-    """[B, K, Lp, D] -> [B, L, K, D]."""
+    """[B, Hkv, Lp, D] -> [B, L, Hkv, D]."""
     return lax.slice_in_dim(x.transpose(0, 2, 1, 3), 0, length, axis=1)
 
 
@@ -283,17 +283,17 @@ def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config) -> jax
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, config: _Config
              ) -> tuple[jax.Array, jax.Array]:
-    """Grouped float32 q (times sm_scale), k, v, segment ids [B, Lp] or None, ω [Dh] -> o [B, K, G, Lp, D],
-    lse [B, K, G, Lp] (−inf, and o 0, for a row that sees no key: the first rows of a strict walk)."""
+    """Grouped float32 q (times sm_scale), k, v, segment ids [B, Lp] or None, ω [Dh] -> o [B, Hkv, G, Lp, D],
+    lse [B, Hkv, G, Lp] (−inf, and o 0, for a row that sees no key: the first rows of a strict walk)."""
     b, num_kv, g, length, d = q.shape
     block = config.block
 
     def visit(qb, kb, carry):
-        o, lse, z_suffix, m, l, acc = carry  # query block qb's rows: [B, K, BK], [B, K, G, BK] x2, [B, K, G, BK, D]
+        o, lse, z_suffix, m, l, acc = carry  # query block qb's rows: [B, Hkv, BK], [B, Hkv, G, BK] x2, [B, Hkv, G, BK, D]
         start = kb == qb  # the walk of query block qb starts at its diagonal block
         z_suffix, l, acc = (jnp.where(start, 0.0, x) for x in (z_suffix, l, acc))
         m = jnp.where(start, -jnp.inf, m)
-        q_blk = _block(q, qb, block, 3)  # [B, K, G, BK, D]
+        q_blk = _block(q, qb, block, 3)  # [B, Hkv, G, BK, D]
         k_blk, v_blk = _block(k, kb, block, 2), _block(v, kb, block, 2)
         mask = _tile_mask(qb, kb, seg, config)
         z = _gates(q_blk[:, :, 0], k_blk, mask)
@@ -321,20 +321,20 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
 def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, o: jax.Array,
               lse: jax.Array, do: jax.Array, dlse: jax.Array, config: _Config
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Grouped float32 residuals (q times sm_scale) and cotangents do [B, K, G, Lp, D], dlse [B, K, G, Lp] ->
+    """Grouped float32 residuals (q times sm_scale) and cotangents do [B, Hkv, G, Lp, D], dlse [B, Hkv, G, Lp] ->
     grouped dq (of the scaled q), dk, dv."""
     b, num_kv, g, length, d = q.shape
     block = config.block
-    row_term = jnp.sum(do * o, axis=-1) - dlse  # [B, K, G, Lp]: Σ_j P dP per row, less the lse's cotangent
+    row_term = jnp.sum(do * o, axis=-1) - dlse  # [B, Hkv, G, Lp]: Σ_j P dP per row, less the lse's cotangent
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # a row that sees no key has P = 0 whatever its lse
 
     def visit(qb, kb, carry):
-        dq, dk, dv, total, z_suffix, dd_suffix = carry  # total: Σ_j dΔ_ij per row [B, K, Lp]
+        dq, dk, dv, total, z_suffix, dd_suffix = carry  # total: Σ_j dΔ_ij per row [B, Hkv, Lp]
         start = kb == qb
         z_suffix, dd_suffix = (jnp.where(start, 0.0, x) for x in (z_suffix, dd_suffix))
-        q_blk, do_blk = _block(q, qb, block, 3), _block(do, qb, block, 3)  # [B, K, G, BK, D]
-        lse_blk, row_blk = _block(lse, qb, block, 3), _block(row_term, qb, block, 3)  # [B, K, G, BK]
-        q_lead = q_blk[:, :, 0]  # [B, K, BK, D]
+        q_blk, do_blk = _block(q, qb, block, 3), _block(do, qb, block, 3)  # [B, Hkv, G, BK, D]
+        lse_blk, row_blk = _block(lse, qb, block, 3), _block(row_term, qb, block, 3)  # [B, Hkv, G, BK]
+        q_lead = q_blk[:, :, 0]  # [B, Hkv, BK, D]
         k_blk, v_blk = _block(k, kb, block, 2), _block(v, kb, block, 2)
         mask = _tile_mask(qb, kb, seg, config)
         z = _gates(q_lead, k_blk, mask)
@@ -361,7 +361,7 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
                                             zeros(row), zeros(row)), length // block, config)
 
     def visit_gates(qb, kb, carry):  # the +Tot_i part of dz_it, gates only
-        dq_lead, dk = carry  # [B, K, Lp, D] x2
+        dq_lead, dk = carry  # [B, Hkv, Lp, D] x2
         q_lead, k_blk = _block(q, qb, block, 3)[:, :, 0], _block(k, kb, block, 2)
         z = _gates(q_lead, k_blk, _tile_mask(qb, kb, seg, config))
         d_logit = _block(total, qb, block, 2)[..., None] * z * (1.0 - z)
@@ -400,7 +400,7 @@ def _corope_blockwise_bwd(config: _Config, residuals, cotangents):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: jax.Array, segment_ids: jax.Array | None,
                       omega: jax.Array | None, config: _Config) -> tuple[jax.Array, jax.Array]:
-    """One walk: o [B, L, N, D] and the rows' lse [B, L, N], float32."""
+    """One walk: o [B, L, Hq, D] and the rows' lse [B, L, Hq], float32."""
     return _corope_blockwise_fwd(q, k, v, sm_scale, segment_ids, omega, config)[0]
 
 
@@ -420,7 +420,7 @@ def _negated_second_half(x: jax.Array) -> jax.Array:
 
 
 def _merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array) -> jax.Array:
-    """Softmax attention over two disjoint key sets from each one's output [B, L, N, D] and lse [B, L, N] (one of
+    """Softmax attention over two disjoint key sets from each one's output [B, L, Hq, D] and lse [B, L, Hq] (one of
     them finite in every row)."""
     m = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
     w_a, w_b = jnp.exp(lse_a - m)[..., None], jnp.exp(lse_b - m)[..., None]
@@ -431,8 +431,8 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
                                sm_scale: float | jax.Array, block_k: int = 128, causal: bool = True,
                                segment_ids: jax.Array | None = None, window: int | None = None,
                                inv_freq: jax.Array | None = None) -> jax.Array:
-    """Co-RoPE attention in query/key blocks of `block_k`. q [B, L, N, D], k/v [B, L, K, D] (any floating dtype)
-    -> [B, L, N, D] in q's dtype.
+    """Co-RoPE attention in query/key blocks of `block_k`. q [B, L, Hq, D], k/v [B, L, Hkv, D] (any floating dtype)
+    -> [B, L, Hq, D] in q's dtype.
 
     causal=False: bidirectional, every visible key counts and Δ_ij is signed (module docstring).
     segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.

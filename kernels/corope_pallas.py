@@ -1,9 +1,9 @@
 """Fused Co-RoPE attention in Pallas (Triton lowering on GPU, interpret mode on CPU): causal, GQA, packed documents,
 sliding windows, caller-given rotary frequencies, fwd + bwd.
 
-Letters (as gemma's): B batch, L length (Lp padded), N query heads, K key/value heads, G = N / K group size, D head
-dim, Dh = D/2 rotary pairs (Dp/2 padded). Einsum subscripts are the lower-case letters, with t for query and s for
-key positions. Tiles: BQ query rows × BK keys; the rotary pairs are walked in BD-wide chunks (BD is elementwise
+Letters (as in jaxpe/): B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv group
+size, D head dim, Dh = D/2 rotary pairs (Dp/2 padded). Einsum subscripts: b batch, t query positions, n query head
+(Hq), d head dim. Tiles: BQ query rows × BK keys; the rotary pairs are walked in BD-wide chunks (BD is elementwise
 only, not a dot dimension: 1 to 8 keeps the [BQ, BK, BD] temporaries in registers).
 
 Maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j) (j ≤ i), Δ_ij = Σ_{t=j+1..i} z_it,
@@ -16,17 +16,17 @@ and i − j < window (optional); invisible gates are 0. Every walk below covers 
 the window, so the work with a window is O(L·window); documents are masked per tile. ω [Dp/2] (θ^(−2d/D) or the
 caller's, zero-padded) is an input of every kernel.
 
-One program per H query heads of one group (grid (Lp/BQ, B, N/H); H = block_h, a divisor of G, 4 or fewer by
-default, so MQA and batch 1 still have N/H programs per row block); the gates come from the group's leader query
+One program per H query heads of one group (grid (Lp/BQ, B, Hq/H); H = block_h, a divisor of G, 4 or fewer by
+default, so MQA and batch 1 still have Hq/H programs per row block); the gates come from the group's leader query
 head (read through a second view of q), so Δ and cos/sin are shared by the H heads: G/H× the trig of sharing it
 across the whole group, in exchange for only H heads' accumulators in registers whatever G is. cos/sin are a
 polynomial `_common.sincos` (no libdevice). The chunks are a `lax.fori_loop` over dynamic ref slices (no
 Python unrolling), as are the dots over the head dim in DC = 64 wide column slices (gates, dP, the gradients).
 
 Kernels:
-- forward, grid (Lp/BQ, B, N/H): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
+- forward, grid (Lp/BQ, B, Hq/H): walks key blocks in reverse from the diagonal carrying the per-row suffix sum of z
   (one pass, causal early exit), online softmax; writes o and the per-row logsumexp.
-- backward, grid (Lp/BQ, B, N/H_bwd), one kernel for dq, dk and dv: the same reverse walk. Per tile it recomputes
+- backward, grid (Lp/BQ, B, Hq/H_bwd), one kernel for dq, dk and dv: the same reverse walk. Per tile it recomputes
   the scores (one trig pass), P and dS, then a second trig pass adds sm_scale·Σ_s dS (kc, ks) to dq, the keys'
   share (summed over the H heads) to dk, and accumulates dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc);
   dV += Σ_h Pᵀ dO. Two trig passes per tile in all (separate dq and dk/dv kernels would take two each): the scores
@@ -132,7 +132,6 @@ class _Config:
     num_warps: int
     num_stages: int
     window: int | None = None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
-    segmented: bool = False  # document ids are passed (two inputs after the kernel's usual ones)
 
     @property
     def chunks(self) -> int:
@@ -150,8 +149,8 @@ class _Config:
 
 
 def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSizes, interpret: bool,
-            num_warps: int | None, num_stages: int | None, window: int | None, segmented: bool) -> _Config:
-    """The static settings for q [B, L, N, D], k [B, L, K, D]: blocks fitted, L padded to a multiple of every block,
+            num_warps: int | None, num_stages: int | None, window: int | None) -> _Config:
+    """The static settings for q [B, L, Hq, D], k [B, L, Hkv, D]: blocks fitted, L padded to a multiple of every block,
     each half of D to a power of two >= 16."""
     length, d = q.shape[1], q.shape[3]
     half = tile_extent(d // 2)
@@ -160,7 +159,7 @@ def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSi
     return _Config(sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
                    padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
                    num_warps=num_warps or default_num_warps(d), num_stages=num_stages or 2,
-                   window=effective_window(window, length), segmented=segmented)
+                   window=effective_window(window, length))
 
 
 def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
@@ -241,13 +240,6 @@ class _Tile:
         return [self.config.sm_scale * a for a in lax.fori_loop(0, self.config.chunks, chunk, zeros)]
 
 
-def _split_refs(refs: tuple, config: _Config) -> tuple:
-    """([seg_q_ref, seg_k_ref,] rest...) -> seg_q_ref, seg_k_ref (None without documents), rest..."""
-    rest = list(refs)
-    seg_refs = (rest.pop(0), rest.pop(0)) if config.segmented else (None, None)
-    return (*seg_refs, *rest)
-
-
 def _key_tile(kb: jax.Array, rows: jax.Array, seg_rows: jax.Array | None, seg_k_ref, config: _Config, block_k: int
               ) -> tuple[pl.Slice, jax.Array]:
     """Key block kb: its slice of the keys and the visibility mask [BQ, BK] of the rows."""
@@ -256,11 +248,11 @@ def _key_tile(kb: jax.Array, rows: jax.Array, seg_rows: jax.Array | None, seg_k_
     return keys, _visible(rows, cols, seg_rows, None if seg_k_ref is None else seg_k_ref[keys], config)
 
 
-def _forward_kernel(q_ref, lead_ref, k_ref, v_ref, freq_ref, *refs, config: _Config):
+def _forward_kernel(q_ref, lead_ref, k_ref, v_ref, freq_ref, seg_q_ref, seg_k_ref, o_ref, lse_ref, *,
+                    config: _Config):
     """q_ref [BQ, H, Dp] (the program's heads' rows), lead_ref [BQ, Dp] (their group leader's), k_ref/v_ref
-    [Lp, Dp], freq_ref [Dp/2], seg_q_ref [BQ], seg_k_ref [Lp] (with documents) -> o_ref [BQ, H, Dp],
+    [Lp, Dp], freq_ref [Dp/2], seg_q_ref [BQ] and seg_k_ref [Lp] (None without documents) -> o_ref [BQ, H, Dp],
     lse_ref [H, BQ]."""
-    seg_q_ref, seg_k_ref, o_ref, lse_ref = _split_refs(refs, config)
     block_q, block_k, heads = config.blocks.block_q, config.blocks.block_k, q_ref.shape[1]
     qb = pl.program_id(0)
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
@@ -293,11 +285,13 @@ def _forward_kernel(q_ref, lead_ref, k_ref, v_ref, freq_ref, *refs, config: _Con
         lse_ref[h, :] = m[h] + jnp.log(l[h])
 
 
-def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, freq_ref, *refs, config: _Config):
+def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref, freq_ref, seg_q_ref, seg_k_ref,
+                     dq_in_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *, config: _Config):
     """q_ref/do_ref [BQ, H, Dp] (the program's heads' rows), lead_ref [BQ, Dp] (their group leader's), k_ref/v_ref
-    [Lp, Dp], lse_ref/row_dot_ref [H, BQ], freq_ref [Dp/2], seg_q_ref [BQ], seg_k_ref [Lp] (with documents), then
-    the accumulators (aliased to the outputs) -> dq_ref [BQ, G, Dp], dk_ref/dv_ref [Lp, Dp] float32, added to."""
-    seg_q_ref, seg_k_ref, _, _, _, dq_ref, dk_ref, dv_ref = _split_refs(refs, config)
+    [Lp, Dp], lse_ref/row_dot_ref [H, BQ], freq_ref [Dp/2], seg_q_ref [BQ] and seg_k_ref [Lp] (None without
+    documents), the zeros aliased to the outputs (the *_in refs, unread) -> dq_ref [BQ, G, Dp], dk_ref/dv_ref
+    [Lp, Dp] float32, added to."""
+    del dq_in_ref, dk_in_ref, dv_in_ref  # the same buffers as dq_ref, dk_ref, dv_ref
     block_q, block_k, block_d = config.blocks.block_q_bwd, config.blocks.block_k_bwd, config.blocks.block_d
     half, sm_scale, heads = config.half, config.sm_scale, q_ref.shape[1]
     qb = pl.program_id(0)
@@ -381,10 +375,11 @@ def _unpad(x: jax.Array, length: int, head_dim: int) -> jax.Array:
     return jnp.concatenate([x[:, :length, :, : head_dim // 2], x[:, :length, :, half: half + head_dim // 2]], -1)
 
 
-def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | None) -> dict[str, pl.BlockSpec]:
-    """BlockSpecs over grid (Lp/BQ, B, N/H), H = `heads` query heads of one group per program: their query rows,
-    their leader's, their group's, their k/v head (all rows), their row statistics [B, N, Lp], ω, and (with
-    documents) the ids of their query rows and of all keys."""
+def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | None
+           ) -> dict[str, pl.BlockSpec | None]:
+    """BlockSpecs over grid (Lp/BQ, B, Hq/H), H = `heads` query heads of one group per program: their query rows,
+    their leader's, their group's, their k/v head (all rows), their row statistics [B, Hq, Lp], ω, and the ids of
+    their query rows and of all keys (None without documents)."""
     g, lp = config.groups, config.padded
     group = lambda h: lax.div(h * heads, g)
     specs = {
@@ -395,9 +390,9 @@ def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | 
         "stats": pl.BlockSpec((None, heads, block_q), lambda i, b, h: (b, h, i)),
         "freq": pl.BlockSpec((config.half,), lambda i, b, h: (0,)),
     }
-    if seg is not None:
-        specs["seg_rows"] = pl.BlockSpec((None, block_q), lambda i, b, h: (b, i))
-        specs["seg_all"] = pl.BlockSpec((None, lp), lambda i, b, h: (b, 0))
+    documents = seg is not None
+    specs["seg_rows"] = pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)) if documents else None
+    specs["seg_all"] = pl.BlockSpec((None, lp), lambda i, b, h: (b, 0)) if documents else None
     return specs
 
 
@@ -409,36 +404,36 @@ def _output(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.Sh
 
 def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, freq: jax.Array, seg: jax.Array | None
                   ) -> tuple[jax.Array, jax.Array]:
-    """Padded q [B, Lp, N, Dp], k/v [B, Lp, K, Dp], ω [Dp/2], segment ids [B, Lp] or None -> o [B, Lp, N, Dp],
-    lse [B, N, Lp] float32."""
+    """Padded q [B, Lp, Hq, Dp], k/v [B, Lp, Hkv, Dp], ω [Dp/2], segment ids [B, Lp] or None -> o [B, Lp, Hq, Dp],
+    lse [B, Hq, Lp] float32."""
     batch, lp, num_heads, dp = q.shape
     bq, bh = config.blocks.block_q, config.blocks.block_h
     s = _specs(config, bq, bh, dp, seg)
-    seg_specs, segs = ([s["seg_rows"], s["seg_all"]], [seg, seg]) if seg is not None else ([], [])
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
-        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["freq"], *seg_specs],
+        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["freq"], s["seg_rows"], s["seg_all"]],
         out_specs=[s["heads"], s["stats"]],
         out_shape=[_output(q.shape, q.dtype, q), _output((batch, num_heads, lp), jnp.float32, q)],
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_forward",
-    )(q, q, k, v, freq, *segs)
+    )(q, q, k, v, freq, seg, seg)
 
 
 def _backward_call(config: _Config, q, k, v, do, lse, row_dot, freq, seg) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Padded inputs, do [B, Lp, N, Dp], lse/row_dot [B, N, Lp] -> dq [B, Lp, N, Dp], dk, dv [B, Lp, K, Dp], float32."""
+    """Padded inputs, do [B, Lp, Hq, Dp], lse/row_dot [B, Hq, Lp] -> dq [B, Lp, Hq, Dp], dk, dv [B, Lp, Hkv, Dp],
+    float32."""
     batch, lp, num_heads, dp = q.shape
     bq, bh = config.blocks.block_q_bwd, config.blocks.block_h_bwd
     s = _specs(config, bq, bh, dp, seg)
-    seg_specs, segs = ([s["seg_rows"], s["seg_all"]], [seg, seg]) if seg is not None else ([], [])
-    inputs = [q, q, k, v, do, lse, row_dot, freq, *segs]
+    inputs = [q, q, k, v, do, lse, row_dot, freq, seg, seg]
     zeros = [jnp.zeros_like(x, jnp.float32) for x in (q, k, v)]
+    aliased_from = len(jax.tree.leaves(inputs))  # the flat index of the first zeros (None inputs are no operand)
     return pl.pallas_call(
         functools.partial(_backward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
-        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["heads"], s["stats"], s["stats"], s["freq"], *seg_specs,
-                  s["group"], s["kv"], s["kv"]],
+        in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["heads"], s["stats"], s["stats"], s["freq"],
+                  s["seg_rows"], s["seg_all"], s["group"], s["kv"], s["kv"]],
         out_specs=[s["group"], s["kv"], s["kv"]],
         out_shape=[_output(x.shape, jnp.float32, q) for x in zeros],
-        input_output_aliases={len(inputs) + i: i for i in range(3)},
+        input_output_aliases={aliased_from + i: i for i in range(3)},
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_backward_dq_dkv",
     )(*inputs, *zeros)
 
@@ -513,7 +508,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
                             num_warps: int | None = None, num_stages: int | None = None,
                             segment_ids: jax.Array | None = None, window: int | None = None,
                             inv_freq: jax.Array | None = None, causal: bool = True) -> jax.Array:
-    """Fused causal Co-RoPE attention. q [B, L, N, D], k/v [B, L, K, D] (float32 or bfloat16) -> [B, L, N, D].
+    """Fused causal Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32 or bfloat16) -> [B, L, Hq, D].
 
     segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
     window: int >= 1, query i sees keys i − window < j ≤ i (tiles outside it are never visited), None: all.
@@ -537,7 +532,7 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
         return jnp.zeros(q.shape, q.dtype)
     config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
-                     window=window, segmented=segment_ids is not None)
+                     window=window)
     q, k, v = vary_alike(q, k, v)  # one manual-axis type inside the kernels under shard_map
     omega = caller_frequencies(inv_freq)
     if omega is None:
