@@ -1,4 +1,5 @@
-"""RoPE as models configure it: layouts, partial rotary, Hugging Face rope_scaling and config.json options.
+"""RoPE as models configure it: layouts, partial rotary, Hugging Face rope_scaling and config.json options, and the
+same options reaching Co-RoPE (Llama 3 scaling, partial rotary) checked against tests/numpy_reference.py.
 
 The references here are written independently of jaxpe: a NumPy rotation that lists each layout's pairs, and float64
 restatements of each scaling from its published definition (transformers' modeling_rope_utils; Meta's llama
@@ -6,9 +7,11 @@ restatements of each scaling from its published definition (transformers' modeli
 """
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as npr
 import pytest
 
 import jaxpe
@@ -406,6 +409,51 @@ def test_model_prefill_and_decode_match_the_full_forward():
         cache = state["cache"]
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5, rtol=2e-5)
+
+
+# --- Co-RoPE with Llama 3 scaling ---------------------------------------------------------------------------------
+
+# θ = 100, R = 16, L0 = 64, low 1, high 4, factor 8: λ_d = 2π·100^(d/8) = 6.3, 11.2, 19.9, 35.3, 62.8, 112, 199, 353,
+# so pairs 0, 1 (λ < 64/4) keep ω, pairs 2, 3, 4 (16 <= λ <= 64) are smoothed, pairs 5, 6, 7 (λ > 64) get ω/8.
+# With R = 8 of D = 16 the wavelengths are 6.3, 19.9, 62.8, 199: pair 0 kept, 1 and 2 smoothed, 3 divided, and the
+# last 4 of the 8 frequency pairs do not rotate.
+SMALL_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+
+
+def test_small_llama3_bands_by_hand():
+    base, scaled = ref_default(16, 100.0), ref_llama3(16, 100.0, 8.0, 1.0, 4.0, 64)
+    np.testing.assert_allclose(scaled[:2], base[:2], rtol=1e-12)
+    assert np.all(scaled[2:5] < base[2:5]) and np.all(scaled[2:5] > base[2:5] / 8)
+    np.testing.assert_allclose(scaled[5:], base[5:] / 8, rtol=1e-12)
+
+
+def np_corope_layer(x: np.ndarray, params: dict, freqs: np.ndarray) -> np.ndarray:
+    """x [B, L, d_model] through a Co-RoPE attention layer in float64: projections by the layer's kernels, then the
+    NumPy Co-RoPE of tests/numpy_reference.py with the frequencies `freqs` [D/2], then the output projection."""
+    kernel = lambda name: np.asarray(params[name]["kernel"], np.float64)  # noqa: E731
+    q, k, v = (np.einsum("bld,dhe->blhe", x, kernel(name)) for name in ("query", "key", "value"))
+    out = npr.corope_attention(q, k, v, freqs=freqs)  # [B, L, H, D]
+    return np.einsum("blhe,hed->bld", out, kernel("out"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+@pytest.mark.parametrize("rotary_dim", [None, 8])
+def test_corope_with_llama3_scaling_against_numpy(rotary_dim, impl):
+    """pe_options {"theta", "rotary_dim", "scaling"} reach Co-RoPE's rotation: a layer built from them equals the
+    NumPy restatement rotating by Meta's `apply_scaling` frequencies (zeros past R), and not the unscaled ones."""
+    options = {"theta": 100.0, "scaling": SMALL_LLAMA3} | ({} if rotary_dim is None else {"rotary_dim": rotary_dim})
+    layer = jaxpe.Attention(num_heads=4, num_kv_heads=2, head_dim=16, pe=jaxpe.pe_config("corope", **options),
+                            impl=impl)
+    x = normal(np.random.default_rng(3), 1, 12, 32)
+    params = nn.meta.unbox(layer.init(jax.random.PRNGKey(0), jnp.asarray(x))["params"])
+    r = 16 if rotary_dim is None else rotary_dim
+    scaled = np.concatenate([ref_llama3(r, 100.0, 8.0, 1.0, 4.0, 64), np.zeros((16 - r) // 2)])
+    unscaled = np.concatenate([ref_default(r, 100.0), np.zeros((16 - r) // 2)])
+    got = np.asarray(jax.jit(layer.apply)({"params": params}, jnp.asarray(x)))
+    want = np_corope_layer(np.asarray(x, np.float64), params, scaled)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert np.abs(want - np_corope_layer(np.asarray(x, np.float64), params, unscaled)).max() > 1e-3
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
