@@ -198,10 +198,16 @@ def test_flipflop_reads_repeat_the_last_write():
         np.testing.assert_allclose(freq, [(1 - p_ignore) / 2] * 2 + [p_ignore], atol=0.02)
 
 
-def test_flipflop_determinism():
+def test_flipflop_batches_and_splits_are_fixed_by_the_seed():
     a, b = make_task("flipflop", seq_len=32, seed=3), make_task("flipflop", seq_len=32, seed=3)
     np.testing.assert_array_equal(a.train_batch(9, 5)["inputs"], b.train_batch(9, 5)["inputs"])
     assert not np.array_equal(a.train_batch(9, 5)["inputs"], a.train_batch(10, 5)["inputs"])
+    other = make_task("flipflop", seq_len=32, seed=4, p_ignore_sparse=0.8)  # its ood_sparse p(i) is valid's
+    for name, split in a.eval_splits().items():
+        np.testing.assert_array_equal(split.inputs, b.eval_splits()[name].inputs)
+        assert not np.array_equal(split.inputs, other.eval_splits()[name].inputs)
+    # one seed per split: equal settings still draw different sequences
+    assert not np.array_equal(other.eval_splits()["valid"].inputs, other.eval_splits()["ood_sparse"].inputs)
 
 
 # ---------------------------------------------------------------- selective copy

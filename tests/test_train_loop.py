@@ -130,7 +130,7 @@ def test_fsdp_shards_large_arrays():
     assert any("data" in spec for spec in specs) and any("data" not in spec for spec in specs)
 
 
-def test_end_to_end_smoke(tmp_path):
+def test_a_tiny_run_writes_every_output_and_resumes_at_its_end(tmp_path):
     """A tiny run writes config, metrics, checkpoints, result JSON/Markdown/PNG and resumes when done."""
     config = tiny("run.steps=8", "run.checkpoint_every=4", "run.eval_every=4", "run.progress=true")
     result = train_and_evaluate(config, tmp_path)
