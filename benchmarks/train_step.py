@@ -207,7 +207,9 @@ def main() -> None:
     ram, ram_note = find_ram(args.ram)
     python, why_not = args.torch_python, None
     if not (python and pathlib.Path(python).exists()):
-        why_not, python = f"no PyTorch interpreter at {args.torch_python!r} (--torch-python)", None
+        why_not = (f"no PyTorch interpreter at {args.torch_python!r} (--torch-python)" if python else
+                   "no PyTorch interpreter given (--torch-python or $TORCH_PYTHON)")
+        python = None
     elif subprocess.run([python, "-c", "import torch, tqdm, wandb, submitit"], capture_output=True).returncode:
         why_not = f"{args.torch_python} lacks torch or the official code's imports (tqdm, wandb, submitit)"
         python = None
@@ -286,7 +288,7 @@ def main() -> None:
                                    for mode, flags in JAXPE_MODES.items()},
                    "official": None if why_not else ram_note},
         "official_missing": why_not,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(["python", "benchmarks/train_step.py", *sys.argv[1:]]),
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
