@@ -35,6 +35,7 @@ from jaxpe.train.workdir import check_same_run, check_workdir, config_difference
 
 log = logging.getLogger(__name__)
 
+
 def train_and_evaluate(
     config: TrainConfig, workdir: str | pathlib.Path, *, task: Task | None = None, model: Any = None
 ) -> dict[str, Any]:
