@@ -656,7 +656,8 @@ def test_table_helpers_reject_bad_sizes():
         jaxpe.alibi_slopes(0)
 
 
-def test_every_registry_name_exists_in_spec_order():
+def test_registry_lists_every_encoding_in_documented_order():
+    """PE_NAMES: no encoding, the additive ones, those acting inside attention, the contextual ones last."""
     assert jaxpe.PE_NAMES == ("none", "learned", "sinusoidal", "amspe", "rope", "alibi", "relative", "cope",
                               "cope_gated", "cope_rope", "corope")
 

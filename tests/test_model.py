@@ -165,7 +165,9 @@ def test_corope_gqa_shares_the_leader_mileage(key):
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
-def test_jit_grad_and_bf16(pe, key):
+def test_grads_reach_every_encoding_parameter_and_bf16_tracks_float32(pe, key):
+    """Under jit: a finite loss and gradients, non-zero for every parameter of the first layer's encoding (and the
+    additive table); bf16 compute within BF16_FRACTION_OF_SPREAD of the float32 logits' spread."""
     toks = tokens(key)
     model, params = init(tiny(pe), toks)
 
@@ -193,7 +195,9 @@ def test_jit_grad_and_bf16(pe, key):
 
 
 @pytest.mark.parametrize("fn", ["cope", "corope"])
-def test_pure_functions_vmap_and_bf16(fn, key):
+def test_pure_functions_vmap_over_a_leading_axis_and_keep_bf16(fn, key):
+    """cope_attention / corope_attention under jax.vmap over an extra leading axis equal a loop over it; bf16 inputs
+    give bf16 outputs close to float32's (unit-normal inputs: outputs of order 1)."""
     kq, kk, kv, ke = jax.random.split(key, 4)
     q = jax.random.normal(kq, (3, 2, 12, 4, 16))
     k = jax.random.normal(kk, (3, 2, 12, 2, 16))
