@@ -16,17 +16,18 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_harness import TOLERANCE
+from kernel_harness import assert_close as harness_assert_close
 
 import jaxpe
 from jaxpe.attention_core import AttentionContext
-from jaxpe.cope import CoPECore, CoPEConfig
+from jaxpe.cope import CoPEConfig
 from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.softmax_attention import PAD_SEGMENT
 
 SM_SCALE = 0.25
 IMPLS = ("reference", "blockwise", "pallas")
-TOLERANCE = {"float32": 2e-4, "bfloat16": 4e-2}  # max |error| as a fraction of max(1, max |reference|)
 
 
 # --- an independent NumPy restatement --------------------------------------------------------------------------
@@ -100,13 +101,9 @@ def inputs(seed: int, *, batch: int, length: int, heads: int, kv_heads: int, npo
     return cast(q), cast(k), cast(v), cast(pos_emb), cast(gk), cotangent
 
 
-def assert_close(got, want, tol: float, what: str):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    assert np.all(np.isfinite(got)), what
-    scale = max(1.0, float(np.max(np.abs(want))))
-    err = float(np.max(np.abs(got - want))) if got.size else 0.0
-    assert err <= tol * scale, f"{what}: max |error| {err:.3g} > {tol * scale:.3g}"
+def assert_close(got, want, dtype: str, what: str, kind: str = "out") -> None:
+    """Every element within the kernel tests' tolerance for dtype and kind ("out" or "grad")."""
+    harness_assert_close(got, want, tolerance=TOLERANCE[dtype][kind], context=what)
 
 
 # --- packed documents and padding ----------------------------------------------------------------------------------
@@ -158,9 +155,9 @@ def test_packed_and_padded_rows_equal_documents_run_alone(impl: str):
 
     out, grads = jax.jit(run)(q, k, v, e, gk)
     real = PACKED_IDS != PAD
-    assert_close(np.asarray(out)[real], want_out[real], TOLERANCE["float32"], f"{impl} out")
+    assert_close(np.asarray(out)[real], want_out[real], "float32", f"{impl} out")
     for name, got, want in zip(("dq", "dk", "dv", "dpos_emb", "dgate_k"), grads, want_grads):
-        assert_close(got, want, TOLERANCE["float32"], f"{impl} {name}")  # padded tokens get no gradient
+        assert_close(got, want, "float32", f"{impl} {name}", "grad")  # padded tokens get no gradient
 
 
 def test_padding_is_the_same_however_much_there_is():
@@ -172,7 +169,7 @@ def test_padding_is_the_same_however_much_there_is():
     padded_reference = jaxpe.cope_attention(*(jnp.pad(x, left, constant_values=9.0) for x in (q, k, v)), e,
                                             sm_scale=SM_SCALE, padding_mask=jnp.arange(25)[None] >= 5,
                                             impl="reference")  # keys at padding: no gate, no weight
-    assert_close(padded_reference[:, 5:], alone, TOLERANCE["float32"], "padding_mask")
+    assert_close(padded_reference[:, 5:], alone, "float32", "padding_mask")
     paddings = ((0, 13), (13, 0), (3, 10))  # right, left, both: rows of 33
 
     def padded(x):
@@ -181,7 +178,7 @@ def test_padding_is_the_same_however_much_there_is():
     ids = jnp.asarray([[PAD] * left + [3] * 20 + [PAD] * right for left, right in paddings], jnp.int32)
     out = attention("blockwise", padded(q), padded(k), padded(v), e, segment_ids=ids)
     for row, (left, right) in enumerate(paddings):
-        assert_close(out[row:row + 1, left:left + 20], alone, TOLERANCE["float32"], f"padding {left}, {right}")
+        assert_close(out[row:row + 1, left:left + 20], alone, "float32", f"padding {left}, {right}")
 
 
 # --- sliding windows -------------------------------------------------------------------------------------------------
@@ -197,14 +194,14 @@ def test_window_matches_numpy(impl: str, window: int, documents: bool):
     ids = WINDOW_IDS if documents else None
     out = attention(impl, q, k, v, e, segment_ids=None if ids is None else jnp.asarray(ids), window=window)
     want = np_cope(q, k, v, e, mask=np_visible(LENGTH, ids, window, batch=2))
-    assert_close(out, want, TOLERANCE["float32"], f"{impl} window={window} documents={documents}")
+    assert_close(out, want, "float32", f"{impl} window={window} documents={documents}")
 
 
 @pytest.mark.parametrize("window", [1, 20])
 def test_pallas_window_forward_matches_numpy(window: int):
     q, k, v, e, _, _ = inputs(4, batch=1, length=LENGTH, heads=2, kv_heads=1)
     out = attention("pallas", q, k, v, e, window=window)
-    assert_close(out, np_cope(q, k, v, e, mask=np_visible(LENGTH, None, window)), TOLERANCE["float32"],
+    assert_close(out, np_cope(q, k, v, e, mask=np_visible(LENGTH, None, window)), "float32",
                  f"pallas window={window}")
 
 
@@ -215,9 +212,9 @@ def test_window_gradients_match_the_dense_reference(impl: str):
     args, want = window_case("reference")
     got = window_case(impl)[1]
     assert_close(got[0], np_cope(*args[:4], gate_k=args[4], mask=np_visible(LENGTH, WINDOW_IDS, 5, batch=2)),
-                 TOLERANCE["float32"], f"{impl} out")
+                 "float32", f"{impl} out")
     for name, x, y in zip(("dq", "dk", "dv", "dpos_emb", "dgate_k"), got[1:], want[1:]):
-        assert_close(x, y, TOLERANCE["float32"], f"{impl} {name}")
+        assert_close(x, y, "float32", f"{impl} {name}", "grad")
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,10 +247,10 @@ def test_pallas_window_never_reads_skipped_blocks():
 
     got = jax.jit(functools.partial(run, "pallas"))(q, poisoned[0], poisoned[1], e, poisoned[2], bad_cot)
     want = jax.jit(functools.partial(run, "reference"))(q, k, v, e, gk, cot)
-    assert_close(got[0][0, 32:], want[0][0, 32:], TOLERANCE["float32"], "out of rows 32-47")
-    assert_close(got[1][0, 32:], want[1][0, 32:], TOLERANCE["float32"], "dq of rows 32-47")
+    assert_close(got[0][0, 32:], want[0][0, 32:], "float32", "out of rows 32-47")
+    assert_close(got[1][0, 32:], want[1][0, 32:], "float32", "dq of rows 32-47", "grad")
     for name, index in (("dk", 2), ("dv", 3), ("dgate_k", 5)):
-        assert_close(got[index][1, :16], want[index][1, :16], TOLERANCE["float32"], f"{name} of keys 0-15")
+        assert_close(got[index][1, :16], want[index][1, :16], "float32", f"{name} of keys 0-15", "grad")
     assert np.isnan(np.asarray(got[0][0, 16:32])).any()  # the poison reaches the blocks that are walked
 
 
@@ -299,7 +296,7 @@ def test_bfloat16_smoke(impl: str):
     out = attention(impl, q, k, v, e, segment_ids=jnp.asarray(WINDOW_IDS[:, 4:28]), window=9)
     assert out.dtype == jnp.bfloat16
     want = np_cope(*(np.asarray(x, np.float32) for x in (q, k, v, e)), mask=np_visible(24, WINDOW_IDS[:, 4:28], 9, 2))
-    assert_close(out, want, TOLERANCE["bfloat16"], f"{impl} bfloat16")
+    assert_close(out, want, "bfloat16", f"{impl} bfloat16")
 
 
 # --- x-transformers' variants ----------------------------------------------------------------------------------------
@@ -316,7 +313,7 @@ def test_variants_match_numpy():
         out = variant(q, k, v, e, gate_k=gk, window=window,
                       segment_ids=None if ids_ is None else jnp.asarray(ids_), **options)
         want = np_cope(q, k, v, e, gate_k=gk, mask=np_visible(24, ids_, window, 2), **options)
-        assert_close(out, want, TOLERANCE["float32"], f"{sorted(options)} window={window}")
+        assert_close(out, want, "float32", f"{sorted(options)} window={window}")
     plain = np_cope(q, k, v, e, mask=np_visible(24, batch=2))
     soft = np_cope(q, k, v, e, mask=np_visible(24, batch=2), soft_onehot_temp=0.05)
     assert np.max(np.abs(plain - soft)) > 1e-3  # the readout differs from interpolation: the test can fail
@@ -337,17 +334,17 @@ def test_core_passes_documents_windows_and_variants():
     ctx = AttentionContext(x=jnp.zeros((2, 24, 8)), q_pos=pos, k_pos=pos, segment_ids=ids, window=6, pos_emb=e)
     mask = np_visible(24, WINDOW_IDS[:, 4:28], 6, 2)
     plain_out, _ = _core_output(CoPEConfig(), q, k, v, ctx)
-    assert_close(plain_out, np_cope(q, k, v, e, mask=mask), TOLERANCE["float32"], "core")
+    assert_close(plain_out, np_cope(q, k, v, e, mask=mask), "float32", "core")
     dense_ctx = AttentionContext(x=ctx.x, q_pos=pos, k_pos=pos, mask=jnp.asarray(mask), pos_emb=e)
-    assert_close(_core_output(CoPEConfig(), q, k, v, dense_ctx)[0], plain_out, TOLERANCE["float32"], "dense mask")
+    assert_close(_core_output(CoPEConfig(), q, k, v, dense_ctx)[0], plain_out, "float32", "dense mask")
     talking_out, params = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx)
     np.testing.assert_array_equal(nn.meta.unbox(params)["params"]["talking_heads"], np.eye(4))
-    assert_close(talking_out, plain_out, TOLERANCE["float32"], "talking heads at init")
+    assert_close(talking_out, plain_out, "float32", "talking heads at init")
     mix = jnp.asarray(np.random.default_rng(1).standard_normal((4, 4)), jnp.float32)
     mixed, _ = _core_output(CoPEConfig(talking_heads=True), q, k, v, ctx, params={"params": {"talking_heads": mix}})
-    assert_close(mixed, np_cope(q, k, v, e, mask=mask, talking_heads=mix), TOLERANCE["float32"], "talking heads")
+    assert_close(mixed, np_cope(q, k, v, e, mask=mask, talking_heads=mix), "float32", "talking heads")
     soft, _ = _core_output(CoPEConfig(soft_onehot=True, soft_onehot_temp=0.2), q, k, v, dense_ctx)
-    assert_close(soft, np_cope(q, k, v, e, mask=mask, soft_onehot_temp=0.2), TOLERANCE["float32"], "soft one-hot")
+    assert_close(soft, np_cope(q, k, v, e, mask=mask, soft_onehot_temp=0.2), "float32", "soft one-hot")
 
 
 def test_core_parameters_carry_logical_axis_names():

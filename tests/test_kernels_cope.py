@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, outputs_and_grads, square_intermediates_of_grad
+from kernel_harness import GPU_TOLERANCE, TOLERANCE, assert_matches, outputs_and_grads, square_intermediates_of_grad
 
 import jaxpe
 from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
@@ -52,10 +52,6 @@ CASES = [
 ]
 BATCH, KV_HEADS = 2, 1
 NAMES = ["out", "dq", "dk", "dv", "dpos_emb", "dgate_k"]
-# Max |error| allowed, as a fraction of max(1, max |reference|), for the output and for the gradients.
-TOLERANCE = {"float32": (2e-4, 2e-4), "bfloat16": (3e-2, 3e-2)}
-# Triton rounds float32 matmul inputs to tf32 by default.
-GPU_TOLERANCE = {"float32": (1e-2, 1e-2), "bfloat16": (3e-2, 3e-2)}
 
 
 def make_inputs(case: Case) -> tuple[jax.Array, ...]:
@@ -96,9 +92,9 @@ def reference(case: Case) -> list[jax.Array]:
                                                             impl="reference"), case, compiler_options=None)
 
 
-def assert_matches_reference(case: Case, got: list[jax.Array], tolerance: dict[str, tuple[float, float]]) -> None:
+def assert_matches_reference(case: Case, got: list[jax.Array], table: dict = TOLERANCE) -> None:
     want = reference(case)
-    assert_matches(got, want, names=NAMES[:len(want)], tolerance=tolerance[case.dtype], context=str(case))
+    assert_matches(got, want, names=NAMES[:len(want)], dtype=case.dtype, context=str(case), table=table)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -107,7 +103,7 @@ def test_blockwise_matches_reference(case: Case):
     sm_scale = case.head_dim ** -0.5
     got = run(lambda q, k, v, e, gk: cope_attention_blockwise(q, k, v, e, gk, sm_scale=sm_scale, block_k=block_k,
                                                                block_q=block_q), case)
-    assert_matches_reference(case, got, TOLERANCE)
+    assert_matches_reference(case, got)
 
 
 class _PallasSweep:
@@ -117,7 +113,7 @@ class _PallasSweep:
     a `gpu`-marked class would be skipped on CPU too."""
 
     INTERPRET: bool
-    TOLERANCE: dict[str, tuple[float, float]]
+    TOLERANCE = TOLERANCE
 
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference(self, case: Case):
@@ -136,7 +132,6 @@ class TestCopePallas(_PallasSweep):
 
 class TestCopePallasInterpret(_PallasSweep):
     INTERPRET = True
-    TOLERANCE = TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "pallas"])

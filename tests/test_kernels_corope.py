@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, outputs_and_grads, square_intermediates_of_grad
+from kernel_harness import GPU_TOLERANCE, TOLERANCE, assert_matches, outputs_and_grads, square_intermediates_of_grad
 
 import jaxpe
 from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
@@ -57,8 +57,6 @@ PALLAS_SWEEP = [SWEEP[i] for i in (0, 1, 3, 4, 5, 7)]
 PALLAS_IDS = [IDS[i] for i in (0, 1, 3, 4, 5, 7)]
 
 NAMES = ["o", "dq", "dk", "dv"]
-# Max |error| allowed, as a fraction of max(1, max |reference|), for the output and for the gradients.
-TOLERANCE = {"float32": (2e-5, 2e-4), "bfloat16": (2e-2, 3e-2)}
 
 
 def make_inputs(case: Case, key: jax.Array) -> tuple[jax.Array, ...]:
@@ -99,14 +97,14 @@ def reference_results(case: Case) -> list[jax.Array]:
     return run(reference, case)
 
 
-def assert_matches_reference(case: Case, attention, tolerance=TOLERANCE):
+def assert_matches_reference(case: Case, attention, table: dict = TOLERANCE):
     if case.saturated:
         q, k, _, _ = make_inputs(case, KEY)
         leaders = q[:, :, :: case.groups].astype(jnp.float32)
         logits = jnp.einsum("btkd,bskd->bkts", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
         assert float(jnp.min(jnp.abs(logits))) >= 30.0
-    assert_matches(run(attention, case), reference_results(case), names=NAMES, tolerance=tolerance[case.dtype],
-                   context=str(case))
+    assert_matches(run(attention, case), reference_results(case), names=NAMES, dtype=case.dtype, context=str(case),
+                   table=table)
 
 
 class _PallasSweep:
@@ -128,7 +126,7 @@ class TestCoRoPEPallas(_PallasSweep):
     """Compiled through Triton. float32 dots outside the gates may run in TF32 on the GPU: looser float32."""
 
     INTERPRET = False
-    TOLERANCE = {**TOLERANCE, "float32": (5e-3, 1e-2)}
+    TOLERANCE = GPU_TOLERANCE
 
 
 class TestCoRoPEPallasInterpret(_PallasSweep):
