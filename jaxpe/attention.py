@@ -46,6 +46,7 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
     param_dtype: Any = jnp.float32  # dtype of the projections' weights (position tables stay float32)
+    check_inputs: bool = True  # False where the caller has checked inputs and parameters once (TransformerLM)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pe", as_pe_config(self.pe))
@@ -68,12 +69,13 @@ class Attention(nn.Module):
         sees)."""
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
-        if not self.is_initializing():
-            params = self.variables.get("params", {})
-            check_restored_params(params)
-            self.pe.check_params(params.get("pe", {}), max_len=self.max_len)
         b, length, d_model = x.shape
-        check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
+        if self.check_inputs:
+            if not self.is_initializing():
+                params = self.variables.get("params", {})
+                check_restored_params(params)
+                self.pe.check_params(params.get("pe", {}), max_len=self.max_len)
+            check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         init = nn.initializers.lecun_normal()
         proj = lambda heads, axis, name: nn.DenseGeneral(
             (heads, self.head_dim), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,

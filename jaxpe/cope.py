@@ -31,7 +31,6 @@ refuse them):
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -49,8 +48,7 @@ from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padd
                                     qk_logits, reverse_cumsum, visibility_mask)
 from jaxpe.tables import gather_table_row_pairs
 from jaxpe.validation import (check_bool, check_choice, check_cope_inputs, check_impl, check_int, check_npos,
-                              check_padding_mask, check_positive, check_positive_number, check_qkv, check_segment_ids,
-                              check_window)
+                              check_padding_mask, check_positive, check_positive_number, check_qkv, open_attention)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -224,10 +222,18 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     scaling (the paper's "cope+rel" adds relative position logits here); soft_onehot_temp and talking_heads
     [Hq, Hq] select x-transformers' variants (see the module docstring). sm_scale may be a traced scalar.
     """
-    if mask is None:
-        mask = _default_mask(q.shape[1], k.shape[1], causal)
     check_qkv(q, k, v)
     _check_position_inputs(q, k, gate_k, npos=pos_emb.shape[-2], talking_heads=talking_heads)
+    return _cope_dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask, extra_logits=extra_logits,
+                       soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads, causal=causal)
+
+
+def _cope_dense(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *, sm_scale: float | jax.Array,
+                gate_k: jax.Array | None, mask: jax.Array | None, extra_logits: jax.Array | None,
+                soft_onehot_temp: float | None, talking_heads: jax.Array | None, causal: bool = True) -> jax.Array:
+    """`cope_attention_reference` on inputs already checked."""
+    if mask is None:
+        mask = _default_mask(q.shape[1], k.shape[1], causal)
     content = qk_logits(q, k)  # one q·k for the gates (when they read k) and the logits: one backward through it
     gate_logits = content if gate_k is None else qk_logits(q, gate_k)
     positions = _positions_from_logits(sm_scale * gate_logits, mask, npos=pos_emb.shape[-2],
@@ -246,13 +252,14 @@ def cope_attention_causal(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
                           talking_heads: jax.Array | None = None) -> jax.Array:
     """`cope_attention_reference` for self-attention (Lq == Lk = L) under a causal mask (None, or [B|1, L, L] that
     hides every j > i), run by `causal_query_blocks`: block [s, e) against keys [0, e), whose gates are all that its
-    positions sum. The same result with a third fewer [B, H, L, L] entries in every dense pass (longer sequences)."""
+    positions sum. The same result with a third fewer [B, H, L, L] entries in every dense pass (longer sequences).
+    Inputs are trusted (the entry points check them)."""
     outputs = []
     # the blocks' products read q, k, v heads first: cut there, a block is a slice, not a slice and a transpose
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     tokens = lambda x, start, end: jnp.swapaxes(x[:, :, start:end], 1, 2)
     for start, end in causal_query_blocks(q.shape[2]):
-        outputs.append(cope_attention_reference(
+        outputs.append(_cope_dense(
             tokens(q, start, end), tokens(k, 0, end), tokens(v, 0, end), pos_emb, sm_scale=sm_scale,
             gate_k=None if gate_k is None else gate_k[:, :end], mask=None if mask is None else mask[:, start:end, :end],
             extra_logits=None if extra_logits is None else extra_logits[:, :, start:end, :end],
@@ -282,41 +289,48 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
-    check_window(window)
+    _, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
     check_soft_onehot_temp(soft_onehot_temp)
-    segment_ids = fold_padding(segment_ids, padding_mask)
     check_talking_heads(talking_heads, q.shape[2])
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
     if not causal and impl == "pallas":
         raise ValueError("impl='pallas' runs causal CoPE only; for causal=False use impl='blockwise', 'reference' "
                          "or 'auto'")
-    variants = soft_onehot_temp is not None or talking_heads is not None
-    if variants:
+    if soft_onehot_temp is not None or talking_heads is not None:
         check_dense_impl(impl)
+    return _cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, causal=causal, gate_k=gate_k,
+                           segment_ids=fold_padding(segment_ids, padding_mask), window=window,
+                           soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads, impl=impl)
+
+
+def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *,
+                    sm_scale: float | jax.Array | None, causal: bool, gate_k: jax.Array | None,
+                    segment_ids: jax.Array | None, window: int | None, impl: str,
+                    soft_onehot_temp: float | None = None, talking_heads: jax.Array | None = None,
+                    mask: jax.Array | None = None, extra_logits: jax.Array | None = None) -> jax.Array:
+    """`cope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
+    everything folded in) and extra_logits [B, Hq, Lq, Lk] ("cope+rel") run densely. The impl is chosen here, once."""
     length = q.shape[1]
     if length == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = _concrete_or_traced(sm_scale, q.shape[-1])
-    # "auto" runs the dense path by causal query blocks, which need a static length
-    by_blocks = impl != "reference" and causal and isinstance(length, int)
-    impl = "reference" if variants else resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope",
-                                                             batch_heads=q.shape[0] * q.shape[2])
-    if impl == "pallas" and not causal:  # "auto" on a GPU
-        impl = "blockwise"
-    if impl == "reference":
-        if not causal:
+    dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None
+             or extra_logits is not None)
+    chosen = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
+                          causal=causal, dense=dense)
+    if chosen == "reference":
+        # unless asked for the one-block ground truth, causal self-attention runs by query blocks
+        by_blocks = impl != "reference" and causal and isinstance(length, int) and mask is None
+        if mask is None and not causal:
             mask = bidirectional_mask(length, segment_ids=segment_ids, window=window)
-        elif segment_ids is not None or window is not None:
+        elif mask is None and (segment_ids is not None or window is not None):
             mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
-        else:
-            mask = None
-        dense = cope_attention_causal if by_blocks else functools.partial(cope_attention_reference, causal=causal)
-        return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask, soft_onehot_temp=soft_onehot_temp,
-                     talking_heads=talking_heads)
-    if impl == "blockwise":
+        options = dict(sm_scale=sm_scale, gate_k=gate_k, mask=mask, extra_logits=extra_logits,
+                       soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
+        if by_blocks:
+            return cope_attention_causal(q, k, v, pos_emb, **options)
+        return _cope_dense(q, k, v, pos_emb, causal=causal, **options)
+    if chosen == "blockwise":
         return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
                                         segment_ids=segment_ids, window=window)
     from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when the kernel runs
@@ -367,24 +381,19 @@ class CoPECore(nn.Module):
             if ctx.decode:
                 gate_k = update_cache(self, "gate_keys", gate_k, ctx.cache_index)
         pos_emb = pos_emb.astype(q.dtype)
-        sm_scale = d ** -0.5
         talking = None
         if self.talking_heads:  # starts as plain CoPE
             identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], dtype=dtype)  # noqa: E731
             talking = self.param("talking_heads", partitioned(identity, None, None), (hq, hq))  # couples all heads
-        temp = self.soft_onehot_temp if self.soft_onehot else None
-        if ctx.mask is None and not self.add_relative:
-            return cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, segment_ids=ctx.segment_ids,
-                                  window=ctx.window, soft_onehot_temp=temp, talking_heads=talking, impl=self.impl)
         extra = None
         if self.add_relative:
             table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                                (self.npos, d))
             extra = context_relative_logits(q, table, ctx)
-        by_blocks = ctx.mask is None and self.impl != "reference"  # a mask: decoding
-        dense = cope_attention_causal if by_blocks else cope_attention_reference
-        return dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=ctx.dense_mask(q.shape[1], k.shape[1]),
-                     extra_logits=extra, soft_onehot_temp=temp, talking_heads=talking)
+        return _cope_attention(q, k, v, pos_emb, sm_scale=d ** -0.5, causal=True, gate_k=gate_k,
+                               segment_ids=ctx.segment_ids, window=ctx.window, impl=self.impl,
+                               soft_onehot_temp=self.soft_onehot_temp if self.soft_onehot else None,
+                               talking_heads=talking, mask=ctx.mask, extra_logits=extra)
 
 
 @register("cope")

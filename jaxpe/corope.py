@@ -32,14 +32,14 @@ from jax import lax
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl
-from jaxpe.kernels._checks import check_padding_mask, check_segment_ids, check_window
 from jaxpe.kernels._common import carry_init, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                      visibility_mask)
-from jaxpe.validation import check_corope_inputs, check_even_head_dim, check_positive_number, check_qkv
+from jaxpe.validation import (check_corope_inputs, check_even_head_dim, check_padding_mask, check_positive_number,
+                              check_qkv, open_attention)
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | None = None,
@@ -156,28 +156,39 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     runs "blockwise" where it would choose "pallas" for inputs the fused kernel refuses.
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
-    check_window(window)
     check_inv_freq(inv_freq, q.shape[3])
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
-    segment_ids = fold_padding(segment_ids, padding_mask)
+    _, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    return _corope_attention(q, k, v, theta=theta, sm_scale=sm_scale, causal=causal,
+                             segment_ids=fold_padding(segment_ids, padding_mask), window=window, inv_freq=inv_freq,
+                             impl=impl)
+
+
+def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float | jax.Array | None,
+                      causal: bool, segment_ids: jax.Array | None, window: int | None, inv_freq: jax.Array | None,
+                      impl: str, mask: jax.Array | None = None) -> jax.Array:
+    """`corope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
+    everything folded in) runs densely. The impl is chosen here, once."""
     if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    chosen_by_auto = impl == "auto"
-    impl = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2])
+
+    def kernel_refusal() -> str | None:
+        from jaxpe.kernels.corope_pallas import pallas_refusal  # loads Pallas
+        return pallas_refusal(q, sm_scale=sm_scale, causal=causal)
+
+    chosen = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
+                          causal=causal, dense=mask is not None, kernel_refusal=kernel_refusal)
+    if mask is not None:  # the mask already holds the documents and the window
+        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale, mask=mask, inv_freq=inv_freq)
+    if chosen == "reference":
+        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale, causal=causal,
+                                          segment_ids=segment_ids, window=window, inv_freq=inv_freq)
     options = dict(theta=theta, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids, window=window,
                    inv_freq=inv_freq)
-    if impl == "pallas":
-        from jaxpe.kernels.corope_pallas import corope_attention_pallas, pallas_refusal  # loads Pallas
-        if chosen_by_auto and pallas_refusal(q, sm_scale=sm_scale, causal=causal) is not None:
-            impl = "blockwise"
-        else:
-            return corope_attention_pallas(q, k, v, **options)
-    if impl == "reference":
-        return corope_attention_reference(q, k, v, **options)
+    if chosen == "pallas":
+        from jaxpe.kernels.corope_pallas import corope_attention_pallas  # loads Pallas
+        return corope_attention_pallas(q, k, v, **options)
     return corope_attention_blockwise(q, k, v, **options)
 
 
@@ -191,12 +202,8 @@ class CoRoPECore(nn.Module):
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
-        check_inv_freq(inv_freq, q.shape[-1])
-        if ctx.mask is None:
-            return corope_attention(q, k, v, theta=self.theta, segment_ids=ctx.segment_ids, window=ctx.window,
-                                    inv_freq=inv_freq, impl=self.impl)
-        return corope_attention_reference(q, k, v, theta=self.theta, sm_scale=q.shape[-1] ** -0.5,
-                                          mask=ctx.dense_mask(q.shape[1], k.shape[1]), inv_freq=inv_freq)
+        return _corope_attention(q, k, v, theta=self.theta, sm_scale=None, causal=True, segment_ids=ctx.segment_ids,
+                                 window=ctx.window, inv_freq=inv_freq, impl=self.impl, mask=ctx.mask)
 
 
 COROPE_SCALING = ("linear", "llama3")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable
 
 import jax
 
@@ -21,7 +22,8 @@ BLOCKWISE_MIN_LENGTH = {"cope": 2048, "corope": 8}
 DENSE_MAX_ENTRIES = 2**26
 
 
-def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_heads: int) -> str:
+def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_heads: int, causal: bool = True,
+                 dense: bool = False, kernel_refusal: Callable[[], str | None] | None = None) -> str:
     """The implementation `impl` stands for, for `encoding` ("cope" or "corope") at this length, head dim and
     batch × query heads.
 
@@ -30,25 +32,34 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     "blockwise" otherwise; on any other
     accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one warning that says why. A symbolic length
     or batch (`jax.export` with shape polymorphism) is "blockwise" everywhere: it runs at any length in O(L·block)
-    memory.
+    memory. This is the one place that chooses; the entry points have refused what an explicit impl cannot run.
+
+    causal=False: "auto" never picks "pallas" (the fused kernels are causal). dense: the call needs the dense path
+    (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
+    kernel_refusal: where "auto" would pick "pallas", a function giving the reason the fused kernel refuses these
+    inputs (None: it runs them); "auto" then runs "blockwise".
     """
     check_impl(impl)
     if encoding not in ENCODINGS:
         raise ValueError(f"{encoding=} must be one of {ENCODINGS}")
+    if dense:
+        return "reference"
     if impl != "auto":
         return impl
     if not isinstance(length, int) or not isinstance(batch_heads, int):
         return "blockwise"
     backend = jax.default_backend()
     if backend == "cpu":
-        dense = length < BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
-        return "reference" if dense else "blockwise"
+        small = length < BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
+        return "reference" if small else "blockwise"
     reason = pallas_unsupported(head_dim, backend=backend,
                                 compute_capability=getattr(jax.devices()[0], "compute_capability", None))
-    if reason is None:
-        return "pallas"
-    _warn_once(f"jaxpe: impl='auto' runs the 'blockwise' path instead of the fused 'pallas' kernels: {reason}")
-    return "blockwise"
+    if reason is not None:
+        _warn_once(f"jaxpe: impl='auto' runs the 'blockwise' path instead of the fused 'pallas' kernels: {reason}")
+        return "blockwise"
+    if not causal or (kernel_refusal is not None and kernel_refusal() is not None):
+        return "blockwise"
+    return "pallas"
 
 
 @functools.cache

@@ -87,8 +87,13 @@ class ModelConfig:
         check_window(self.window)
         if self.window is not None:
             object.__setattr__(self, "window", int(self.window))  # NumPy ints too, kept JSON-serialisable
-        self.pe_config  # validates the encoding name and its options
+        # the encodings resolved once: the config is frozen, so every later read returns these objects
+        pe = pe_config(self.pe, **dict(self.pe_options))  # validates the name and its options
+        object.__setattr__(self, "_pe_config", pe)
         self._check_layer_pe()
+        pattern = self._pattern()
+        layer_configs = {name: pe if name == self.pe else pe_config(name) for name in set(pattern)}
+        object.__setattr__(self, "_layer_pe_configs", tuple(layer_configs[name] for name in pattern))
         self._check_pattern_attends()
 
     def _check_layer_pe(self) -> None:
@@ -110,7 +115,8 @@ class ModelConfig:
     def _check_pattern_attends(self) -> None:
         """ValueError when the per-layer pattern names an additive encoding besides `pe`: additive tables act once on
         the token embeddings, so those layers would silently get no positions."""
-        additive = sorted({name for name in self.layer_pattern if name != self.pe and pe_config(name).additive})
+        additive = sorted({config.name for config in self._layer_pe_configs
+                           if config.name != self.pe and config.additive})
         if additive:
             raise ValueError(f"the per-layer pattern {self.layer_pattern!r} names additive encoding(s) {additive}, "
                              "which act on the token embeddings, not inside a layer; use 'none' for layers without "
@@ -126,23 +132,25 @@ class ModelConfig:
 
     @property
     def pe_config(self) -> PEConfig:
-        """The encoding's config object."""
-        return pe_config(self.pe, **dict(self.pe_options))
+        """The encoding's config object (resolved once, at construction)."""
+        return self._pe_config
 
     @property
     def layer_pattern(self) -> tuple[str, ...]:
         """The encoding names cycled over the layers: `layer_pe`, else CoPE's `every`/`other_layers`, else (pe,)."""
+        return self._pattern()
+
+    def _pattern(self) -> tuple[str, ...]:
         if self.layer_pe:
             return self.layer_pe
-        pe = self.pe_config
+        pe = self._pe_config
         if isinstance(pe, CoPEConfig):
             return (self.pe,) + (pe.other_layers,) * (pe.every - 1)
         return (self.pe,)
 
     def layer_pe_config(self, index: int) -> PEConfig:
         """The encoding config of layer `index`'s attention: `pe` with `pe_options`, another name with its defaults."""
-        name = self.layer_pattern[index % len(self.layer_pattern)]
-        return self.pe_config if name == self.pe else pe_config(name)
+        return self._layer_pe_configs[index % len(self._layer_pe_configs)]
 
     @property
     def kv_heads(self) -> int:
@@ -232,7 +240,8 @@ class Block(nn.Module):
         c = self.config
         attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
                          pe=c.layer_pe_config(self.layer_index), max_len=c.max_len, dropout=c.dropout, impl=c.impl,
-                         dtype=c.compute_dtype, window=c.window, param_dtype=c.weight_dtype, name="attn")
+                         dtype=c.compute_dtype, window=c.window, param_dtype=c.weight_dtype, check_inputs=False,
+                         name="attn")
         mlp = MLP(c, name="mlp")
         norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")
         kw = dict(deterministic=deterministic)
@@ -284,6 +293,9 @@ class TransformerLM(nn.Module):
             params = self.variables.get("params", {})
             check_restored_params(params)
             pe.check_params(params, max_len=c.max_len)  # the table shared by all layers
+            for i in range(c.num_layers):  # each layer's own tables (its Attention trusts this check)
+                layer = params.get(f"block{i}", {}).get("attn", {}).get("pe", {})
+                c.layer_pe_config(i).check_params(layer, max_len=c.max_len)
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)

@@ -172,6 +172,23 @@ def check_window(window: int | None) -> None:
         raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
 
 
+def open_attention(q: jax.Array, *, causal: bool, segment_ids: jax.Array | None, window: int | None
+                   ) -> tuple[bool, jax.Array | None, int | None]:
+    """The opening every attention entry point shares, after its own checks of q, k, v: causal a bool,
+    segment_ids [B, L] integer (or None) and the window. Returns (empty, segment_ids as int32, window): empty when
+    there is no query (the entry returns jnp.zeros(q.shape, q.dtype), as jax.nn.dot_product_attention gives), and
+    the window None where it covers every key at this length (a symbolic length, under jax.export, keeps it)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+    check_window(window)
+    length = q.shape[1]
+    if window is not None and isinstance(length, int) and window >= length:
+        window = None
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return length == 0, segment_ids, window
+
+
 def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) -> None:
     """Padding: None, or a bool array [B, L], True on real tokens."""
     if padding_mask is not None:

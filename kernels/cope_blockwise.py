@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, check_segment_ids, check_window
+from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, open_attention
 from jaxpe.kernels._common import MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
 
 
@@ -452,16 +452,9 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_positive_int("block_k", block_k)
     check_positive_int("block_q", block_q)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
-    check_window(window)
-    length = q.shape[1]
-    if length == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    if empty:
         return jnp.zeros(q.shape, q.dtype)
-    if window is not None and isinstance(length, int) and window >= length:  # every key is inside the window
-        window = None
     kg = k if gate_k is None else gate_k
-    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     operands = vary_alike(q, k, v, kg, pos_emb, jnp.asarray(sm_scale, jnp.float32), segment_ids)
     return _attention(*operands, _Config(block_k, block_q, window), causal)

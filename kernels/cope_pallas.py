@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, check_segment_ids, check_window
+from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, next_power_of_two,
                                    resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
 
@@ -491,12 +491,9 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
                          f"impl='blockwise'")
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
-    check_window(window)
-    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    empty, segment_ids, window = open_attention(q, causal=True, segment_ids=segment_ids, window=window)
+    if empty:
         return jnp.zeros(q.shape, q.dtype)
-    if window is not None and window >= q.shape[1]:  # every causal key is inside the window
-        window = None
     try:
         sm_scale = float(sm_scale)
     except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
@@ -507,6 +504,5 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1], blocks=blocks,
                      interpret=resolve_interpret(interpret), num_warps=num_warps or default_num_warps(q.shape[3]),
                      num_stages=num_stages, window=window, accurate_gates=q.dtype == jnp.float32)
-    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     q, k, v, gate_k, pos_emb, segment_ids = vary_alike(q, k, v, gate_k, pos_emb, segment_ids)
     return _cope_pallas_jit(q, k, v, gate_k, pos_emb, segment_ids, config)

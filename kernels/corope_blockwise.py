@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpe.kernels._checks import check_corope_inputs, check_positive_int, check_segment_ids, check_window
+from jaxpe.kernels._checks import check_corope_inputs, check_positive_int, open_attention
 from jaxpe.kernels._common import MASK_VALUE, carry_init, rotary_frequencies, sincos, vary_alike
 
 
@@ -89,12 +89,6 @@ def corope_frequencies(head_dim: int, theta: float, inv_freq: jax.Array | None =
 def caller_frequencies(inv_freq: jax.Array | None) -> jax.Array | None:
     """The caller's ω as float32 with no gradient (None stays None: the kernels then use θ^(−2d/D))."""
     return None if inv_freq is None else lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
-
-
-def effective_window(window: int | None, length: int) -> int | None:
-    """The window that restricts anything at this length: None when it covers every key (a symbolic length, under
-    jax.export, keeps the window)."""
-    return None if window is None or (isinstance(length, int) and window >= length) else window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,16 +439,13 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_positive_int("block_k", block_k)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
-    check_window(window)
     check_inv_freq(inv_freq, q.shape[3])
-    length = q.shape[1]
-    if length == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    if empty:
         return jnp.zeros(q.shape, q.dtype)
+    length = q.shape[1]
     block = min(block_k, length) if isinstance(length, int) else block_k
-    config = _Config(float(theta), block, effective_window(window, length))
+    config = _Config(float(theta), block, window)
     q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(sm_scale, jnp.float32))
     omega = caller_frequencies(inv_freq)
     o, lse = _corope_blockwise_jit(q, k, v, sm_scale, segment_ids, omega, config)

@@ -59,11 +59,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpe.kernels._checks import (KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, check_segment_ids,
-                                   check_window)
+from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, resolve_interpret,
                                    rotary_frequencies, sincos, tile_extent, triton_compiler_params, vary_alike)
-from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq, effective_window
+from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +158,7 @@ def _config(q: jax.Array, k: jax.Array, *, sm_scale: float, block_sizes: BlockSi
     return _Config(sm_scale=float(sm_scale), head_dim=d, groups=q.shape[2] // k.shape[2],
                    padded=-(-length // multiple) * multiple, half=half, blocks=blocks, interpret=interpret,
                    num_warps=num_warps or default_num_warps(d), num_stages=num_stages or 2,
-                   window=effective_window(window, length))
+                   window=window)
 
 
 def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_cols: jax.Array | None,
@@ -525,10 +524,9 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
         raise refusal
     check_head_dim(q.shape[3])
     check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    check_segment_ids(segment_ids, q.shape[0], q.shape[1])
-    check_window(window)
     check_inv_freq(inv_freq, q.shape[3])
-    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    if empty:
         return jnp.zeros(q.shape, q.dtype)
     config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,

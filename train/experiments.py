@@ -21,7 +21,6 @@ import flax
 import jax
 
 from jaxpe.model import TransformerLM
-from jaxpe.registry import pe_config
 from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
@@ -50,8 +49,11 @@ def train_and_evaluate(
     """
     workdir = pathlib.Path(workdir).absolute()
     is_main = jax.process_index() == 0
-    task = task if task is not None else validate_config(config)
-    model = model if model is not None else build_model(config.model, task.vocab_size, longest_length(task))
+    if task is None:
+        task, built = validate_config(config)
+        model = built if model is None else model
+    elif model is None:
+        model = build_model(config.model, task.vocab_size, longest_length(task))
     check_tokens(task, config.optim.batch_size)
     check_same_run(workdir, config)
     with locked_workdir(workdir, is_main=is_main):
@@ -61,21 +63,17 @@ def train_and_evaluate(
         return _train_and_evaluate(config, workdir, task, model, is_main)
 
 
-def validate_config(config: TrainConfig) -> Task:
+def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
     """Checks what TrainConfig's own checks cannot see alone (the task's options and data, its splits named in
-    run.eval_splits, the encoding's options, the model against the task); returns the task. ValueError names the key."""
+    run.eval_splits, the model against the task); returns the task and the model, built once here. The encoding and
+    its options were resolved and checked when config.model was made. ValueError names the key."""
     task = build_task(config)
     splits = list(task.eval_splits())
     unknown = [name for name in config.run.eval_splits if name not in splits]
     if unknown:
         raise ValueError(f"run.eval_splits: unknown split(s) {unknown} for task {config.task.name!r}; "
                          f"choose from {', '.join(splits)}")
-    try:  # the encoding checks its own options (ValueError naming them, e.g. theta > 0 for rotary ones)
-        pe_config(config.model.pe, **dict(config.model.pe_options))
-    except TypeError as error:
-        raise ValueError(f"model.pe_options for {config.model.pe!r}: {error}") from None
-    build_model(config.model, task.vocab_size, longest_length(task))
-    return task
+    return task, build_model(config.model, task.vocab_size, longest_length(task))
 
 
 def check_tokens(task: Task, batch_size: int) -> None:
@@ -207,8 +205,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
     if not config_path.is_file():
         raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
     config = load_config(config_path)
-    task = validate_config(config)
-    model = build_model(config.model, task.vocab_size, longest_length(task))
+    task, model = validate_config(config)
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     try:
@@ -273,32 +270,33 @@ def compare_encodings(
     # and its workdir (a run directory holding another config is refused now, not after the runs before it).
     runs = []
     for config in configs:
-        task = validate_config(config)
+        task, model = validate_config(config)
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
             finished = _finished_result(run_dir, run_config)
             if finished is None:
                 check_same_run(run_dir, run_config)
-            runs.append((run_config, run_dir, task, finished))
+            runs.append((run_config, run_dir, task, model, finished))
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
         return _compare(configs, seeds, workdir, runs)
 
 
 def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: pathlib.Path,
-             runs: Sequence[tuple[TrainConfig, pathlib.Path, Task, dict[str, Any] | None]]) -> dict[str, Any]:
+             runs: Sequence[tuple[TrainConfig, pathlib.Path, Task, TransformerLM, dict[str, Any] | None]]
+             ) -> dict[str, Any]:
     """compare_encodings once every run is checked and the workdir locked."""
     results = []
-    reused = [run_dir for _, run_dir, _, finished in runs if finished is not None]
+    reused = [run_dir for _, run_dir, _, _, finished in runs if finished is not None]
     if reused:
         log.info("reused %d finished run(s) with the same config: %s", len(reused),
                  ", ".join(str(d.relative_to(workdir)) for d in reused))
-    for run_config, run_dir, task, finished in runs:
+    for run_config, run_dir, task, model, finished in runs:
         if finished is not None:
             results.append(finished)
             continue
         log.info("training %s seed %d in %s", run_config.model.pe, run_config.run.seed, run_dir)
-        results.append(train_and_evaluate(run_config, run_dir, task=task))
+        results.append(train_and_evaluate(run_config, run_dir, task=task, model=model))
     metric = results[0]["metric"]
     splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
     rows = summarize_seeds(results)
