@@ -139,6 +139,12 @@ def vary_alike(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
                  for x in arrays)
 
 
+def output_struct(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A pallas_call output's type: under shard_map (check_vma asks pallas_call for the mesh axes its outputs vary
+    over) it varies over the axes `like` varies over (every operand does, see `vary_alike`); plain elsewhere."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
 def rotary_frequencies(head_dim: int, theta: float, pairs: jax.Array | None = None) -> jax.Array:
     """ω_d = θ^(−2d/D) float32 for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
     if pairs is None:

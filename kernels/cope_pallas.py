@@ -50,7 +50,8 @@ from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, next_power_of_two,
-                                   resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
+                                   output_struct, resolve_interpret, tile_extent, triton_compiler_params,
+                                   vary_alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,20 +357,14 @@ def _row_specs(q: jax.Array, k: jax.Array, z: jax.Array, bq: int) -> _RowSpecs:
     )
 
 
-def _result(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's type: under shard_map it varies over the mesh axes `like` varies over (every operand does,
-    see `vary_alike`)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
-
-
 def _forward_call(config: _Config, q, k, v, kg, z, seg, *, save: bool):
     """o [B, Lp, Hq, Dp], lse [B, Hq, Lp] (and with `save` R [B, Hq, Lp] float32 and e [B, Hq, Lp] int32, else
     None); kg and seg may be None."""
     batch, padded, num_heads, _ = q.shape
     specs = _row_specs(q, k, z, config.blocks.block_q)
-    stat = _result((batch, num_heads, padded), jnp.float32, q)
-    saved = [stat, _result(stat.shape, jnp.int32, q)] if save else [None, None]
-    out_shape = [_result(q.shape, q.dtype, q), stat, *saved]
+    stat = output_struct((batch, num_heads, padded), jnp.float32, q)
+    saved = [stat, output_struct(stat.shape, jnp.int32, q)] if save else [None, None]
+    out_shape = [output_struct(q.shape, q.dtype, q), stat, *saved]
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
         in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.kv_full if kg is not None else None,
@@ -394,8 +389,8 @@ def _backward_call(config: _Config, q, k, v, kg, z, do, lse, delta, r, e, seg):
                   *([specs.seg_rows, specs.seg_keys] if seg is not None else [None, None]), specs.z, specs.row,
                   *[specs.stat] * 4, *accumulated],
         out_specs=[specs.row, *accumulated],
-        out_shape=[_result(q.shape, jnp.float32, q), *(None if x is None else _result(x.shape, x.dtype, q)
-                                                        for x in zeros)],
+        out_shape=[output_struct(q.shape, jnp.float32, q),
+                   *(None if x is None else output_struct(x.shape, x.dtype, q) for x in zeros)],
         input_output_aliases={aliased_from + i: 1 + i for i in range(len(jax.tree.leaves(zeros)))},
         compiler_params=config.compiler_params(backward=True), interpret=config.interpret,
         name="cope_backward_dq",

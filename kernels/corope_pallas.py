@@ -60,8 +60,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, open_attention
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, resolve_interpret,
-                                   rotary_frequencies, sincos, tile_extent, triton_compiler_params, vary_alike)
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, output_struct,
+                                   resolve_interpret, rotary_frequencies, sincos, tile_extent, triton_compiler_params,
+                                   vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 
@@ -395,12 +396,6 @@ def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | 
     return specs
 
 
-def _output(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's type: typed like `like` under shard_map (check_vma asks pallas_call for the mesh axes its
-    outputs vary over), plain elsewhere."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
-
-
 def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, freq: jax.Array, seg: jax.Array | None
                   ) -> tuple[jax.Array, jax.Array]:
     """Padded q [B, Lp, Hq, Dp], k/v [B, Lp, Hkv, Dp], ω [Dp/2], segment ids [B, Lp] or None -> o [B, Lp, Hq, Dp],
@@ -412,7 +407,7 @@ def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, fre
         functools.partial(_forward_kernel, config=config), grid=(lp // bq, batch, num_heads // bh),
         in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["freq"], s["seg_rows"], s["seg_all"]],
         out_specs=[s["heads"], s["stats"]],
-        out_shape=[_output(q.shape, q.dtype, q), _output((batch, num_heads, lp), jnp.float32, q)],
+        out_shape=[output_struct(q.shape, q.dtype, q), output_struct((batch, num_heads, lp), jnp.float32, q)],
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_forward",
     )(q, q, k, v, freq, seg, seg)
 
@@ -431,7 +426,7 @@ def _backward_call(config: _Config, q, k, v, do, lse, row_dot, freq, seg) -> tup
         in_specs=[s["heads"], s["leader"], s["kv"], s["kv"], s["heads"], s["stats"], s["stats"], s["freq"],
                   s["seg_rows"], s["seg_all"], s["group"], s["kv"], s["kv"]],
         out_specs=[s["group"], s["kv"], s["kv"]],
-        out_shape=[_output(x.shape, jnp.float32, q) for x in zeros],
+        out_shape=[output_struct(x.shape, jnp.float32, q) for x in zeros],
         input_output_aliases={aliased_from + i: i for i in range(3)},
         compiler_params=config.compiler_params, interpret=config.interpret, name="corope_backward_dq_dkv",
     )(*inputs, *zeros)

@@ -1,6 +1,7 @@
-"""What the kernel tests share (test_kernels_cope.py, test_kernels_corope.py): an attention's output and gradients
-in one compiled run, the per-dtype, per-element tolerance assertion against a reference, the walk over every equation of a jaxpr,
-and the jaxpr probe that finds arrays of size L×L built by a backward pass."""
+"""What the kernel tests share (test_kernels_cope.py, test_kernels_corope.py and their siblings): an attention's
+output and gradients in one compiled run, the per-dtype, per-element tolerance assertion against a reference (and the
+one-bound-per-tensor form the transformation tests use), the walk over every equation of a jaxpr, and the jaxpr probe
+that finds arrays of size L×L built by a backward pass."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -44,14 +45,31 @@ def assert_close(got: jax.Array, want: jax.Array, *, tolerance: tuple[float, flo
     np.testing.assert_allclose(got, want, atol=tolerance[0], rtol=tolerance[1], err_msg=context)
 
 
-def assert_matches(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names: Sequence[str], dtype: str,
-                   context: str, table: dict[str, dict[str, tuple[float, float]]] = TOLERANCE) -> None:
+def assert_matches_elementwise(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names: Sequence[str],
+                               dtype: str, context: str,
+                               table: dict[str, dict[str, tuple[float, float]]] = TOLERANCE) -> None:
     """got = [out, *grads] against the reference's: same dtypes, then `assert_close` with table[dtype]["out"] for the
     output and table[dtype]["grad"] for the gradients."""
     assert len(got) == len(want) == len(names), (len(got), len(want), names)
     for index, (name, x, y) in enumerate(zip(names, got, want)):
         assert x.dtype == y.dtype, (name, x.dtype, y.dtype)
         assert_close(x, y, tolerance=table[dtype]["grad" if index else "out"], context=f"{name} of {context}")
+
+
+def assert_matches(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names: Sequence[str],
+                   tolerance: tuple[float, float], context: str) -> None:
+    """got = [out, *grads] against the reference's: same shapes and dtypes, finite, and max |got − want| ≤
+    tol·max(1, max |want|), tol = tolerance[0] for the output and tolerance[1] for the gradients: one bound per
+    tensor, as the transformation tests use it (the kernel tests bound every element: `assert_matches_elementwise`)."""
+    assert len(got) == len(want) == len(names), (len(got), len(want), names)
+    for index, (name, x, y) in enumerate(zip(names, got, want)):
+        chex.assert_shape(x, y.shape)
+        assert x.dtype == y.dtype, (name, x.dtype, y.dtype)
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.all(np.isfinite(x)), f"{name} of {context}"
+        tol = tolerance[0 if index == 0 else 1]
+        scale = max(1.0, float(np.max(np.abs(y))))
+        chex.assert_trees_all_close(x, y, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {context}")
 
 
 def equations(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:

@@ -12,7 +12,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, equations, outputs_and_grads
+from kernel_harness import assert_matches_elementwise, equations, outputs_and_grads
 
 import jaxpe
 from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
@@ -48,7 +48,7 @@ def assert_matches_reference(q, k, v, pos_emb, gate_k=None, *, blocks: BlockSize
 
     got = outputs_and_grads(kernel, args, cotangent)
     want = outputs_and_grads(reference, args, cotangent, compiler_options=None)
-    assert_matches(got, want, names=NAMES[:len(want)], dtype=jnp.dtype(q.dtype).name, context=context)
+    assert_matches_elementwise(got, want, names=NAMES[:len(want)], dtype=jnp.dtype(q.dtype).name, context=context)
 
 
 def saturated(q, kg, open_keys: np.ndarray):
@@ -157,7 +157,9 @@ def test_default_block_sizes_shrink_with_the_registers_a_tile_takes(head_dim: in
 def test_fitted_block_sizes_fill_defaults_and_shrink_to_the_length():
     """None fields take the defaults (float32, D 64, gates from k: 32 everywhere), given ones stay, and every size is
     capped at the next power of two >= L, at least 16."""
-    fit = lambda blocks, length: blocks.fitted(length=length, head_dim=64, dtype=jnp.float32, gate_k=False)  # noqa: E731
+    def fit(blocks: BlockSizes, length: int) -> BlockSizes:
+        return blocks.fitted(length=length, head_dim=64, dtype=jnp.float32, gate_k=False)
+
     assert fit(BlockSizes(), 1000) == BlockSizes(32, 32, 32, 32)
     assert fit(BlockSizes(block_q=16, block_k_bwd=64), 1000) == BlockSizes(16, 32, 32, 64)
     assert fit(BlockSizes(block_k_bwd=64), 20) == BlockSizes(32, 32, 32, 32)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import assert_matches, equations, outputs_and_grads
+from kernel_harness import assert_matches_elementwise, equations, outputs_and_grads
 
 import jaxpe
 from jaxpe.kernels import corope_pallas as kernel
@@ -33,8 +33,8 @@ def check(length: int, head_dim: int, q_heads: int, kv_heads: int, blocks: Block
                              (q, k, v), cotangent)
     got = outputs_and_grads(lambda *a: corope_attention_pallas(*a, theta=THETA, sm_scale=sm_scale, block_sizes=blocks,
                                                                interpret=True), (q, k, v), cotangent)
-    assert_matches(got, want, names=["o", "dq", "dk", "dv"], dtype="float32",
-                   context=f"L{length} D{head_dim} N{q_heads}K{kv_heads} {blocks}")
+    assert_matches_elementwise(got, want, names=["o", "dq", "dk", "dv"], dtype="float32",
+                               context=f"L{length} D{head_dim} Hq{q_heads} Hkv{kv_heads} {blocks}")
 
 
 @pytest.mark.parametrize("length, head_dim, block_d", [

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import GPU_TOLERANCE, TOLERANCE, assert_matches, outputs_and_grads, square_intermediates_of_grad
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,
+                            square_intermediates_of_grad)
 
 import jaxpe
 from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
@@ -94,7 +95,7 @@ def reference(case: Case) -> list[jax.Array]:
 
 def assert_matches_reference(case: Case, got: list[jax.Array], table: dict = TOLERANCE) -> None:
     want = reference(case)
-    assert_matches(got, want, names=NAMES[:len(want)], dtype=case.dtype, context=str(case), table=table)
+    assert_matches_elementwise(got, want, names=NAMES[:len(want)], dtype=case.dtype, context=str(case), table=table)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

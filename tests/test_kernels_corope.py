@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import GPU_TOLERANCE, TOLERANCE, assert_matches, outputs_and_grads, square_intermediates_of_grad
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,
+                            square_intermediates_of_grad)
 
 import jaxpe
 from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
@@ -103,8 +104,8 @@ def assert_matches_reference(case: Case, attention, table: dict = TOLERANCE):
         leaders = q[:, :, :: case.groups].astype(jnp.float32)
         logits = jnp.einsum("btkd,bskd->bkts", leaders, k.astype(jnp.float32)) * case.head_dim ** -0.5
         assert float(jnp.min(jnp.abs(logits))) >= 30.0
-    assert_matches(run(attention, case), reference_results(case), names=NAMES, dtype=case.dtype, context=str(case),
-                   table=table)
+    assert_matches_elementwise(run(attention, case), reference_results(case), names=NAMES, dtype=case.dtype,
+                               context=str(case), table=table)
 
 
 class _PallasSweep:
