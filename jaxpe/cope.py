@@ -42,11 +42,10 @@ from jaxpe.dispatch import resolve_impl
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
-from jaxpe.relative import context_relative_logits
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask)
-from jaxpe.tables import gather_table_row_pairs
+from jaxpe.tables import context_relative_logits, gather_table_row_pairs
 from jaxpe.validation import (check_bool, check_choice, check_cope_inputs, check_impl, check_int, check_npos,
                               check_padding_mask, check_positive, check_positive_number, check_qkv, open_attention)
 

@@ -19,7 +19,7 @@ import numpy_reference as ref
 from jaxpe import cope as jaxpe_cope
 from jaxpe import corope as jaxpe_corope
 from jaxpe.learned import LearnedPE
-from jaxpe.relative import relative_logits, relative_logits_indexed
+from jaxpe.tables import relative_logits, relative_logits_indexed
 from jaxpe.sinusoidal import SinusoidalPE
 
 TOL = dict(rtol=2e-5, atol=2e-5)

@@ -30,7 +30,7 @@ from jaxpe.cope import (cope_attention, cope_attention_causal, cope_attention_re
 from jaxpe.dropout import Dropout, dropout, keep_mask
 from jaxpe.model import gelu
 from jaxpe.kernels._common import interpolate
-from jaxpe.relative import relative_logits
+from jaxpe.tables import relative_logits
 from jaxpe.softmax_attention import (attend, causal_mask, causal_query_blocks, masked_softmax_attention, reverse_cumsum,
                                      visibility_mask)
 from jaxpe.tables import gather_table_row_pairs, gather_table_rows
