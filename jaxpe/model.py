@@ -91,7 +91,13 @@ class ModelConfig:
         pe = pe_config(self.pe, **dict(self.pe_options))  # validates the name and its options
         object.__setattr__(self, "_pe_config", pe)
         self._check_layer_pe()
-        pattern = self._pattern()
+        if self.layer_pe:
+            pattern = self.layer_pe
+        elif isinstance(pe, CoPEConfig):
+            pattern = (self.pe,) + (pe.other_layers,) * (pe.every - 1)
+        else:
+            pattern = (self.pe,)
+        object.__setattr__(self, "_layer_pattern", pattern)
         layer_configs = {name: pe if name == self.pe else pe_config(name) for name in set(pattern)}
         object.__setattr__(self, "_layer_pe_configs", tuple(layer_configs[name] for name in pattern))
         self._check_pattern_attends()
@@ -138,15 +144,7 @@ class ModelConfig:
     @property
     def layer_pattern(self) -> tuple[str, ...]:
         """The encoding names cycled over the layers: `layer_pe`, else CoPE's `every`/`other_layers`, else (pe,)."""
-        return self._pattern()
-
-    def _pattern(self) -> tuple[str, ...]:
-        if self.layer_pe:
-            return self.layer_pe
-        pe = self._pe_config
-        if isinstance(pe, CoPEConfig):
-            return (self.pe,) + (pe.other_layers,) * (pe.every - 1)
-        return (self.pe,)
+        return self._layer_pattern
 
     def layer_pe_config(self, index: int) -> PEConfig:
         """The encoding config of layer `index`'s attention: `pe` with `pe_options`, another name with its defaults."""
