@@ -93,8 +93,8 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | j
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = _default_mask(q.shape[1], k.shape[1], causal)
-    return _positions_from_logits(sm_scale * qk_logits(q, k if gate_k is None else gate_k), mask, npos=npos,
-                                  talking_heads=talking_heads, causal=causal)
+    logits = qk_logits(q, k if gate_k is None else gate_k, gates=True)
+    return _positions_from_logits(sm_scale * logits, mask, npos=npos, talking_heads=talking_heads, causal=causal)
 
 
 def _default_mask(lq: int, lk: int, causal: bool) -> jax.Array:
@@ -233,8 +233,9 @@ def _cope_dense(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *,
     """`cope_attention_reference` on inputs already checked."""
     if mask is None:
         mask = _default_mask(q.shape[1], k.shape[1], causal)
-    content = qk_logits(q, k)  # one q·k for the gates (when they read k) and the logits: one backward through it
-    gate_logits = content if gate_k is None else qk_logits(q, gate_k)
+    # One q·k for the gates (when they read k) and the logits: one backward through it.
+    content = qk_logits(q, k, gates=gate_k is None)
+    gate_logits = content if gate_k is None else qk_logits(q, gate_k, gates=True)
     positions = _positions_from_logits(sm_scale * gate_logits, mask, npos=pos_emb.shape[-2],
                                        talking_heads=talking_heads, causal=causal)
     if soft_onehot_temp is None and isinstance(k.shape[1], int):  # gates are <= 1, so p <= Lk: rows past Lk + 1

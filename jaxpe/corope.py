@@ -55,7 +55,8 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])
     leaders = q[:, :, :: q.shape[2] // k.shape[2]]  # [B, Lq, Hkv, D]
-    z = jnp.where(mask[:, None], jax.nn.sigmoid(sm_scale * qk_logits(leaders, k)), 0.0)  # [B, Hkv, Lq, Lk]
+    logits = sm_scale * qk_logits(leaders, k, gates=True)
+    z = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hkv, Lq, Lk]
     after = _suffix_sums(z) - z  # Σ_{t>j} z_it = a_i,last − a_ij
     if causal:  # Σ_{t>i} z_it = 0: no key after the query is visible
         return after

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from jaxpe.kernels._common import GATE_PRECISION
 from jaxpe.validation import check_qkv
 
 
@@ -69,10 +70,12 @@ def causal_query_blocks(length: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def qk_logits(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q [B, Lq, Hq, D], k [B, Lk, Hkv, D] -> float32 q·k [B, Hq, Lq, Lk]."""
+def qk_logits(q: jax.Array, k: jax.Array, *, gates: bool = False) -> jax.Array:
+    """q [B, Lq, Hq, D], k [B, Lk, Hkv, D] -> float32 q·k [B, Hq, Lq, Lk]; `gates`: logits of gates, float32-accurate
+    (`GATE_PRECISION`: not TF32 on a GPU)."""
     k = repeat_kv(k, q.shape[2] // k.shape[2])
-    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32,
+                      precision=GATE_PRECISION if gates else None)
 
 
 def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

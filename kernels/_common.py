@@ -96,6 +96,13 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
+# The precision of gate logits q·k in the XLA paths (reference and blockwise): float32-accurate. On recent GPUs XLA
+# multiplies float32 in TF32 by default, and a TF32 error in one gate moves every position counted past it; CoPE's
+# interpolation has kinks at integer positions, so a moved position can flip a whole row's gate gradient. The same
+# as the default on CPU.
+GATE_PRECISION = lax.Precision.HIGHEST
+
+
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, accurate: bool = False,
         interpret: bool = True) -> jax.Array:
     """2-D a @ b (aᵀ with trans_a, bᵀ with trans_b) accumulated in float32.

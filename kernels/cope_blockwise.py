@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
+from jaxpe.kernels._common import GATE_PRECISION, MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _walked_blocks(chunk: int, size: int, window: int | None, padded: int) -> in
 def _gates(q: jax.Array, kg: jax.Array, mask: jax.Array) -> jax.Array:
     """q [B, Hkv, G, C, D] (times sm_scale), kg [B, Hkv, BK, D], mask [B|1, 1, 1, C, BK] -> g [B, Hkv, G, C, BK], zero
     where masked."""
-    s = jnp.einsum("bkgtd,bksd->bkgts", q, kg)
+    s = jnp.einsum("bkgtd,bksd->bkgts", q, kg, precision=GATE_PRECISION)
     return jnp.where(mask, jax.nn.sigmoid(s), 0.0)
 
 

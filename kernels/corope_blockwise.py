@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from jaxpe.kernels._checks import check_corope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import MASK_VALUE, carry_init, rotary_frequencies, sincos, vary_alike
+from jaxpe.kernels._common import GATE_PRECISION, MASK_VALUE, carry_init, rotary_frequencies, sincos, vary_alike
 
 
 def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
@@ -151,7 +151,8 @@ def _tile_mask(qb: jax.Array, kb: jax.Array, seg: jax.Array | None, config: _Con
 def _gates(q_lead: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     """Gates of the scaled leader rows q_lead [B, Hkv, BK, D] and keys k [B, Hkv, BK, D] -> z [B, Hkv, BK, BK], 0 where
     `mask` [B|1, 1, BK, BK] is False."""
-    return jnp.where(mask, jax.nn.sigmoid(jnp.einsum("bktd,bksd->bkts", q_lead, k)), 0.0)
+    logits = jnp.einsum("bktd,bksd->bkts", q_lead, k, precision=GATE_PRECISION)
+    return jnp.where(mask, jax.nn.sigmoid(logits), 0.0)
 
 
 def _mileage(z_suffix: jax.Array, z: jax.Array, config: _Config) -> jax.Array:

@@ -30,10 +30,11 @@ def outputs_and_grads(attention: Callable[..., jax.Array], args: Sequence[jax.Ar
 
 # |got − want| ≤ atol + rtol·|want| in every element: (atol, rtol) of the outputs and of the gradients per dtype, for
 # the interpreted kernels and the blockwise paths against the references on the CPU (about 3× the largest errors
-# seen across the kernel and mask tests), and compiled on a GPU, where Triton rounds float32 dot inputs to TF32.
+# seen across the kernel and mask tests), and compiled on a GPU, where Triton rounds float32 dot inputs to TF32 (the
+# float32 output's largest error seen on an H200, at L 4096 against a TF32-computed want: 0.0126 at |want| 0.05).
 TOLERANCE = {"float32": {"out": (3e-5, 1e-3), "grad": (2e-4, 1e-3)},
              "bfloat16": {"out": (1e-2, 1e-2), "grad": (1e-1, 1e-2)}}
-GPU_TOLERANCE = {"float32": {"out": (1e-2, 1e-2), "grad": (6e-2, 2e-2)},
+GPU_TOLERANCE = {"float32": {"out": (2e-2, 1e-2), "grad": (6e-2, 2e-2)},
                  "bfloat16": {"out": (3e-2, 2e-2), "grad": (1.5e-1, 3e-2)}}
 
 
