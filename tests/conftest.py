@@ -1,4 +1,5 @@
-"""Shared test settings: 8 simulated CPU devices, strict rank promotion, a `key` fixture."""
+"""Shared test settings: 8 simulated CPU devices, strict rank promotion, Triton's interpreter without a GPU, a `key`
+fixture."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,6 +10,10 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 ON_GPU = jax.default_backend() == "gpu"
+# Without a GPU the native Triton kernels (impl="triton") run in Triton's interpreter, which is chosen when triton is
+# first imported (jaxpe imports it only for impl="triton"). TRITON_INTERPRET=0 keeps them compiled: lowering for CUDA.
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,204 @@
+"""Launching jaxpe's native Triton kernels (`cope_triton.py`, `corope_triton.py`) from JAX: one function, `launch`,
+that hides where they run.
+
+- Compiled (Triton imported without TRITON_INTERPRET=1): through jax-triton's `triton_call`, which compiles the kernel
+  for the GPU being lowered for (the local one, or sm_90 when lowering for CUDA on a machine without a GPU:
+  `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`). jax-triton 0.3.x (jax 0.10) takes `out_shape=`,
+  0.4.x (jax >= 0.11) `out_type=`; both bind the outputs to the kernel's last parameters, so inputs and outputs are
+  passed in parameter order and only the keyword differs. 0.4.1's dead-code rule takes jax 0.11's two arguments and
+  jax 0.12 passes three: `_patch_dce_rule` registers one that takes either. 0.4.x warns that `zeroed_outputs` is
+  deprecated (in favour of refs that jax 0.10 lacks); the warning is silenced here, where that choice is made.
+- Interpreted (TRITON_INTERPRET=1 set before Triton is imported, as its interpreter requires): on CPU, through
+  `jax.pure_callback`, on NumPy arrays wrapped in the few tensor methods the interpreter calls (`HostTensor`); no
+  torch. The interpreter multiplies bfloat16 dots wrongly (it reads their raw bits), so the tests run it in float32
+  and float16.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+EXTRA = "pip install 'jaxpe[triton]'"  # triton and the jax-triton release of the installed jax
+GPU_COMPUTE_CAPABILITY = 90  # what to compile for when lowering for CUDA without a GPU: an H100
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when it was imported)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def unavailable() -> str | None:
+    """Why impl="triton" cannot run in this process, in words (None when it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return f"impl='triton' needs the triton package: {EXTRA}"
+    if interpreted():
+        return None
+    if importlib.util.find_spec("jax_triton") is None:
+        return f"impl='triton' needs jax-triton to compile its kernels: {EXTRA}"
+    try:
+        import jax_triton  # noqa: F401  (imported to see whether it can be)
+    except Exception as error:  # noqa: BLE001 - jax-triton refuses to import on a jaxlib without CUDA
+        return (f"impl='triton' compiles through jax-triton, which does not import here ({error}); on CPU set "
+                f"TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's interpreter")
+    return None
+
+
+def require() -> None:
+    """ValueError naming what to install or set unless impl="triton" can run."""
+    reason = unavailable()
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def launch(kernel: Any, args: Sequence[jax.Array | int | float], *, out_shapes: Sequence[jax.ShapeDtypeStruct],
+           grid: tuple[int, ...], num_warps: int, num_stages: int, zeroed: Sequence[int] = (),
+           name: str = "", **constexprs: Any) -> list[jax.Array]:
+    """Run `kernel[grid](*args, *outputs, **constexprs)` and return the outputs.
+
+    args: the kernel's non-constexpr parameters before its outputs, in order (arrays, or Python ints and floats for
+    scalar parameters); out_shapes: one per output parameter, which follow; zeroed: indices of outputs that start
+    as zeros (accumulated into with atomics), the others start undefined; constexprs: the constexpr parameters.
+    """
+    require()
+    if interpreted():
+        return _launch_interpreted(kernel, args, out_shapes=out_shapes, grid=grid, **constexprs)
+    return _launch_compiled(kernel, args, out_shapes=out_shapes, grid=grid, num_warps=num_warps,
+                            num_stages=num_stages, zeroed=zeroed, name=name, **constexprs)
+
+
+# --- compiled: jax-triton --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _jax_triton() -> Any:
+    """jax_triton, with its dead-code rule made to take jax 0.12's arguments."""
+    import jax_triton
+
+    _patch_dce_rule(jax_triton)
+    return jax_triton
+
+
+def _patch_dce_rule(jax_triton: Any) -> None:
+    """Register a dead-code rule for jax-triton's primitive that keeps every input and takes the arguments of every
+    jax release (jax 0.12 passes a third)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    primitive = getattr(jax_triton.triton_lib, "triton_kernel_call_p", None)
+    if primitive is None or primitive not in pe.dce_rules:
+        return
+
+    def keep_every_input(used_outputs: list[bool], *rest: Any) -> tuple[list[bool], Any]:
+        eqn = rest[-1]
+        return [True] * len(eqn.invars), eqn
+
+    pe.dce_rules[primitive] = keep_every_input
+
+
+def _compute_capability() -> int | None:
+    """The local GPU's compute capability, or GPU_COMPUTE_CAPABILITY when there is none (lowering for CUDA on CPU)."""
+    if any(device.platform == "gpu" for device in jax.devices()):
+        return None  # jax-triton reads it from the device
+    return GPU_COMPUTE_CAPABILITY
+
+
+def _launch_compiled(kernel: Any, args: Sequence[jax.Array | int | float], *,
+                     out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...], num_warps: int,
+                     num_stages: int, zeroed: Sequence[int], name: str, **constexprs: Any) -> list[jax.Array]:
+    jt = _jax_triton()
+    new_api = "out_type" in jt.triton_call.__code__.co_varnames
+    shapes = {"out_type" if new_api else "out_shape": list(out_shapes)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="zeroed_outputs is deprecated", category=DeprecationWarning)
+        return list(jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps, num_stages=num_stages,
+                                   zeroed_outputs=tuple(zeroed), compute_capability=_compute_capability(),
+                                   name=name or kernel.__name__, **shapes, **constexprs))
+
+
+# --- interpreted: Triton's interpreter on NumPy arrays ---------------------------------------------------------------
+
+
+class _Dtype:
+    """A dtype as the interpreter names it (torch's spelling: "torch.float32")."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
+class _Storage:
+    """The memory of a HostTensor: the interpreter copies "to the host" and back through it (a no-op here)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def cpu(self) -> _Storage:
+        return self
+
+    def copy_(self, other: _Storage) -> None:
+        del other  # the same memory
+
+
+class HostTensor:
+    """A C-contiguous NumPy array with the tensor methods Triton's interpreter calls (data_ptr, dtype, storage)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._storage = _Storage(array)
+        self.dtype = _Dtype(str(array.dtype))
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _Storage:
+        return self._storage
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def new_empty(self, *args: Any, **kwargs: Any) -> HostTensor:
+        del args, kwargs
+        return HostTensor(np.empty(0, self.array.dtype))
+
+    def set_(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> HostTensor:
+        del offset, size, stride  # the whole storage: HostTensors are never views
+        self.array, self._storage = storage.array, storage
+        return self
+
+
+def _launch_interpreted(kernel: Any, args: Sequence[jax.Array | int | float], *,
+                        out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
+                        **constexprs: Any) -> list[jax.Array]:
+    is_array = [isinstance(a, jax.Array) or hasattr(a, "shape") for a in args]
+    arrays = [a for a, flag in zip(args, is_array) if flag]
+
+    def host(*host_arrays: np.ndarray) -> list[np.ndarray]:
+        inputs = iter(HostTensor(np.ascontiguousarray(a)) for a in host_arrays)
+        outputs = [HostTensor(np.zeros(s.shape, s.dtype)) for s in out_shapes]
+        kernel_args = [next(inputs) if flag else a for a, flag in zip(args, is_array)]
+        kernel[grid](*kernel_args, *outputs, **constexprs)
+        return [o.array for o in outputs]
+
+    results = jax.pure_callback(host, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes], *arrays,
+                                vmap_method="sequential")
+    return list(results)
