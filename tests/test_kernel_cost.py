@@ -1,0 +1,232 @@
+"""benchmarks/kernel_cost.py, the kernels' cost model read from SASS.
+
+Everywhere: the SASS reader on hand-written listings, checked against counts made by hand (parser, control-flow
+graph, loop nesting, trip counts read from loop counters, instruction classes, pipe clocks, the per-logit scaling).
+Where jax's CUDA plugin, ptxas and nvdisasm are installed (.venv-compile with `pip install --no-deps
+nvidia-cuda-nvdisasm`), elsewhere skipped saying why: the committed results/cost/kernel_cost.json belongs to the kernel
+sources as they are, its Markdown is its rendering, and three of its kernels compiled again give the same entries.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "results" / "cost" / "kernel_cost.json"
+
+
+def _load_tool():
+    """benchmarks/kernel_cost.py, a script beside the library, loaded from its path."""
+    spec = importlib.util.spec_from_file_location("kernel_cost", ROOT / "benchmarks" / "kernel_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+kc = _load_tool()
+cr = kc.cr
+
+
+def _tools():
+    try:
+        return kc.find_tools()
+    except cr.ToolchainMissing as e:
+        return str(e)
+
+
+TOOLS = _tools()
+needs_tools = pytest.mark.skipif(isinstance(TOOLS, str), reason=f"no GPU compiler or nvdisasm here: {TOOLS}")
+
+# An outer loop (0x20-0x130) around an inner loop of 8 trips (0x40-0x80), a lane-guarded atomic with its fence, and
+# the trap loop nvdisasm shows after EXIT (unreachable). Hand counts per outer iteration: 13 own instructions and
+# 5 × 8 inner ones.
+TOY = """
+\t.section\t.text.toy,"ax",@progbits
+toy:
+.text.toy:
+        /*0000*/                   MOV R1, RZ ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   MOV R9, RZ ;
+.L_x_1:
+        /*0040*/                   FFMA R5, R4, R4, R5 ;
+        /*0050*/                   MUFU.EX2 R6, R5 ;
+        /*0060*/                   IADD3 R9, R9, 0x1, RZ ;
+        /*0070*/                   ISETP.GT.AND P1, PT, R9, 0x7, PT ;
+        /*0080*/              @!P1 BRA `(.L_x_1) ;
+        /*0090*/                   LOP3.LUT P2, RZ, R0, 0x3, RZ, 0xc0, !PT ;
+        /*00a0*/               @P2 BRA `(.L_x_2) ;
+        /*00b0*/              @!PT LDS RZ, [RZ] ;
+        /*00c0*/                   MEMBAR.ALL.GPU ;
+        /*00d0*/                   ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU PT, RZ, desc[UR8][R2.64], R5 ;
+.L_x_2:
+        /*00e0*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
+        /*00f0*/                   LDSM.16.M88.4 R16, [R3+UR4] ;
+        /*0100*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0110*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0120*/                   ISETP.GE.AND P0, PT, R1, R20, PT ;
+        /*0130*/              @!P0 BRA `(.L_x_0) ;
+        /*0140*/                   EXIT ;
+.L_x_3:
+        /*0150*/                   BRA `(.L_x_3);
+"""
+
+
+def _listing(body: str, name: str = "f") -> str:
+    return f'\t.section\t.text.{name},"ax",@progbits\n{name}:\n' + body
+
+
+def _only_loop(text: str):
+    fn = kc.parse_sass(text)["f"]
+    blocks = kc.basic_blocks(fn)
+    (loop,) = kc.find_loops(blocks)
+    return fn, blocks, loop
+
+
+def test_parser_reads_addresses_guards_opcodes_and_labels():
+    fn = kc.parse_sass(TOY)["toy"]
+    assert len(fn.instructions) == 22 and fn.labels[".L_x_1"] == 4 and fn.labels[".L_x_3"] == 21
+    branch = fn.instructions[8]
+    assert (branch.address, branch.predicate, branch.opcode, branch.target) == (0x80, "@!P1", "BRA", ".L_x_1")
+    assert fn.instructions[10].never is False and fn.instructions[11].never is True
+    assert fn.instructions[13].args == ["PT", "RZ", "desc[UR8][R2.64]", "R5"]
+    wgmma = kc.parse_sass(_listing("        /*0000*/      HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16], RZ, !UPT, "
+                                   "gsb0 ;\n"))["f"].instructions[0]
+    assert wgmma.opcode == "HGMMA.64x128x16.F32.BF16" and wgmma.base == "HGMMA"
+
+
+def test_control_flow_graph_and_loop_nesting():
+    fn = kc.parse_sass(TOY)["toy"]
+    blocks = kc.basic_blocks(fn)
+    assert [(b.start, b.end, b.successors) for b in blocks] == [
+        (0, 2, (1,)), (2, 4, (2,)), (4, 9, (2, 3)), (9, 11, (5, 4)), (11, 14, (5,)), (14, 20, (1, 6)), (20, 21, ()),
+        (21, 22, (7,))]
+    (outer,) = kc.find_loops(blocks)  # the trap loop after EXIT is unreachable
+    assert outer.header == 1 and outer.blocks == {1, 2, 3, 4, 5} and outer.latches == (5,)
+    (inner,) = outer.children
+    assert inner.header == 2 and inner.blocks == {2} and inner.children == []
+    assert kc.trip_count(fn, blocks, inner) == 8
+
+
+def test_loop_tally_by_hand():
+    fn = kc.parse_sass(TOY)["toy"]
+    blocks = kc.basic_blocks(fn)
+    tally, trips = kc.tally_loop(fn, blocks, kc.find_loops(blocks)[0])
+    assert trips == [8] and tally.instructions == 13 + 5 * 8
+    assert dict(tally.counts) == {"ldg": 1, "int": 4 + 2 * 8, "ffma": 8, "mufu": 8, "branch": 2 + 8, "nop": 1,
+                                  "fence": 1, "atomic": 1, "mma": 1, "lds": 1, "bar": 1}
+    assert dict(tally.memory) == {"LDG.E.128": 1, "ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU": 1, "LDSM.16.M88.4": 1}
+    # per warp, in SM clocks: 53 issues at 4/clk; 8 FFMA × 32 lanes at 128/clk; 20 ALU at 64; 8 MUFU at 16;
+    # ldmatrix x4 = 512 bytes at 128 B/clk; one m16n8k16 (2048 MAC) at 2048 MAC/clk
+    assert tally.clocks() == {"issue": 13.25, "fma": 2.0, "alu": 10.0, "xu": 16.0, "shfl": 0.0, "shared": 4.0,
+                              "tensor": 1.0}
+
+
+def test_measure_scales_per_logit_and_checks_the_loop_count():
+    sass = TOY.replace(".text.toy", ".text.f").replace("toy:", "f:")
+    cost = kc.measure(sass, "f", (("keys", True),), tile=(16, 32, 2), warps=4)
+    (loop,) = cost["loops"]
+    assert (loop["name"], loop["address"], loop["inner_trips"], loop["instructions"]) == ("keys", "0x0020", [8], 53)
+    assert cost["per_logit"]["instructions"] == 53 * 4 / (16 * 32 * 2)
+    assert (cost["per_logit"]["bound"], cost["per_logit"]["bound_pipe"]) == (16 * 4 / 1024, "xu")
+    with pytest.raises(kc.SassError, match="1 outermost loops where 2 were expected"):
+        kc.measure(sass, "f", (("keys", True), ("gates", True)), tile=(16, 32, 2), warps=4)
+
+
+def test_trip_counts_from_counters():
+    # compare before the step, against a register bound set before the loop; start from CS2R's pair of zeros
+    before = _listing("""        /*0000*/                   CS2R R10, SRZ ;
+        /*0010*/                   MOV R20, 0x10 ;
+.L_x_0:
+        /*0020*/                   ISETP.LT.AND P0, PT, R11, R20, PT ;
+        /*0030*/                   IADD3 R11, R11, 0x2, RZ ;
+        /*0040*/                @P0 BRA `(.L_x_0) ;
+        /*0050*/                   EXIT ;
+""")
+    assert kc.trip_count(*_only_loop(before)) == 9  # runs with R11 = 0, 2, ..., 16
+    # counting down from HFMA2's half-precision idiom for 8 (low half 8 × 2^-24)
+    down = _listing("""        /*0000*/                   HFMA2.MMA R5, -RZ, RZ, 0, 4.76837158203125e-07 ;
+.L_x_0:
+        /*0010*/                   FADD R6, R6, R7 ;
+        /*0020*/                   IADD3 R5, R5, -0x1, RZ ;
+        /*0030*/                   ISETP.NE.AND P0, PT, R5, RZ, PT ;
+        /*0040*/                @P0 BRA `(.L_x_0) ;
+        /*0050*/                   EXIT ;
+""")
+    assert kc.trip_count(*_only_loop(down)) == 8
+    unreadable = down.replace("IADD3 R5, R5, -0x1, RZ", "IMAD R5, R5, R6, RZ")
+    with pytest.raises(kc.SassError, match="no readable compare"):
+        kc.trip_count(*_only_loop(unreadable))
+    unknown_start = down.replace("HFMA2.MMA R5, -RZ, RZ, 0, 4.76837158203125e-07", "LDG.E R5, desc[UR4][R2.64]")
+    with pytest.raises(kc.SassError, match="R5 holds no known constant before the loop"):
+        kc.trip_count(*_only_loop(unknown_start))
+
+
+def test_classes_and_shared_bytes():
+    def inst(text: str):
+        return kc.parse_sass(_listing(f"        /*0000*/                   {text} ;\n"))["f"].instructions[0]
+
+    cases = {"IMAD.MOV.U32 R1, RZ, RZ, R2": "int", "FMNMX R1, R2, R3, !PT": "fp_other",
+             "F2FP.BF16.F32.PACK_AB R1, R2, R3": "convert", "SHFL.BFLY PT, R1, R2, 0x1, 0x1f": "shfl",
+             "UIADD3 UR4, UR4, 0x1, URZ": "uniform",
+             "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]": "ldgsts", "STSM.16.M88.4 [R1], R4": "sts",
+             "CCTL.IVALL": "fence", "WARPGROUP.ARRIVE": "bar", "NOP": "nop"}
+    assert {text: kc.classify(inst(text)) for text in cases} == cases
+    assert [kc._access_bytes(inst(t)) for t in ("LDS.128 R4, [R1]", "LDS.U16 R4, [R1]", "STS.64 [R1], R4",
+                                                "LDSM.16.MT88.2 R4, [R1]")] == [512, 64, 256, 256]
+    wgmma = inst("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16], RZ, !UPT, gsb0")
+    assert kc._mma(wgmma) == ("tensor_bf16", 64 * 128 * 16 / 4, (128 + 64) * 16 * 2 / 4)
+    from_registers = inst("HGMMA.64x64x8.F32.TF32 R24, R56, gdesc[UR8], R24")
+    assert kc._mma(from_registers) == ("tensor_tf32", 64 * 64 * 8 / 4, 64 * 8 * 4 / 4)
+    assert kc._mma(inst("HMMA.1684.F32.TF32 R4, R8, R12, R4")) == ("tensor_tf32", 16 * 8 * 4, 0)
+
+
+def test_missing_nvdisasm_says_how_to_install(monkeypatch, tmp_path):
+    toolchain = cr.Toolchain("jax-cuda13-plugin", "0.10.2", "/bin/true", "13.5.37")
+    monkeypatch.setattr(cr, "find_toolchain", lambda ptxas=None: toolchain)
+    with pytest.raises(cr.ToolchainMissing, match="nvdisasm not found") as error:
+        kc.find_tools(nvdisasm=str(tmp_path / "no-nvdisasm"))
+    assert "pip install --no-deps 'nvidia-cuda-nvdisasm==13.5.37'" in str(error.value)
+
+
+def test_cli_names_and_output_folder(capsys):
+    assert kc.parse_args(["--out", "x"]).name == "kernel_cost"
+    assert kc.parse_args(["--quick", "--no-write"]).name == "kernel_cost-quick"
+    assert kc.parse_args(["--ops", "corope", "--no-write"]).name == "kernel_cost-subset"
+    with pytest.raises(SystemExit):
+        kc.parse_args([])
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the committed report, compiled
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(entry.get(k) for k in ("op", "dtype", "head_dim", "q_heads", "kv_heads", "npos", "kernel", "id"))
+
+
+@needs_tools
+def test_committed_report_is_current():
+    """Same kernel sources as the committed report; three of its kernels (CoPE's forward, Co-RoPE's backward with its
+    nested loops, plain attention at CoPE's tiles) compiled again give the same counts, trip counts and costs."""
+    data = json.loads(COMMITTED.read_text())
+    assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(), (
+        "the kernels changed since the committed cost report: rerun `python benchmarks/kernel_cost.py --out "
+        "results/cost --authors-file ...` in .venv-compile")
+    assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
+    cope = [j for j in kc.report_jobs([cr.Case("cope", "bfloat16", 64, 8, 2, 64)]) if j.meta["kernel"] == "forward"]
+    corope = [j for j in kc.report_jobs([cr.Case("corope", "bfloat16", 64, 8, 2)]) if j.meta["kernel"] == "backward"]
+    plain = kc.plain_job(kc.plain_spec(cope[0].meta, cope[0].num_warps, cope[0].num_stages, cope[0].tile))
+    committed = {_key(e): e for e in data["kernels"] + data["plain"]}
+    fields = ("block_q", "block_k", "heads_per_program", "registers", "smem_bytes", "loops", "per_logit")
+    for job in cope + corope + [plain]:
+        entry = kc.run_job(job, TOOLS, timeout=300)
+        assert entry["error"] is None, entry["error"]
+        want = committed[_key(entry)]
+        assert {f: entry[f] for f in fields} == {f: want[f] for f in fields}, _key(entry)
