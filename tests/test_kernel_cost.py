@@ -160,6 +160,21 @@ def test_trip_counts_from_counters():
         /*0050*/                   EXIT ;
 """)
     assert kc.trip_count(*_only_loop(down)) == 8
+    # a uniform counter, its compare copied to the branch's predicate by PLOP3 (P0 = PT & PT & UP0), a predicate
+    # output in between (LEA's carry) that must not count
+    uniform = _listing("""        /*0000*/                   UMOV UR5, URZ ;
+.L_x_0:
+        /*0010*/                   UIADD3 UR5, UR5, 0x1, URZ ;
+        /*0020*/                   UISETP.GT.AND UP0, UPT, UR5, 0x1, UPT ;
+        /*0030*/                   LEA R2, P1, R3, UR16, 0x2 ;
+        /*0040*/                   PLOP3.LUT P0, PT, PT, PT, UP0, 0x80, 0x0 ;
+        /*0050*/              @!P0 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+""")
+    assert kc.trip_count(*_only_loop(uniform)) == 2
+    clobbered = uniform.replace("LEA R2, P1,", "LEA R2, UP0,")
+    with pytest.raises(kc.SassError, match="no readable compare"):
+        kc.trip_count(*_only_loop(clobbered))
     unreadable = down.replace("IADD3 R5, R5, -0x1, RZ", "IMAD R5, R5, R6, RZ")
     with pytest.raises(kc.SassError, match="no readable compare"):
         kc.trip_count(*_only_loop(unreadable))
