@@ -1,0 +1,526 @@
+"""Fused Co-RoPE attention in native Triton (`triton.language`, launched through `_triton_launch`): causal, GQA,
+packed documents, sliding windows, caller-given rotary frequencies, a concrete or traced sm_scale, fwd + bwd.
+
+The algorithm of `corope_pallas.py` (Co-RoPE: https://github.com/Superposition09m/Co-RoPE), written with explicit
+pointers, strides and masks, and with the rotary score computed on vectorised tiles.
+
+Letters (as in corope_pallas.py): B batch, L length, Hq query heads, Hkv key/value heads, G = Hq / Hkv group size,
+D head dim (DP: the next power of two >= max(D, 16)), Dh = D/2 rotary pairs. Tiles: BQ query rows × BK keys; the
+rotary pairs are walked in BD-wide chunks; H query heads of one group per program, stacked as the H·BQ rows of the
+programs' 2-D tiles (row r: head r // BQ, query row r % BQ).
+
+Maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j) (j ≤ i), Δ_ij = Σ_{t=j+1..i} z_it,
+φ_ijd = Δ_ij·ω_d; kc = k1 cos φ + k2 sin φ, ks = k2 cos φ − k1 sin φ, score_ij = sm_scale·Σ_d (q1·kc + q2·ks),
+∂kc/∂φ = ks, ∂ks/∂φ = −kc. Visibility: key j is visible to query i < L iff j ≤ i, same document and i − j < window;
+invisible gates are 0. Every walk visits only the key blocks that reach into the window (O(L·window) work).
+
+The rotary score of a tile: per chunk of BD pairs, the phases [BD, BQ, BK] = ω[:, None, None]·Δ, their sin and cos
+from one Cody–Waite reduction and two polynomials (`_sincos`: multiply-adds, which Triton contracts into FMAs, and
+selects; no libdevice), the keys rotated once for the H heads (kc, ks [BD, BQ, BK]), and Σ_d (q1·kc + q2·ks) of each
+head added to its [BQ, BK] scores. The pairs lead the tiles' shapes: Triton's default layouts then give every thread
+all BD pairs of its (row, key) positions, so the sum over a chunk is in-thread adds (no shuffles) and the chunk loop
+needs no layout conversion through shared memory (checked on the sm_90 PTX). The chunks' q, k and ω load straight
+from memory (L1-resident; Triton cannot slice registers). Gate logits are float32-accurate for float32 inputs
+(TF32×3 dots); the softmax runs in base 2 (log2 e folded into sm_scale; the saved row statistic is lse·log2 e).
+
+Kernels (every matrix product a `tl.dot` with sides >= 16):
+- forward, grid (⌈L/BQ⌉, B, Hq/H), the longest rows first: walks key blocks in reverse from the diagonal carrying
+  the per-row suffix sum of z, online softmax over the stacked [H·BQ, BK] scores, PV as one [H·BQ, BK]×[BK, DP] dot;
+  writes o and the rows' lse·log2 e.
+- backward, the same grid, one kernel for dq, dk and dv: the same reverse walk. Per tile: the gates, the scores
+  (first trig pass), P, dV += Pᵀ dO and dP = dO Vᵀ (one dot each for the H heads), dS; a second trig pass adds
+  sm_scale·Σ_j dS (kc, ks) to dq, the keys' share (summed over the H heads) to dk, and accumulates
+  dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc). The gate gradient dz_it = Tot_i − Suf_it with
+  Suf_it = Σ_{j≥t} dΔ_ij (carried along the walk) and Tot_i = Σ_j dΔ_ij: dq^leader = sm_scale·(Tot·U − S) with
+  U = Σ_t z'_it k_t and S = Σ_t Suf_it z'_it k_t accumulated in registers and added once at the end; dk gets its
+  −Suf part per tile, and its Tot part from a second, gates-only walk (one logit dot and one dk dot per tile, no
+  trig). These gate products are float32-accurate (TF32×3): the two parts may nearly cancel.
+  dq, dk, dv are zero-initialised float32 outputs that the programs add to with relaxed atomics (no fences): the heads
+  of a group share dk, dv and their leader's dq, so float32 sums are not bitwise reproducible on a GPU.
+Memory: O(L) per head — o, the row statistics and the float32 gradients; no L×L array anywhere. A traced sm_scale
+is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q and sm_scale only
+through sm_scale·q).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from jaxpe.kernels._checks import check_corope_inputs, check_pallas_settings, open_attention
+from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
+                                   check_block_sizes, check_head_dim, filled, next_power_of_two, output_struct,
+                                   rotary_frequencies, tile_extent, vary_alike)
+from jaxpe.kernels._triton_launch import launch, require
+from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
+
+TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what impl="triton" takes
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_MASK = tl.constexpr(MASK_VALUE)  # a finite logit (base 2) for invisible keys
+_ACCURATE = tl.constexpr("tf32x3")  # float32-accurate tensor-core products (three TF32 dots)
+_TWO_OVER_PI_C = tl.constexpr(_TWO_OVER_PI)
+_PIO2_1_C, _PIO2_2_C, _PIO2_3_C = tl.constexpr(_PIO2_1), tl.constexpr(_PIO2_2), tl.constexpr(_PIO2_3)
+_S1, _S2, _S3 = (tl.constexpr(c) for c in _SIN_COEFFS)
+_C1, _C2, _C3 = (tl.constexpr(c) for c in _COS_COEFFS)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the forward and of the backward kernel; None: the default (`BlockSizes.default`). Rows and keys
+    are powers of two >= 16 (Triton dots), block_d a power of two >= 1, block_h and block_h_bwd positive ints (the
+    largest power of two not above them that divides G is used: H·BQ is a dot's side); blocks larger than the problem
+    shrink (`fitted`).
+
+    The rotary temporaries are [block_d, block_q, block_k] float32, the per-head products
+    [block_d, block_h, block_q, block_k]: keep their product small (registers).
+    """
+
+    block_q: int | None = None  # forward: query rows per program
+    block_k: int | None = None  # forward: keys per step of the reverse walk
+    block_q_bwd: int | None = None  # backward: query rows per program
+    block_k_bwd: int | None = None  # backward: keys per step
+    block_d: int | None = None  # rotary pairs per chunk (both kernels)
+    block_h: int | None = None  # forward: query heads of one group per program (they share the trig)
+    block_h_bwd: int | None = None  # backward: the same
+
+    def __post_init__(self) -> None:
+        check_block_sizes(self)
+
+    @classmethod
+    def default(cls, head_dim: int) -> BlockSizes:
+        """16 query rows × 32 keys per tile, chunks of 4 rotary pairs, up to 4 heads per forward program and 2 per
+        backward program; for D > 128 half the heads and backward tiles of 16 keys (the [·, DP] tiles fill the
+        registers). Chosen from ptxas's register reports for sm_90 at 8 warps: no spills for D <= 128 in any dtype,
+        nor for bfloat16/float16 at D 256."""
+        if head_dim > 128:
+            return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=4, block_h=2, block_h_bwd=1)
+        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4, block_h_bwd=2)
+
+    def fitted(self, *, length: int, head_dim: int, groups: int) -> BlockSizes:
+        """Every size given (None: `default`'s), rows and keys capped at the next power of two >= length (and >= 16),
+        block_d at the next power of two >= D/2, the head blocks at the largest power of two dividing G not above
+        them."""
+        sizes = filled(self, BlockSizes.default(head_dim))
+        cap, half = tile_extent(length), next_power_of_two(head_dim // 2)
+
+        def heads(name: str) -> int:
+            return max(h for h in (1, 2, 4, 8, 16, 32, 64) if h <= sizes[name] and groups % h == 0)
+
+        return BlockSizes(block_q=min(sizes["block_q"], cap), block_k=min(sizes["block_k"], cap),
+                          block_q_bwd=min(sizes["block_q_bwd"], cap), block_k_bwd=min(sizes["block_k_bwd"], cap),
+                          block_d=min(sizes["block_d"], half), block_h=heads("block_h"),
+                          block_h_bwd=heads("block_h_bwd"))
+
+
+DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call, fitted to its shapes (hashable: the jit static argument and the custom_vjp's
+    non-differentiable one)."""
+
+    groups: int  # G
+    blocks: BlockSizes  # fitted to L, D and G
+    num_warps: int
+    num_stages: int
+    window: int | None  # keys i − window < j ≤ i are visible; None: the whole causal prefix
+
+
+# --- device code -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sincos(x):
+    """(sin x, cos x) of float32 x, as `_common.sincos`: k = round(x·2/π), r = x − k·π/2 in three exact parts, Cephes
+    polynomials on [−π/4, π/4], quadrant selects."""
+    k = tl.floor(x * _TWO_OVER_PI_C + 0.5)
+    r = x - k * _PIO2_1_C - k * _PIO2_2_C - k * _PIO2_3_C
+    r2 = r * r
+    sin_r = r * r2 * ((_S3 * r2 + _S2) * r2 + _S1) + r
+    cos_r = r2 * r2 * ((_C3 * r2 + _C2) * r2 + _C1) + (1.0 - 0.5 * r2)
+    n = k.to(tl.int32)
+    odd = (n & 1) != 0
+    sin_x = tl.where(odd, cos_r, sin_r)
+    cos_x = tl.where(odd, sin_r, cos_r)
+    return tl.where((n & 2) != 0, -sin_x, sin_x), tl.where(((n + 1) & 2) != 0, -cos_x, cos_x)
+
+
+@triton.jit
+def _visible(seg_base, rows, cols, length, window, HAS_SEG: tl.constexpr):
+    """Mask [R, BK] of rows [R] and cols [BK]: causal, a real row (< L), inside the window, the same document
+    (segment ids at seg_base [L], read only with HAS_SEG)."""
+    r = rows[:, None]
+    c = cols[None, :]
+    mask = (c <= r) & (r < length) & (r - c < window)
+    if HAS_SEG:
+        seg_rows = tl.load(seg_base + rows, mask=rows < length, other=-1)
+        seg_cols = tl.load(seg_base + cols, mask=cols < length, other=-2)
+        mask = mask & (seg_rows[:, None] == seg_cols[None, :])
+    return mask
+
+
+@triton.jit
+def _gates(lead, k_base, cols, mask, gate_scale, length, stride_k, D: tl.constexpr, DP: tl.constexpr,
+           PRECISION: tl.constexpr):
+    """lead [BQ, DP] (the leader's rows), the keys cols [BK] of k_base -> (gates z [BQ, BK], 0 where `mask` is
+    False; the keys kᵀ [DP, BK]). gate_scale = sm_scale·log2 e."""
+    d = tl.arange(0, DP)
+    kt = tl.load(k_base + cols[None, :] * stride_k + d[:, None], mask=(cols < length)[None, :] & (d < D)[:, None],
+                 other=0.0)
+    logits = tl.dot(lead, kt, input_precision=PRECISION)
+    return tl.where(mask, 1.0 / (1.0 + tl.exp2(-gate_scale * logits)), 0.0), kt
+
+
+@triton.jit
+def _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH: tl.constexpr, BD: tl.constexpr):
+    """The chunk of pairs lo .. lo + BD − 1 for Δ [BQ, BK]: ω [BD], cos φ, sin φ, kc, ks [BD, BQ, BK]."""
+    d = lo + tl.arange(0, BD)
+    omega = tl.load(freq_ptr + d, mask=d < DH, other=0.0)
+    sin, cos = _sincos(omega[:, None, None] * delta[None, :, :])
+    at = k_base + d[:, None, None] + cols[None, None, :] * stride_k
+    inside = (d < DH)[:, None, None] & (cols < length)[None, None, :]
+    k1 = tl.load(at, mask=inside, other=0.0).to(tl.float32)  # [BD, 1, BK]
+    k2 = tl.load(at + DH, mask=inside, other=0.0).to(tl.float32)
+    return omega, cos, sin, k1 * cos + k2 * sin, k2 * cos - k1 * sin
+
+
+@triton.jit
+def _query_chunk(q_base, rows, lo, length, stride_q, H: tl.constexpr, DH: tl.constexpr, BD: tl.constexpr):
+    """(q1, q2) [BD, H, BQ, 1] float32 of the H heads from q_base (the first one's column 0) at the pairs
+    lo .. lo + BD − 1."""
+    d = lo + tl.arange(0, BD)
+    heads = tl.arange(0, H)
+    at = q_base + d[:, None, None, None] + heads[None, :, None, None] * (2 * DH) + rows[None, None, :, None] * stride_q
+    inside = (d < DH)[:, None, None, None] & (rows < length)[None, None, :, None]
+    return (tl.load(at, mask=inside, other=0.0).to(tl.float32),
+            tl.load(at + DH, mask=inside, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _scores(delta, q_base, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr, BD: tl.constexpr):
+    """Raw scores [H·BQ, BK] Σ_d (q1·kc + q2·ks) of the H heads (without sm_scale) for Δ [BQ, BK]."""
+    acc = tl.zeros((H, BQ, BK), tl.float32)
+    for lo in range(0, DH, BD):
+        _, _, _, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD)
+        q1, q2 = _query_chunk(q_base, rows, lo, length, stride_q, H, DH, BD)
+        acc += tl.sum(q1 * kc[:, None, :, :] + q2 * ks[:, None, :, :], 0)
+    return tl.reshape(acc, (H * BQ, BK))
+
+
+@triton.jit
+def _rotary_backward(ds, delta, q_base, dq_base, k_base, dk_base, freq_ptr, rows, cols, length, stride_q, stride_k,
+                     sm_scale, H: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr,
+                     BD: tl.constexpr):
+    """The second trig pass of a tile, dS [H·BQ, BK]: adds sm_scale·Σ_j dS (kc, ks) to dq at dq_base (the first
+    head's column 0) and the keys' share to dk at dk_base; returns Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc) [BQ, BK]."""
+    ds4 = tl.reshape(ds, (H, BQ, BK))[None, :, :, :]
+    heads = tl.arange(0, H)
+    d_delta = tl.zeros((BQ, BK), tl.float32)
+    for lo in range(0, DH, BD):
+        omega, cos, sin, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD)
+        q1, q2 = _query_chunk(q_base, rows, lo, length, stride_q, H, DH, BD)
+        d = lo + tl.arange(0, BD)
+        dq_at = dq_base + d[:, None, None] + heads[None, :, None] * (2 * DH) + rows[None, None, :] * stride_q
+        dq_inside = (d < DH)[:, None, None] & (rows < length)[None, None, :]
+        tl.atomic_add(dq_at, sm_scale * tl.sum(ds4 * kc[:, None, :, :], 3), mask=dq_inside, sem="relaxed")
+        tl.atomic_add(dq_at + DH, sm_scale * tl.sum(ds4 * ks[:, None, :, :], 3), mask=dq_inside, sem="relaxed")
+        dsq1 = tl.sum(ds4 * q1, 1)  # Σ_h dS^h q1^h, [BD, BQ, BK]
+        dsq2 = tl.sum(ds4 * q2, 1)
+        dk_at = dk_base + d[:, None] + cols[None, :] * stride_k
+        dk_inside = (d < DH)[:, None] & (cols < length)[None, :]
+        tl.atomic_add(dk_at, sm_scale * tl.sum(dsq1 * cos - dsq2 * sin, 1), mask=dk_inside, sem="relaxed")
+        tl.atomic_add(dk_at + DH, sm_scale * tl.sum(dsq1 * sin + dsq2 * cos, 1), mask=dk_inside, sem="relaxed")
+        d_delta += tl.sum((dsq1 * ks - dsq2 * kc) * omega[:, None, None], 0)
+    return d_delta
+
+
+@triton.jit
+def _key_blocks(qb, window, BQ: tl.constexpr, BK: tl.constexpr):
+    """(last, count): query block qb walks key blocks last, last − 1, ..., last − count + 1, from the one holding its
+    last row's diagonal down to the one holding key qb·BQ − window + 1 (key 0 without a window: window = L)."""
+    last = ((qb + 1) * BQ - 1) // BK
+    return last, last + 1 - tl.maximum(qb * BQ - window + 1, 0) // BK
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, window, num_heads, o_ptr, lse_ptr,
+                    D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                    H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr):
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D], ω [Dh] float32, segment ids [B, L] int32 (read with HAS_SEG), sm_scale
+    [1] float32 -> o [B, L, Hq, D], lse·log2 e [B, Hq, L] float32. window = L when there is none."""
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest walks start first
+    b = tl.program_id(1).to(tl.int64)
+    head0 = tl.program_id(2) * H
+    kv_head = head0 // G
+    stride_q, stride_k = num_heads * D, (num_heads // G) * D
+    q_base = q_ptr + b * length * stride_q
+    k_base = k_ptr + b * length * stride_k + kv_head * D
+    v_base = v_ptr + b * length * stride_k + kv_head * D
+    seg_base = seg_ptr + b * length
+    sm_scale = tl.load(scale_ptr)
+    rows = qb * BQ + tl.arange(0, BQ)
+    stacked = tl.arange(0, H * BQ)
+    rows_s, heads_s = qb * BQ + stacked % BQ, head0 + stacked // BQ  # the stacked rows' query rows and heads
+    d = tl.arange(0, DP)
+    lead = tl.load(q_base + rows[:, None] * stride_q + kv_head * G * D + d[None, :],
+                   mask=(rows < length)[:, None] & (d < D)[None, :], other=0.0)
+    last, steps = _key_blocks(qb, window, BQ, BK)
+    z_suffix = tl.zeros((BQ,), tl.float32)
+    m = tl.full((H * BQ,), float("-inf"), tl.float32)
+    l = tl.zeros((H * BQ,), tl.float32)
+    acc = tl.zeros((H * BQ, DP), tl.float32)
+    for step in range(0, steps):
+        cols = (last - step) * BK + tl.arange(0, BK)
+        mask = _visible(seg_base, rows, cols, length, window, HAS_SEG)
+        z, _ = _gates(lead, k_base, cols, mask, sm_scale * _LOG2E, length, stride_k, D, DP, PRECISION)
+        delta = z_suffix[:, None] + tl.cumsum(z, 1, reverse=True) - z
+        raw = _scores(delta, q_base + head0 * D, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H, BQ,
+                      BK, D // 2, BD)
+        visible = _visible(seg_base, rows_s, cols, length, window, HAS_SEG)
+        s = tl.where(visible, raw * (sm_scale * _LOG2E), _MASK)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * stride_k + d[None, :], mask=(cols < length)[:, None] & (d < D)[None, :],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+        z_suffix += tl.sum(z, 1)
+    l = tl.where(l > 0.0, l, 1.0)  # padding rows (>= L) see no key
+    real = rows_s < length
+    tl.store(o_ptr + b * length * stride_q + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
+             (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=real[:, None] & (d < D)[None, :])
+    tl.store(lse_ptr + (b * num_heads + heads_s) * length + rows_s, m + tl.log2(l), mask=real)
+
+
+@triton.jit
+def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr, seg_ptr, scale_ptr, length, window,
+                     num_heads, dq_ptr, dk_ptr, dv_ptr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                     BK: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """q/do [B, L, Hq, D], k/v [B, L, Hkv, D], lse·log2 e and row_dot = Σ_d dO·O [B, Hq, L] float32, ω, segment ids,
+    sm_scale as in the forward -> dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] float32 (zeros in, added to)."""
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head0 = tl.program_id(2) * H
+    kv_head = head0 // G
+    stride_q, stride_k = num_heads * D, (num_heads // G) * D
+    q_base = q_ptr + b * length * stride_q
+    dq_base = dq_ptr + b * length * stride_q
+    k_base = k_ptr + b * length * stride_k + kv_head * D
+    v_base = v_ptr + b * length * stride_k + kv_head * D
+    dk_base = dk_ptr + b * length * stride_k + kv_head * D
+    dv_base = dv_ptr + b * length * stride_k + kv_head * D
+    seg_base = seg_ptr + b * length
+    sm_scale = tl.load(scale_ptr)
+    rows = qb * BQ + tl.arange(0, BQ)
+    stacked = tl.arange(0, H * BQ)
+    rows_s, heads_s = qb * BQ + stacked % BQ, head0 + stacked // BQ
+    d = tl.arange(0, DP)
+    columns = (d < D)[None, :]
+    lead = tl.load(q_base + rows[:, None] * stride_q + kv_head * G * D + d[None, :],
+                   mask=(rows < length)[:, None] & columns, other=0.0)
+    lead32 = lead.to(tl.float32)
+    real = rows_s < length
+    do = tl.load(do_ptr + b * length * stride_q + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
+                 mask=real[:, None] & columns, other=0.0)
+    stats = (b * num_heads + heads_s) * length + rows_s
+    lse = tl.load(lse_ptr + stats, mask=real, other=0.0)
+    row_dot = tl.load(row_dot_ptr + stats, mask=real, other=0.0)
+    last, steps = _key_blocks(qb, window, BQ, BK)
+    gate_scale = sm_scale * _LOG2E
+    z_suffix = tl.zeros((BQ,), tl.float32)
+    dd_suffix = tl.zeros((BQ,), tl.float32)
+    s_acc = tl.zeros((BQ, DP), tl.float32)  # Σ_t Suf_it z'_it k_t
+    for step in range(0, steps):
+        cols = (last - step) * BK + tl.arange(0, BK)
+        keys = (cols < length)[:, None] & columns
+        mask = _visible(seg_base, rows, cols, length, window, HAS_SEG)
+        z, kt = _gates(lead, k_base, cols, mask, gate_scale, length, stride_k, D, DP, PRECISION)
+        delta = z_suffix[:, None] + tl.cumsum(z, 1, reverse=True) - z
+        raw = _scores(delta, q_base + head0 * D, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H, BQ,
+                      BK, D // 2, BD)
+        visible = _visible(seg_base, rows_s, cols, length, window, HAS_SEG)
+        p = tl.where(visible, tl.exp2(raw * gate_scale - lse[:, None]), 0.0)  # [H·BQ, BK]
+        vt = tl.load(v_base + cols[None, :] * stride_k + d[:, None], mask=(cols < length)[None, :] & (d < D)[:, None],
+                     other=0.0)
+        tl.atomic_add(dv_base + cols[:, None] * stride_k + d[None, :], tl.dot(tl.trans(p.to(do.dtype)), do),
+                      mask=keys, sem="relaxed")
+        ds = p * (tl.dot(do, vt) - row_dot[:, None])
+        d_delta = sm_scale * _rotary_backward(ds, delta, q_base + head0 * D, dq_base + head0 * D, k_base, dk_base,
+                                              freq_ptr, rows, cols, length, stride_q, stride_k, sm_scale, H, BQ, BK,
+                                              D // 2, BD)
+        suffix = dd_suffix[:, None] + tl.cumsum(d_delta, 1, reverse=True)  # Suf_it = Σ_{j≥t} dΔ_ij
+        weight = suffix * z * (1.0 - z)  # z' = z(1 − z) is 0 where invisible
+        s_acc += tl.dot(weight, tl.trans(kt).to(tl.float32), input_precision=_ACCURATE)
+        tl.atomic_add(dk_base + cols[:, None] * stride_k + d[None, :],
+                      -sm_scale * tl.dot(tl.trans(weight), lead32, input_precision=_ACCURATE), mask=keys,
+                      sem="relaxed")
+        z_suffix += tl.sum(z, 1)
+        dd_suffix += tl.sum(d_delta, 1)
+    dq_lead = dq_base + rows[:, None] * stride_q + kv_head * G * D + d[None, :]
+    lead_rows = (rows < length)[:, None] & columns
+    tl.atomic_add(dq_lead, -sm_scale * s_acc, mask=lead_rows, sem="relaxed")
+    total = dd_suffix  # Tot_i = Σ_j dΔ_ij
+    u = tl.zeros((BQ, DP), tl.float32)  # Σ_t z'_it k_t
+    for step in range(0, steps):  # the Tot part: the gates again, no trig
+        cols = (last - step) * BK + tl.arange(0, BK)
+        mask = _visible(seg_base, rows, cols, length, window, HAS_SEG)
+        z, kt = _gates(lead, k_base, cols, mask, gate_scale, length, stride_k, D, DP, PRECISION)
+        z_prime = z * (1.0 - z)
+        u += tl.dot(z_prime, tl.trans(kt).to(tl.float32), input_precision=_ACCURATE)
+        tl.atomic_add(dk_base + cols[:, None] * stride_k + d[None, :],
+                      sm_scale * tl.dot(tl.trans(total[:, None] * z_prime), lead32, input_precision=_ACCURATE),
+                      mask=(cols < length)[:, None] & columns, sem="relaxed")
+    tl.atomic_add(dq_lead, sm_scale * total[:, None] * u, mask=lead_rows, sem="relaxed")
+
+
+# --- host code -------------------------------------------------------------------------------------------------------
+
+
+def _kernel_settings(config: _Config, q: jax.Array, segment_ids: jax.Array | None, *, backward: bool) -> dict:
+    """The launch's grid and keyword arguments for q [B, L, Hq, D]."""
+    batch, length, num_heads, d = q.shape
+    blocks = config.blocks
+    bq, bk, h = ((blocks.block_q_bwd, blocks.block_k_bwd, blocks.block_h_bwd) if backward
+                 else (blocks.block_q, blocks.block_k, blocks.block_h))
+    return dict(grid=(-(-length // bq), batch, num_heads // h), num_warps=config.num_warps,
+                num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk, BD=blocks.block_d, H=h,
+                G=config.groups, HAS_SEG=segment_ids is not None,
+                PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32")
+
+
+def _scalars(q: jax.Array, config: _Config) -> list[int]:
+    """length, window (L when there is none), Hq: the kernels' integer parameters."""
+    return [q.shape[1], config.window or q.shape[1], q.shape[2]]
+
+
+def _segments(segment_ids: jax.Array | None) -> jax.Array:
+    """The segment-id operand: the ids [B, L] int32, or a placeholder the kernels never read."""
+    return jnp.zeros((1,), jnp.int32) if segment_ids is None else segment_ids
+
+
+def _forward_call(config: _Config, q, k, v, omega, segment_ids, scale) -> tuple[jax.Array, jax.Array]:
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D], ω [Dh], segment ids [B, L] or None, sm_scale [1] -> o [B, L, Hq, D],
+    lse·log2 e [B, Hq, L] float32."""
+    batch, length, num_heads, _ = q.shape
+    o, lse = launch(_forward_kernel, [q, k, v, omega, _segments(segment_ids), scale, *_scalars(q, config)],
+                    out_shapes=[output_struct(q.shape, q.dtype, q),
+                                output_struct((batch, num_heads, length), jnp.float32, q)],
+                    name="corope_triton_forward", **_kernel_settings(config, q, segment_ids, backward=False))
+    return o, lse
+
+
+def _backward_call(config: _Config, q, k, v, do, lse, row_dot, omega, segment_ids, scale
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The forward's inputs, do [B, L, Hq, D], lse·log2 e and row_dot [B, Hq, L] -> dq [B, L, Hq, D], dk, dv
+    [B, L, Hkv, D] float32."""
+    dq, dk, dv = launch(_backward_kernel,
+                        [q, k, v, do, lse, row_dot, omega, _segments(segment_ids), scale, *_scalars(q, config)],
+                        out_shapes=[output_struct(x.shape, jnp.float32, q) for x in (q, k, v)], zeroed=(0, 1, 2),
+                        name="corope_triton_backward", **_kernel_settings(config, q, segment_ids, backward=True))
+    return dq, dk, dv
+
+
+@jax.custom_jvp
+def _differentiable_once(x: jax.Array) -> jax.Array:
+    """x, in the custom VJP's forward rule: differentiating that rule (second order) raises a clear error instead of
+    failing inside the kernel call."""
+    return x
+
+
+@_differentiable_once.defjvp
+def _differentiable_once_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    raise NotImplementedError("impl='triton' is differentiable once (a custom VJP over fused kernels): a second "
+                              "derivative (grad of grad, jvp of grad) needs impl='blockwise' or impl='reference'")
+
+
+def _corope_triton_fwd(q, k, v, segment_ids, omega, scale, config: _Config):
+    q, k, v, scale = (_differentiable_once(x) for x in (q, k, v, scale))
+    o, lse = _forward_call(config, q, k, v, omega, segment_ids, scale)
+    return o, (q, k, v, o, lse, omega, segment_ids, scale)
+
+
+def _corope_triton_bwd(config: _Config, residuals, do):
+    q, k, v, o, lse, omega, segment_ids, scale = residuals
+    do = do.astype(o.dtype)
+    row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))  # Σ_d dO·O
+    dq, dk, dv = _backward_call(config, q, k, v, do, lse, row_dot, omega, segment_ids, scale)
+    d_scale = jnp.reshape(jnp.sum(dq * q.astype(jnp.float32)), (1,)) / scale
+    # Segment ids are integers; ω is a constant (see caller_frequencies).
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _corope_triton(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
+                   scale: jax.Array, config: _Config) -> jax.Array:
+    return _corope_triton_fwd(q, k, v, segment_ids, omega, scale, config)[0]
+
+
+_corope_triton.defvjp(_corope_triton_fwd, _corope_triton_bwd)
+_corope_triton_jit = jax.jit(_corope_triton, static_argnums=(6,))
+
+
+def triton_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
+    """The error impl='triton' raises for these inputs (None when it takes them): the fused kernels are causal and
+    take float32, bfloat16 or float16 and static shapes (not jax.export's symbolic ones). impl='blockwise' takes them
+    all."""
+    if not causal:
+        return ValueError("causal=False is not supported by impl='triton' (the fused kernels are causal); "
+                          "impl='blockwise' and impl='reference' are bidirectional with causal=False")
+    if q.dtype not in TRITON_DTYPES:
+        return TypeError(f"q.dtype={q.dtype} is not supported by impl='triton', which takes float32, bfloat16 or "
+                         f"float16 (impl='blockwise' and impl='reference' take any floating dtype)")
+    if not all(isinstance(n, int) for n in q.shape):
+        return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export): impl='triton' needs static shapes; "
+                          f"impl='blockwise' and impl='reference' export with a symbolic batch and length")
+    return None
+
+
+def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
+                            sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            segment_ids: jax.Array | None = None, window: int | None = None,
+                            inv_freq: jax.Array | None = None, causal: bool = True) -> jax.Array:
+    """Fused causal Co-RoPE attention in Triton. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32, bfloat16 or float16,
+    D even and at most 256) -> [B, L, Hq, D].
+
+    sm_scale: a number or a traced scalar (a learned temperature, differentiated); None: D^−½.
+    segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
+    window: int >= 1, query i sees keys i − window < j ≤ i (tiles outside it are never visited), None: all.
+    inv_freq: float [D/2] rotary frequencies replacing θ^(−2d/D) (`theta` is then unused); a constant, not
+    differentiated. Differentiable once in q, k, v and sm_scale (one fused backward kernel). block_sizes (None
+    fields: `BlockSizes.default`), num_warps and num_stages (defaults 8 and 2) tune the compiled kernels; on CPU
+    they run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). causal=False, other dtypes
+    and symbolic shapes raise (`triton_refusal`).
+    """
+    check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
+    refusal = triton_refusal(q, causal=causal)
+    if refusal is not None:
+        raise refusal
+    check_head_dim(q.shape[3])
+    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    check_inv_freq(inv_freq, q.shape[3])
+    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    if empty:
+        return jnp.zeros(q.shape, q.dtype)
+    require()
+    groups = q.shape[2] // k.shape[2]
+    config = _Config(groups=groups, blocks=(block_sizes or BlockSizes()).fitted(
+        length=q.shape[1], head_dim=q.shape[3], groups=groups), num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_stages=num_stages or DEFAULT_NUM_STAGES, window=window)
+    scale = jnp.reshape(jnp.asarray(q.shape[3] ** -0.5 if sm_scale is None else sm_scale, jnp.float32), (1,))
+    q, k, v, scale = vary_alike(q, k, v, scale)  # one manual-axis type inside the kernels under shard_map
+    omega = caller_frequencies(inv_freq)
+    if omega is None:
+        omega = rotary_frequencies(q.shape[3], theta)
+    return _corope_triton_jit(q, k, v, segment_ids, omega, scale, config)
