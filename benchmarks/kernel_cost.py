@@ -390,21 +390,24 @@ _COMPARE = {"LT": lambda x, y: x < y, "LE": lambda x, y: x <= y, "GT": lambda x,
             "GE": lambda x, y: x >= y, "EQ": lambda x, y: x == y, "NE": lambda x, y: x != y}
 
 
-def _entry_value(fn: Function, blocks: Sequence[Block], block: int, register: str, seen: set[int] | None = None
-                 ) -> int | None:
-    """The constant `register` holds when control leaves `block` at its end, if every path from the entry (through
-    earlier blocks) sets the same constant."""
-    seen = set() if seen is None else seen
-    if block in seen:
-        return None
-    seen.add(block)
-    for inst in reversed(fn.instructions[blocks[block].start:blocks[block].end]):
-        if register in _written(inst):
-            return _constant_write(inst) if _written(inst)[0] == register else (
-                0 if inst.base == "CS2R" and inst.args[1] == "SRZ" else None)
-    earlier = [p for p, b in enumerate(blocks) if block in b.successors and p < block]
-    values = {_entry_value(fn, blocks, p, register, seen) for p in earlier}
-    return values.pop() if len(values) == 1 and earlier else None
+def _entry_value(fn: Function, blocks: Sequence[Block], block: int, register: str) -> int | None:
+    """The constant `register` holds when control leaves `block`, if every path to it through earlier blocks sets the
+    same constant (the last write on each path)."""
+    values, seen, todo = set(), set(), [block]
+    while todo:
+        b = todo.pop()
+        if b in seen:
+            continue
+        seen.add(b)
+        for inst in reversed(fn.instructions[blocks[b].start:blocks[b].end]):
+            if register in (written := _written(inst)):
+                values.add(_constant_write(inst) if written[0] == register or inst.base == "CS2R" else None)
+                break
+        else:
+            earlier = [p for p in range(b) if b in blocks[p].successors]
+            values.update([] if earlier else [None])  # the entry reached without a write: unknown
+            todo.extend(earlier)
+    return values.pop() if len(values) == 1 else None
 
 
 def trip_count(fn: Function, blocks: Sequence[Block], loop: Loop, limit: int = 4096) -> int:
@@ -1024,6 +1027,27 @@ def markdown(data: dict[str, Any]) -> str:
         lines += _table_rows(e, f"{e['variant']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} | {e['kernel']}")
     a = data["authors"]
     lines += ["", "## The Co-RoPE authors' Triton forward", "", _authors_sentence(a)]
+    return "\n".join(lines) + "\n"
+
+
+def summary(data: dict[str, Any]) -> str:
+    """The short table of docs/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
+    logit: instructions, the bound and its pipe (CoPE's clamped tiles beside), and the ratios to plain attention."""
+    lines = ["| op | dtype | D | kernel | BQ×BK×H/warps | inst/logit | clk/logit (pipe) | clamped clk/logit "
+             "| plain clk/logit | ratio | plain defaults clk/logit | ratio to defaults |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in data["kernels"]:
+        if e["kv_heads"] != 2 or e["npos"] not in (None, 64) or e["kernel"] == "forward_train" or e["error"]:
+            continue
+        clamped = [f"{loop['per_logit']['bound']:.2f}" for loop in e["loops"] if not loop["counted"]]
+        plain = e.get("plain") or {}
+        cells = []
+        for base in (plain.get("same_tiles"), plain.get("defaults")):
+            cells += ["—", "—"] if base is None else [f"{base['bound']:.2f}", f"{base['ratio']:.1f}"]
+        lines.append(f"| {e['op']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} | {e['kernel']} "
+                     f"| {e['block_q']}×{e['block_k']}×{e['heads_per_program']}/{e['num_warps']} "
+                     f"| {e['per_logit']['instructions']:.1f} | {e['per_logit']['bound']:.2f} "
+                     f"{e['per_logit']['bound_pipe']} | {clamped[0] if clamped else '—'} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
