@@ -20,8 +20,8 @@ inside its window: they restart at each document.
 sm_scale may be a traced scalar (a learned temperature, differentiable) in every impl; its value is checked only
 where it is concrete.
 
-x-transformers' CoPE variants (off by default; dense, so impl "auto" runs the reference and "blockwise"/"pallas"
-refuse them):
+x-transformers' CoPE variants (off by default; dense, so impl "auto" runs the reference and "blockwise", "pallas"
+and "triton" refuse them):
 - soft one-hot readout (`soft_onehot_temp`): pos_ij = Σ_p softmax_p(−|p_ij − p| / temp)·z_ip over p = 0..npos − 1
   instead of the linear interpolation (an [L, L, npos] tensor per head);
 - talking heads (`talking_heads`, a learned [Hq, Hq] matrix W, identity at init): the gate logits
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_impl
+from jaxpe.dispatch import resolve_impl, run_for_platform
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
@@ -46,8 +46,9 @@ from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
-from jaxpe.validation import (check_bool, check_choice, check_cope_inputs, check_impl, check_int, check_npos,
-                              check_padding_mask, check_positive, check_positive_number, check_qkv, open_attention)
+from jaxpe.validation import (FUSED_IMPLS, check_bool, check_choice, check_cope_inputs, check_impl, check_int,
+                              check_npos, check_padding_mask, check_positive, check_positive_number, check_qkv,
+                              open_attention)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -73,7 +74,7 @@ def check_soft_onehot_temp(soft_onehot_temp: float | None) -> None:
 def check_dense_impl(impl: str) -> None:
     """The soft one-hot readout and talking heads run only densely: impl must be "auto" or "reference"."""
     check_impl(impl)
-    if impl in ("blockwise", "pallas"):
+    if impl not in ("auto", "reference"):
         raise ValueError(f"impl={impl!r} cannot run CoPE's soft one-hot readout or talking heads: the soft one-hot "
                          f"readout weighs every table row for every (query, key) pair (O(L²·npos)) and talking "
                          f"heads mix the gate logits of all heads, so both are dense only; use impl='auto' or "
@@ -277,15 +278,17 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
 
     sm_scale: None (D^−½), a number > 0, or a traced scalar (a learned temperature: differentiable in every impl).
     causal=False: bidirectional attention, positions counted from the query to the key in either direction (module
-    docstring); impl "reference" and "blockwise" ("auto" picks one of them), not "pallas".
+    docstring); impl "reference" and "blockwise" ("auto" picks one of them), not "pallas" or "triton".
     segment_ids [B, L] int: packed documents (keys visible only from queries with the same id; positions restart at
     each document); padding_mask bool [B, L], False on padding: keys no real token sees, no gate either (outputs at
     padding are meaningless); window: each query sees itself and the window − 1 keys before it (and after it when
-    bidirectional; blocks outside are skipped by "blockwise" and "pallas"). soft_onehot_temp (> 0) and
+    bidirectional; blocks outside are skipped by "blockwise" and the fused kernels). soft_onehot_temp (> 0) and
     talking_heads [Hq, Hq]: x-transformers' variants, dense only (the reference path).
-    impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel)
-    or "auto" (dense ones run by causal query blocks, `cope_attention_causal`: the same result up to float rounding,
-    which can move a position across an integer and so pick the other one-sided slope of the interpolation).
+    impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels
+    in Pallas, lowered to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter
+    on CPU; `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "pallas" when lowered for CUDA,
+    dense ones run by causal query blocks, `cope_attention_causal`: the same result up to float rounding, which can
+    move a position across an integer and so pick the other one-sided slope of the interpolation).
     A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
@@ -293,8 +296,8 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     _, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
     check_soft_onehot_temp(soft_onehot_temp)
     check_talking_heads(talking_heads, q.shape[2])
-    if not causal and impl == "pallas":
-        raise ValueError("impl='pallas' runs causal CoPE only; for causal=False use impl='blockwise', 'reference' "
+    if not causal and impl in FUSED_IMPLS:
+        raise ValueError(f"impl={impl!r} runs causal CoPE only; for causal=False use impl='blockwise', 'reference' "
                          "or 'auto'")
     if soft_onehot_temp is not None or talking_heads is not None:
         check_dense_impl(impl)
@@ -316,26 +319,37 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     sm_scale = _concrete_or_traced(sm_scale, q.shape[-1])
     dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None
              or extra_logits is not None)
-    chosen = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
+    choice = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=dense)
-    if chosen == "reference":
-        # unless asked for the one-block ground truth, causal self-attention runs by query blocks
-        by_blocks = impl != "reference" and causal and isinstance(length, int) and mask is None
-        if mask is None and not causal:
-            mask = bidirectional_mask(length, segment_ids=segment_ids, window=window)
-        elif mask is None and (segment_ids is not None or window is not None):
-            mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
-        options = dict(sm_scale=sm_scale, gate_k=gate_k, mask=mask, extra_logits=extra_logits,
-                       soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
-        if by_blocks:
-            return cope_attention_causal(q, k, v, pos_emb, **options)
-        return _cope_dense(q, k, v, pos_emb, causal=causal, **options)
-    if chosen == "blockwise":
-        return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
-                                        segment_ids=segment_ids, window=window)
-    from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when the kernel runs
-    return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
-                                 window=window)
+
+    def run(chosen: str, compiled: bool) -> jax.Array:
+        if chosen == "reference":
+            # unless asked for the one-block ground truth, causal self-attention runs by query blocks
+            by_blocks = impl != "reference" and causal and isinstance(length, int) and mask is None
+            visible = mask
+            if mask is None and not causal:
+                visible = bidirectional_mask(length, segment_ids=segment_ids, window=window)
+            elif mask is None and (segment_ids is not None or window is not None):
+                visible = visibility_mask(length, length, segment_ids=segment_ids, window=window)
+            options = dict(sm_scale=sm_scale, gate_k=gate_k, mask=visible, extra_logits=extra_logits,
+                           soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
+            if by_blocks:
+                return cope_attention_causal(q, k, v, pos_emb, **options)
+            return _cope_dense(q, k, v, pos_emb, causal=causal, **options)
+        if chosen == "blockwise":
+            return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
+                                            segment_ids=segment_ids, window=window)
+        if chosen == "triton":
+            from jaxpe.kernels._triton_launch import require  # the extra to install, in words
+            require()
+            from jaxpe.kernels.cope_triton import cope_attention_triton  # Triton loads only when its kernels run
+            return cope_attention_triton(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
+                                         window=window)
+        from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when the kernel runs
+        return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
+                                     window=window, interpret=False if compiled else None)
+
+    return run_for_platform(choice, run)
 
 
 def _concrete_or_traced(sm_scale: float | jax.Array | None, head_dim: int) -> float | jax.Array:
@@ -416,7 +430,7 @@ class CoPEConfig(PEConfig):
     add_relative: bool = False  # "cope+rel": add learned relative position logits
     every: int = 1  # older form of ModelConfig.layer_pe (which it maps to): CoPE on layers 0, every, 2·every, ...
     other_layers: str = "none"  # with `every`: encoding name of the layers without CoPE
-    # x-transformers' variants (dense only: impl "auto" runs the reference path, "blockwise"/"pallas" refuse them).
+    # x-transformers' variants (dense only: impl "auto" runs the reference path, the others refuse them).
     soft_onehot: bool = False  # position logit Σ_p softmax_p(−|p_ij − p| / temp)·z_ip instead of interpolation
     soft_onehot_temp: float = 0.05  # temp of the soft one-hot readout (> 0; small is close to rounding p)
     talking_heads: bool = False  # mix the gate logits across heads with a learned [Hq, Hq] matrix (identity at init)

@@ -15,9 +15,10 @@ causal=False); with every ω_d = 0 it is plain attention.
 
 What each impl supports beyond jit, vmap and grad: "reference" (dense autodiff, forward mode and higher orders as far
 as `masked_softmax_attention` allows), "blockwise" (custom VJP: reverse mode, twice at a static length; no forward
-mode) and "pallas" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes and a concrete sm_scale)
-all run under shard_map (default checks), x64 mode and with a traced sm_scale (a learned temperature, differentiable;
-not pallas); "reference" and "blockwise" export with symbolic batch and length (jax.export).
+mode) and "pallas" and "triton" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes and a
+concrete sm_scale) all run under shard_map (default checks), x64 mode and with a traced sm_scale (a learned
+temperature, differentiable; not the fused kernels); "reference" and "blockwise" export with symbolic batch and
+length (jax.export).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_impl
+from jaxpe.dispatch import resolve_impl, run_for_platform
 from jaxpe.kernels._common import carry_init, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
@@ -152,8 +153,10 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     window: int >= 1, query i sees keys with i − window < j ≤ i (|i − j| < window when bidirectional). Invisible keys
     add nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros
     for the pairs that should not rotate), treated as a constant (not differentiated). sm_scale: a number, or a
-    traced scalar (a learned temperature; differentiable) for every impl but "pallas".
-    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernel) or "auto"; "auto"
+    traced scalar (a learned temperature; differentiable) for every impl but "pallas" and "triton".
+    impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels in Pallas, lowered
+    to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter on CPU;
+    `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "pallas" when lowered for CUDA); "auto"
     runs "blockwise" where it would choose "pallas" for inputs the fused kernel refuses.
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
@@ -178,19 +181,27 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
         from jaxpe.kernels.corope_pallas import pallas_refusal  # loads Pallas
         return pallas_refusal(q, sm_scale=sm_scale, causal=causal)
 
-    chosen = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
+    choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=mask is not None, kernel_refusal=kernel_refusal)
     if mask is not None:  # the mask already holds the documents and the window
         return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale, mask=mask, inv_freq=inv_freq)
-    if chosen == "reference":
-        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale, causal=causal,
-                                          segment_ids=segment_ids, window=window, inv_freq=inv_freq)
     options = dict(theta=theta, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids, window=window,
                    inv_freq=inv_freq)
-    if chosen == "pallas":
+
+    def run(chosen: str, compiled: bool) -> jax.Array:
+        if chosen == "reference":
+            return corope_attention_reference(q, k, v, **options)
+        if chosen == "blockwise":
+            return corope_attention_blockwise(q, k, v, **options)
+        if chosen == "triton":
+            from jaxpe.kernels._triton_launch import require  # the extra to install, in words
+            require()
+            from jaxpe.kernels.corope_triton import corope_attention_triton  # loads Triton
+            return corope_attention_triton(q, k, v, **options)
         from jaxpe.kernels.corope_pallas import corope_attention_pallas  # loads Pallas
-        return corope_attention_pallas(q, k, v, **options)
-    return corope_attention_blockwise(q, k, v, **options)
+        return corope_attention_pallas(q, k, v, **options, interpret=False if compiled else None)
+
+    return run_for_platform(choice, run)
 
 
 class CoRoPECore(nn.Module):

@@ -1,11 +1,14 @@
-"""Choosing an implementation for the contextual attentions: reference, blockwise, pallas, or auto."""
+"""Choosing an implementation for the contextual attentions (reference, blockwise, pallas, triton, or auto) and
+running it for the platform the call is lowered for."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
+from jax import lax
 
 from jaxpe.kernels._common import pallas_unsupported
 from jaxpe.validation import check_impl
@@ -20,19 +23,32 @@ BLOCKWISE_MIN_LENGTH = {"cope": 2048, "corope": 8}
 # Below those lengths the dense path still stays within memory: at most this many entries per [B, Hq, L, L] array
 # (256 MiB in float32), beyond which "auto" runs blockwise at any length.
 DENSE_MAX_ENTRIES = 2**26
+# The GPU that lowering for CUDA on a machine without one targets: an H100, as kernels/_triton_launch.py compiles for.
+LOWERING_COMPUTE_CAPABILITY = "9.0"
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # jax's CUDA plugins (jax[cuda13], jax[cuda12])
+
+
+class Choice(NamedTuple):
+    """The implementation for each platform a call may be lowered for: `cuda` (NVIDIA GPUs) and `other` (CPU, TPU,
+    ROCm). The same impl in both unless "auto" was traced on CPU with a CUDA plugin installed."""
+
+    cuda: str
+    other: str
 
 
 def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_heads: int, causal: bool = True,
-                 dense: bool = False, kernel_refusal: Callable[[], str | None] | None = None) -> str:
-    """The implementation `impl` stands for, for `encoding` ("cope" or "corope") at this length, head dim and
+                 dense: bool = False, kernel_refusal: Callable[[], object | None] | None = None) -> Choice:
+    """The implementations `impl` stands for, for `encoding` ("cope" or "corope") at this length, head dim and
     batch × query heads.
 
     "auto" is "pallas" where the fused kernels compile (an NVIDIA GPU of compute capability 8.0 or more, D <= 256);
     on CPU the dense "reference" below BLOCKWISE_MIN_LENGTH[encoding] while batch_heads·L² <= DENSE_MAX_ENTRIES,
-    "blockwise" otherwise; on any other
-    accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one warning that says why. A symbolic length
-    or batch (`jax.export` with shape polymorphism) is "blockwise" everywhere: it runs at any length in O(L·block)
-    memory. This is the one place that chooses; the entry points have refused what an explicit impl cannot run.
+    "blockwise" otherwise; on any other accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one
+    warning that says why. Traced on CPU with a CUDA plugin installed (`cuda_lowering`), "auto" is that CPU choice
+    for every platform but CUDA, and for CUDA what a GPU would pick ("pallas" for an H100): `run_for_platform` then
+    lowers the one that fits the platform. A symbolic length or batch (`jax.export` with shape polymorphism) is
+    "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one place that chooses; the
+    entry points have refused what an explicit impl cannot run.
 
     causal=False: "auto" never picks "pallas" (the fused kernels are causal). dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
@@ -43,23 +59,66 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     if encoding not in ENCODINGS:
         raise ValueError(f"{encoding=} must be one of {ENCODINGS}")
     if dense:
-        return "reference"
+        return Choice("reference", "reference")
     if impl != "auto":
-        return impl
+        return Choice(impl, impl)
     if not isinstance(length, int) or not isinstance(batch_heads, int):
-        return "blockwise"
+        return Choice("blockwise", "blockwise")
     backend = jax.default_backend()
     if backend == "cpu":
         small = length < BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
-        return "reference" if small else "blockwise"
+        other = "reference" if small else "blockwise"
+        if not cuda_lowering():
+            return Choice(other, other)
+        reason = pallas_unsupported(head_dim, backend="gpu", compute_capability=LOWERING_COMPUTE_CAPABILITY)
+        return Choice(_fused_unless_refused(reason, causal, kernel_refusal), other)
     reason = pallas_unsupported(head_dim, backend=backend,
                                 compute_capability=getattr(jax.devices()[0], "compute_capability", None))
     if reason is not None:
         _warn_once(f"jaxpe: impl='auto' runs the 'blockwise' path instead of the fused 'pallas' kernels: {reason}")
-        return "blockwise"
-    if not causal or (kernel_refusal is not None and kernel_refusal() is not None):
+    chosen = _fused_unless_refused(reason, causal, kernel_refusal)
+    return Choice(chosen, chosen)
+
+
+def _fused_unless_refused(reason: str | None, causal: bool, kernel_refusal: Callable[[], object | None] | None
+                          ) -> str:
+    """"pallas" unless the platform cannot run it (`reason`), the call is bidirectional or the kernel refuses it."""
+    if reason is not None or not causal or (kernel_refusal is not None and kernel_refusal() is not None):
         return "blockwise"
     return "pallas"
+
+
+def cuda_lowering() -> bool:
+    """Whether "auto" stages a CUDA choice beside the CPU one: the default backend is CPU and one of jax's CUDA
+    plugins is installed, so that lowering for CUDA here (`lower(lowering_platforms=("cuda",))`, `jax.export`) is
+    what this environment is set up for. Without a plugin the CUDA branch is not traced: it costs tracing time, and
+    forward mode and second order, which the CPU paths take, fail while tracing the fused kernels' branch."""
+    return jax.default_backend() == "cpu" and _cuda_plugin_installed()
+
+
+@functools.cache
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+
+
+def run_for_platform(choice: Choice, run: Callable[[str, bool], jax.Array]) -> jax.Array:
+    """run(impl, compiled) for the platform being lowered for. Where the choice is one impl and nothing depends on the
+    platform, run(impl, False) (compiled=False: the Pallas kernels interpret or not by the backend). Otherwise
+    `lax.platform_dependent`: run(choice.cuda, True) for CUDA (compiled: Pallas lowered to Triton, not interpreted)
+    and run(choice.other, False) for every other platform; so also "pallas" traced on CPU with a CUDA plugin
+    installed, interpreted on CPU and lowered to Triton for CUDA. Both branches are traced; only the lowered one is
+    compiled.
+
+    Differentiated, a conditional's residuals are those of all its branches, each branch returning zeros for the
+    others': the dense path's [B, H, L/3..L, L] residuals would become arrays of zeros in the CUDA program. So a dense
+    "reference" branch is rematerialised (`jax.checkpoint`: its residuals are its inputs; its backward recomputes
+    its forward)."""
+    if choice.cuda == choice.other and not (choice.cuda == "pallas" and cuda_lowering()):
+        return run(choice.other, False)
+    other = lambda: run(choice.other, False)  # noqa: E731
+    if choice.other == "reference":
+        other = jax.checkpoint(other)
+    return lax.platform_dependent(cuda=lambda: run(choice.cuda, True), default=other)
 
 
 @functools.cache

@@ -1,15 +1,25 @@
-"""impl="auto": the fused kernels where they compile, otherwise blockwise with one warning that says why."""
+"""impl="auto": the fused kernels where they compile, otherwise blockwise with one warning that says why; traced on
+CPU with a CUDA plugin installed, the fused kernels for CUDA and the CPU choice elsewhere (`lax.platform_dependent`).
+impl="triton": named by the extra it needs when it cannot run, refused where "pallas" is."""
 from __future__ import annotations
 
+import functools
 import json
+import os
+import re
+import subprocess
+import sys
 import types
-from pathlib import Path
 import warnings
+from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxpe
 from jaxpe import dispatch
@@ -35,17 +45,24 @@ def test_pallas_supported_on_ampere_and_later(capability):
     assert pallas_unsupported(MAX_HEAD_DIM, backend="gpu", compute_capability=capability) is None
 
 
-def fake_backend(monkeypatch, backend: str, capability: str | None) -> None:
+def fake_backend(monkeypatch, backend: str, capability: str | None, *, cuda_plugin: bool = False) -> None:
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
     monkeypatch.setattr(dispatch.jax, "devices", lambda: [types.SimpleNamespace(compute_capability=capability)])
+    monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: cuda_plugin)
     dispatch._warn_once.cache_clear()
 
 
-def test_auto_on_cuda_is_pallas(monkeypatch):
-    fake_backend(monkeypatch, "gpu", "9.0")
+def same(impl: str) -> dispatch.Choice:
+    return dispatch.Choice(impl, impl)
+
+
+@pytest.mark.parametrize("cuda_plugin", [False, True])
+def test_auto_on_cuda_is_pallas(monkeypatch, cuda_plugin):
+    """On a GPU the choice is today's, one impl for every platform, plugin or not."""
+    fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("auto", 4096, 128, encoding="cope", batch_heads=8) == "pallas"
+        assert dispatch.resolve_impl("auto", 4096, 128, encoding="cope", batch_heads=8) == same("pallas")
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -55,8 +72,9 @@ def test_auto_on_cpu_is_silent_and_picks_by_length(monkeypatch, encoding):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if threshold > 1:
-            assert dispatch.resolve_impl("auto", threshold - 1, 64, encoding=encoding, batch_heads=8) == "reference"
-        assert dispatch.resolve_impl("auto", threshold, 64, encoding=encoding, batch_heads=8) == "blockwise"
+            assert dispatch.resolve_impl("auto", threshold - 1, 64, encoding=encoding, batch_heads=8) == same(
+                "reference")
+        assert dispatch.resolve_impl("auto", threshold, 64, encoding=encoding, batch_heads=8) == same("blockwise")
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -65,8 +83,8 @@ def test_auto_on_cpu_keeps_dense_within_its_memory_budget(monkeypatch, encoding)
     length = dispatch.BLOCKWISE_MIN_LENGTH[encoding] - 1
     most = dispatch.DENSE_MAX_ENTRIES // length**2
     if most >= 1:
-        assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most) == "reference"
-    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most + 1) == "blockwise"
+        assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most) == same("reference")
+    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=most + 1) == same("blockwise")
 
 
 def test_cpu_thresholds_are_the_committed_measurement():
@@ -86,11 +104,12 @@ def test_cpu_thresholds_are_the_committed_measurement():
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
-@pytest.mark.parametrize("backend, capability", [("cpu", None), ("gpu", "9.0")])
-def test_auto_with_a_symbolic_length_is_blockwise(monkeypatch, encoding, backend, capability):
-    fake_backend(monkeypatch, backend, capability)
+@pytest.mark.parametrize("backend, capability, cuda_plugin", [("cpu", None, False), ("cpu", None, True),
+                                                              ("gpu", "9.0", True)])
+def test_auto_with_a_symbolic_length_is_blockwise(monkeypatch, encoding, backend, capability, cuda_plugin):
+    fake_backend(monkeypatch, backend, capability, cuda_plugin=cuda_plugin)
     (length,) = jax.export.symbolic_shape("l")
-    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=8) == "blockwise"
+    assert dispatch.resolve_impl("auto", length, 64, encoding=encoding, batch_heads=8) == same("blockwise")
 
 
 def test_unknown_encoding_is_named():
@@ -103,7 +122,7 @@ def test_auto_elsewhere_falls_back_to_blockwise_with_one_warning(monkeypatch, ba
     fake_backend(monkeypatch, backend, capability)
     with pytest.warns(RuntimeWarning, match="'blockwise' path instead of the fused 'pallas'") as record:
         for _ in range(3):
-            assert dispatch.resolve_impl("auto", 128, 64, encoding="corope", batch_heads=8) == "blockwise"
+            assert dispatch.resolve_impl("auto", 128, 64, encoding="corope", batch_heads=8) == same("blockwise")
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
 
 
@@ -111,8 +130,8 @@ def test_explicit_impl_is_kept(monkeypatch):
     fake_backend(monkeypatch, "tpu", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("reference", 128, 64, encoding="cope", batch_heads=8) == "reference"
-        assert dispatch.resolve_impl("pallas", 128, 64, encoding="corope", batch_heads=8) == "pallas"
+        for impl in ("reference", "blockwise", "pallas", "triton"):
+            assert dispatch.resolve_impl(impl, 128, 64, encoding="cope", batch_heads=8) == same(impl)
 
 
 def test_auto_fallback_computes_the_same_attention(monkeypatch):
@@ -141,3 +160,203 @@ def test_fused_kernels_share_the_head_dim_limit(kernel):
             cope_attention_pallas(q, q, q, jnp.zeros((4, d)), sm_scale=1.0)
         else:
             corope_attention_pallas(q, q, q, theta=10000.0, sm_scale=1.0)
+
+
+# --- "auto" traced on CPU with a CUDA plugin: the fused kernels for CUDA, the CPU choice elsewhere ------------------
+
+PALLAS_CALL = "@__gpu$xla.gpu.triton("  # a Pallas kernel lowered to Triton, in StableHLO
+B, L, HQ, HKV, D, NPOS = 2, 150, 4, 2, 8, 12  # L apart from every other size: a [.., L/3.., L] array is quadratic
+
+
+def quadratic_arrays(module: str, length: int) -> set[str]:
+    """The tensor types in StableHLO text that are quadratic in `length`: one dim equal to it and another of at least a
+    third of it (the dense path's causal query blocks)."""
+    found = set()
+    for shape in re.findall(r"tensor<((?:\d+x)+)[a-z]", module):
+        dims = sorted(int(d) for d in shape.rstrip("x").split("x"))
+        if length in dims and len(dims) > 1 and dims[-2] >= length // 3:
+            found.add(shape)
+    return found
+
+
+def lowered_for_cuda(traced: jax.stages.Traced) -> str:
+    """StableHLO text of a traced jit lowered for CUDA without a GPU. The target is an abstract H100: jax >= 0.12
+    reads the GPU generation from the abstract mesh's device when no GPU is present (earlier versions do not ask)."""
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def attention(encoding: str, impl: str = "auto") -> Callable:
+    if encoding == "cope":
+        return lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=impl)
+    return lambda q, k, v, e: jaxpe.corope_attention(q, k, v, impl=impl)
+
+
+def grads(encoding: str, impl: str = "auto") -> Callable:
+    fn = attention(encoding, impl)
+    return jax.grad(lambda q, k, v, e: jnp.sum(jnp.sin(fn(q, k, v, e))), argnums=(0, 1, 2, 3))
+
+
+def inputs(length: int = L, lead: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+    kq, kk, kv, ke = jax.random.split(jax.random.PRNGKey(1), 4)
+    return (jax.random.normal(kq, (*lead, B, length, HQ, D)), jax.random.normal(kk, (*lead, B, length, HKV, D)),
+            jax.random.normal(kv, (*lead, B, length, HKV, D)), 0.3 * jax.random.normal(ke, (NPOS, D)))
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_on_cpu_with_a_cuda_plugin_stages_the_fused_kernels_for_cuda(monkeypatch, encoding):
+    """Traced on CPU with a CUDA plugin, "auto" is "pallas" for CUDA (an H100 is assumed) and the CPU choice for the
+    other platforms; bidirectional calls, heads over the kernels' limit and inputs the kernel refuses run blockwise
+    on CUDA. Silently: nothing here is a fallback on the machine itself."""
+    fake_backend(monkeypatch, "cpu", None, cuda_plugin=True)
+    short = dispatch.BLOCKWISE_MIN_LENGTH[encoding] - 1
+    resolve = functools.partial(dispatch.resolve_impl, "auto", encoding=encoding, batch_heads=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve(short, 64) == ("pallas", "reference")
+        assert resolve(4096, 64) == ("pallas", "blockwise")
+        assert resolve(4096, 64, causal=False) == same("blockwise")
+        assert resolve(4096, MAX_HEAD_DIM + 32) == same("blockwise")
+        assert resolve(4096, 64, kernel_refusal=lambda: "refused") == same("blockwise")
+        assert resolve(short, 64, dense=True) == same("reference")
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monkeypatch, encoding):
+    """One trace of a training gradient, lowered for CUDA: the Pallas forward and its fused backward, no quadratic
+    array (the dense CPU branch is rematerialised, so its residuals are not zero-filled outputs of the CUDA one);
+    lowered for CPU: no kernel, and the values without a plugin."""
+    args = inputs()
+    want = jax.jit(grads(encoding))(*args)
+    monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
+    traced = jax.jit(grads(encoding)).trace(*args)
+    cuda = lowered_for_cuda(traced)
+    assert cuda.count(PALLAS_CALL) == 2
+    assert not quadratic_arrays(cuda, L)
+    cpu = traced.lower(lowering_platforms=("cpu",))
+    assert PALLAS_CALL not in cpu.as_text()
+    for got_g, want_g in zip(cpu.compile()(*args), want):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_staged_for_cuda_runs_under_transformations(monkeypatch, encoding):
+    """With the CUDA branch staged (`lax.platform_dependent`), vmap, lax.scan, shard_map and jax.export for CPU run
+    the CPU choice here: the values without a plugin."""
+    q, k, v, e = inputs(24, lead=(2,))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def programs() -> dict[str, Callable[[], object]]:
+        grad = grads(encoding)
+        sharded = jax.shard_map(grad, mesh=mesh, in_specs=(P("x"),) * 3 + (P(),), out_specs=(P("x"),) * 3 + (P(),))
+        return {
+            "vmap": lambda: jax.jit(jax.vmap(attention(encoding), in_axes=(0, 0, 0, None)))(q, k, v, e),
+            "scan": lambda: jax.jit(lambda *x: jax.lax.scan(lambda c, x: (c, grad(*x, e)), 0.0, x)[1])(q, k, v),
+            "shard_map": lambda: jax.jit(sharded)(q[0], k[0], v[0], e)[:3],
+            "export": lambda: jax.export.export(jax.jit(grad))(q[0], k[0], v[0], e).call(q[0], k[0], v[0], e),
+        }
+
+    want = {name: run() for name, run in programs().items()}
+    monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
+    for name, run in programs().items():
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=name), run(),
+                     want[name])
+
+
+def test_auto_staged_for_cuda_limits(monkeypatch):
+    """Both branches are traced and transformed. Forward mode runs on CPU (the CUDA branch's tangent, which the fused
+    kernels' custom VJP cannot give, is never lowered there); a second derivative fails while tracing the CUDA branch
+    (as through "pallas"); one export for CPU and CUDA together fails, because jax lowers every branch of a
+    `lax.platform_dependent` for each platform and pallas_call has no compiled CPU lowering."""
+    q, k, v, e = inputs(24)
+    tangents = tuple(jnp.ones_like(x) for x in (q, k, v, e))
+    forward_mode = lambda: jax.jit(lambda *p: jax.jvp(attention("cope"), p, tangents))(q, k, v, e)  # noqa: E731
+    want = forward_mode()
+    monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), forward_mode(), want)
+    second_order = jax.grad(lambda x: jnp.sum(grads("cope")(x, k, v, e)[0]))
+    with pytest.raises(NotImplementedError, match="differentiable once"):
+        jax.jit(second_order).trace(q)
+    with pytest.raises(ValueError, match="interpret mode"):
+        jax.export.export(jax.jit(attention("cope")), platforms=("cpu", "cuda"))(q, k, v, e)
+
+
+# --- impl="triton" -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_triton_without_triton_names_the_extra(monkeypatch, encoding):
+    for name in ("triton", "jax_triton"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: find_spec gives None, import fails
+    with pytest.raises(ValueError, match=re.escape("pip install 'jaxpe[triton]'")):
+        attention(encoding, "triton")(*inputs(16))
+
+
+def test_jaxpe_imports_and_runs_without_triton():
+    """jaxpe imports and runs without triton installed; impl="triton" names the extra, from a model config too."""
+    code = """
+import sys
+sys.modules["triton"] = sys.modules["jax_triton"] = None
+import jax.numpy as jnp
+import jaxpe
+q = jnp.ones((1, 8, 2, 8))
+jaxpe.cope_attention(q, q, q, jnp.ones((4, 8)))
+config = jaxpe.ModelConfig(vocab_size=11, d_model=16, num_layers=1, num_heads=2, max_len=16, pe="corope",
+                           impl="triton")
+model = jaxpe.TransformerLM(config)
+try:
+    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+except ValueError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, "-c", "import jax\n" + code], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'jaxpe[triton]'" in result.stdout, result.stdout
+
+
+def triton_entries() -> None:
+    """Skip unless the native Triton kernels exist (they run in Triton's interpreter here)."""
+    for encoding in dispatch.ENCODINGS:
+        pytest.importorskip(f"jaxpe.kernels.{encoding}_triton", reason=f"kernels/{encoding}_triton.py not there yet")
+
+
+def model(pe: str, impl: str) -> jaxpe.TransformerLM:
+    config = jaxpe.ModelConfig(vocab_size=11, d_model=16, num_layers=1, num_heads=2, max_len=16, pe=pe, dropout=0.0,
+                               impl=impl)
+    return jaxpe.TransformerLM(config)
+
+
+@pytest.mark.parametrize("pe", ["cope", "corope"])
+def test_triton_runs_in_a_model_as_the_reference(pe):
+    """impl="triton" reaches the layers through the model config, as "pallas" does: loss and parameter gradients
+    of a TransformerLM equal the dense reference's."""
+    triton_entries()
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 13), 0, 11)
+    params = model(pe, "reference").init(jax.random.PRNGKey(0), tokens)
+
+    def loss(impl: str) -> Callable:
+        return lambda p: jnp.mean(jax.nn.log_softmax(model(pe, impl).apply(p, tokens[:, :-1]))[..., 0])
+
+    got, want = (jax.jit(jax.value_and_grad(loss(impl)))(params) for impl in ("triton", "reference"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4), got, want)
+
+
+def test_triton_refuses_what_pallas_refuses():
+    """Bidirectional attention, CoPE's dense-only variants and symbolic shapes, in the words that name the impl."""
+    triton_entries()
+    q, k, v, e = inputs(16)
+    with pytest.raises(ValueError, match="impl='triton' runs causal CoPE only"):
+        jaxpe.cope_attention(q, k, v, e, causal=False, impl="triton")
+    with pytest.raises(ValueError, match="causal=False is not supported by impl='triton'"):
+        jaxpe.corope_attention(q, k, v, causal=False, impl="triton")
+    with pytest.raises(ValueError, match="impl='triton' cannot run CoPE's soft one-hot"):
+        jaxpe.cope_attention(q, k, v, e, soft_onehot_temp=0.1, impl="triton")
+    batch, length = jax.export.symbolic_shape("b, l")
+    for pe in ("cope", "corope"):
+        lm = model(pe, "triton")
+        params = lm.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+        with pytest.raises(ValueError, match="impl='triton' needs static shapes|symbolic"):
+            jax.export.export(jax.jit(lm.apply))(params, jax.ShapeDtypeStruct((batch, length), jnp.int32))
