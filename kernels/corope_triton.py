@@ -422,7 +422,8 @@ def _segments(segment_ids: jax.Array | None) -> jax.Array:
     return jnp.zeros((1,), jnp.int32) if segment_ids is None else segment_ids
 
 
-def _forward_call(config: _Config, q, k, v, omega, segment_ids, scale) -> tuple[jax.Array, jax.Array]:
+def _forward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
+                  segment_ids: jax.Array | None, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """q [B, L, Hq, D], k/v [B, L, Hkv, D], ω [Dh], segment ids [B, L] or None, sm_scale [1] -> o [B, L, Hq, D],
     lse·log2 e [B, Hq, L] float32."""
     batch, length, num_heads, _ = q.shape
@@ -433,7 +434,8 @@ def _forward_call(config: _Config, q, k, v, omega, segment_ids, scale) -> tuple[
     return o, lse
 
 
-def _backward_call(config: _Config, q, k, v, do, lse, row_dot, omega, segment_ids, scale
+def _backward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
+                   row_dot: jax.Array, omega: jax.Array, segment_ids: jax.Array | None, scale: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward's inputs, do [B, L, Hq, D], lse·log2 e and row_dot [B, Hq, L] -> dq [B, L, Hq, D], dk, dv
     [B, L, Hkv, D] float32."""
@@ -457,13 +459,14 @@ def _differentiable_once_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Arra
                               "derivative (grad of grad, jvp of grad) needs impl='blockwise' or impl='reference'")
 
 
-def _corope_triton_fwd(q, k, v, segment_ids, omega, scale, config: _Config):
+def _corope_triton_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
+                       scale: jax.Array, config: _Config) -> tuple[jax.Array, tuple]:
     q, k, v, scale = (_differentiable_once(x) for x in (q, k, v, scale))
     o, lse = _forward_call(config, q, k, v, omega, segment_ids, scale)
     return o, (q, k, v, o, lse, omega, segment_ids, scale)
 
 
-def _corope_triton_bwd(config: _Config, residuals, do):
+def _corope_triton_bwd(config: _Config, residuals: tuple, do: jax.Array) -> tuple:
     q, k, v, o, lse, omega, segment_ids, scale = residuals
     do = do.astype(o.dtype)
     row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))  # Σ_d dO·O
