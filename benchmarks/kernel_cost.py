@@ -110,7 +110,6 @@ RATES = {
                     "source": "NVIDIA H100 Tensor Core GPU Architecture (whitepaper): dense TF32 at half the "
                               "BF16 rate"},
 }
-PIPES = ("issue", "fma", "alu", "xu", "shfl", "shared", "tensor")
 
 # ------------------------------------------------------------------------------------------------------- SASS
 
@@ -1054,11 +1053,13 @@ def summary(data: dict[str, Any]) -> str:
 def _authors_sentence(a: dict[str, Any]) -> str:
     if not a.get("measured"):
         return f"Not measured: {a['reason']}"
-    parts = [f"`{a['source']}` (commit {a.get('commit') or 'unknown'}), `{a['kernel']}` with pip triton "
-             f"{a['triton']} for {a['target']}:"]
+    parts = [f"{a['source']} (sha256 {a['sha256'][:12]}), `{a['kernel']}` with pip triton {a['triton']} for "
+             f"{a['target']}, ptxas {a['ptxas']} capped at {a['ptxas_memory_gib']:g} GiB:"]
     for c in a["configs"]:
         ptx = "—" if c.get("ptx_bytes") is None else f"{c['ptx_bytes'] / 2 ** 20:.1f} MiB of PTX"
-        outcome = f"failed at {c['failed_stage']}: {c['error']}" if c.get("error") else "compiled"
+        error = "; ".join(part.strip() for part in (c.get("error") or "").split(" | ")
+                          if part.strip() and not part.startswith("Repro command"))
+        outcome = f"failed at {c['failed_stage']}: {error}" if c.get("error") else "compiled"
         parts.append(f"{c['id']}: {ptx}, {c['seconds']:.0f} s, {outcome}.")
     return " ".join(parts)
 
@@ -1107,7 +1108,7 @@ def _compile_authors(path: str, head_dim: int, groups: int, out: str) -> None:
     try:
         kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": 4, "num_stages": 3})
-        result.update(registers=kernel.n_regs, spills=kernel.n_spills, smem_bytes=kernel.metadata.shared)
+        result["smem_bytes"] = kernel.metadata.shared  # registers are known only once a driver loads it
     except Exception as e:  # noqa: BLE001  the failure is the result
         result["error"] = f"{type(e).__name__}: {cr._tail(str(e), 4)}"
     pathlib.Path(out).write_text(json.dumps(result))
@@ -1116,7 +1117,8 @@ def _compile_authors(path: str, head_dim: int, groups: int, out: str) -> None:
 def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 1800.0,
                    memory_gib: float = cr.PTXAS_MEMORY_GIB) -> dict[str, Any]:
     """Compile the Co-RoPE authors' Triton forward (a file given on the command line: it is not in this repository)
-    with pip triton for sm_90, ptxas capped at `memory_gib`; what each stage gave, or that it was not measured."""
+    with pip triton for sm_90, its ptxas (for sm_90 and later Triton runs the one it calls ptxas-blackwell) replaced
+    by ours capped at `memory_gib`; what each stage gave, or that it was not measured."""
     if path is None:
         return {"measured": False, "reason": f"the source ({AUTHORS_SOURCE}) was not given (--authors-file); "
                                              "the tool has no network access to fetch it"}
@@ -1131,7 +1133,8 @@ def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 
             cap = int(memory_gib * 2 ** 20)
             wrapper.write_text(f'#!/bin/sh\nulimit -v {cap}\nexec "{tools.toolchain.ptxas}" "$@"\n')
             wrapper.chmod(0o755)
-            env = dict(os.environ, TRITON_PTXAS_PATH=str(wrapper), TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(dump),
+            env = dict(os.environ, TRITON_PTXAS_PATH=str(wrapper), TRITON_PTXAS_BLACKWELL_PATH=str(wrapper),
+                       TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(dump),
                        TRITON_CACHE_DIR=str(pathlib.Path(tmp, "cache")), TRITON_ALWAYS_COMPILE="1",
                        TRITON_DEFAULT_FP_FUSION="1", JAX_PLATFORMS="cpu")
             start = time.perf_counter()

@@ -1,10 +1,11 @@
 """benchmarks/kernel_cost.py, the kernels' cost model read from SASS.
 
 Everywhere: the SASS reader on hand-written listings, checked against counts made by hand (parser, control-flow
-graph, loop nesting, trip counts read from loop counters, instruction classes, pipe clocks, the per-logit scaling).
+graph, loop nesting, trip counts read from loop counters, instruction classes, pipe clocks, the per-logit scaling);
+the committed Markdown and docs/kernel_cost.md's table are renderings of the committed JSON.
 Where jax's CUDA plugin, ptxas and nvdisasm are installed (.venv-compile with `pip install --no-deps
 nvidia-cuda-nvdisasm`), elsewhere skipped saying why: the committed results/cost/kernel_cost.json belongs to the kernel
-sources as they are, its Markdown is its rendering, and three of its kernels compiled again give the same entries.
+sources as they are and three of its kernels compiled again give the same entries.
 """
 from __future__ import annotations
 
@@ -219,6 +220,15 @@ def test_cli_names_and_output_folder(capsys):
     assert "--out DIR is required" in capsys.readouterr().err
 
 
+def test_committed_markdown_and_docs_table_are_the_report():
+    """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/kernel_cost.md shows its `summary`."""
+    data = json.loads(COMMITTED.read_text())
+    assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
+    doc = (ROOT / "docs" / "kernel_cost.md").read_text()
+    assert "\n" + kc.summary(data) + "<!-- end of summary -->" in doc
+    assert kc._authors_sentence(data["authors"]) in doc.replace("\n> ", " ")
+
+
 # ------------------------------------------------------------------------------- the committed report, compiled
 
 
@@ -234,7 +244,6 @@ def test_committed_report_is_current():
     assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(), (
         "the kernels changed since the committed cost report: rerun `python benchmarks/kernel_cost.py --out "
         "results/cost --authors-file ...` in .venv-compile")
-    assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
     cope = [j for j in kc.report_jobs([cr.Case("cope", "bfloat16", 64, 8, 2, 64)]) if j.meta["kernel"] == "forward"]
     corope = [j for j in kc.report_jobs([cr.Case("corope", "bfloat16", 64, 8, 2)]) if j.meta["kernel"] == "backward"]
     plain = kc.plain_job(kc.plain_spec(cope[0].meta, cope[0].num_warps, cope[0].num_stages, cope[0].tile))
