@@ -1,0 +1,528 @@
+"""Fused CoPE attention in native Triton (`triton.jit` kernels launched through `_triton_launch.launch`): a forward
+kernel and one backward kernel, with packed documents and sliding windows. The algorithm is `cope_pallas.py`'s
+(its docstring states the maths and the forward/backward decomposition); here it is written with explicit pointer
+arithmetic and masks instead of BlockSpecs, so no input is padded: D is tiled at Dp, the next power of two (>= 16),
+and loads and stores mask rows and keys past L (only when L is no multiple of the blocks) and columns past D (only
+when D < Dp). jax-triton gives integer arguments no divisibility, so offsets are marked as multiples of D's largest
+power-of-two factor (up to 16) for vectorised loads.
+
+Letters (as in cope_pallas.py): B batch, L length, Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head dim
+(Dp its tile), P = npos table rows. Kernel tiles are [block_q, block_k]. CoPE: Golovneva et al., arXiv:2405.18719.
+
+Numerics: logits and gates are computed in base 2, with log2(e) folded into the scale (exp2 only); the softmax
+statistic saved for the backward is lse₂ = m + log2(l). Gate logits of float32 inputs are float32-accurate
+(`tl.dot(..., input_precision="tf32x3")` on the GPU; the interpreter multiplies in IEEE float32): a TF32 error in a
+gate shifts every position counted past it. The other float32 dots take Triton's default (TF32 on the GPU).
+
+Forward: one program per (query block, batch, query head) walks key blocks in reverse from the diagonal carrying
+the suffix sum R of the gates, until every live row's R reaches P − 1; the blocks left are clamped tiles (plain
+attention plus z_i,P−1, no gates). It saves per row R where the walk stopped and e, the first key of the last block
+it walked ([B, Hq, L] each).
+
+Backward: one query-major program per (query block, batch, query head) walks key blocks forward, clamped tiles
+(wholly before min_i e_i) first, rebuilding positions from the saved R. dq stays in registers; dk, dv (and d gate_k)
+are relaxed atomic adds (no fences) into zero-initialised float32 [B, L, Hkv, D] outputs, ∂L/∂z atomic adds at
+(i, ⌊p⌋) and (i, ⌈p⌉) into a zero-initialised float32 [B, Hq, L, P]. The table's gradient and z's share of dq are
+XLA matmuls, as is z = q·e itself (memory O(L·P)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
+from jaxpe.kernels._common import MASK_VALUE, check_head_dim, output_struct, tile_extent
+from jaxpe.kernels._triton_launch import launch
+from jaxpe.kernels.cope_pallas import BlockSizes, default_num_warps
+
+_LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
+_MASK = tl.constexpr(MASK_VALUE)  # the logit of invisible keys (exp2 gives exactly 0)
+_ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot (TF32×3 splits of wider tiles spill)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call, fitted to its shapes (hashable: the jit static argument and the custom_vjp's
+    non-differentiable one)."""
+
+    sm_scale: float
+    npos: int  # P
+    blocks: BlockSizes  # fitted to L, D, dtype and gate_k
+    num_warps: int
+    num_stages: int | None  # None: 2 in the forward, 1 in the backward
+    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
+
+
+# --- kernels ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+             MASK_DEAD: tl.constexpr, live):
+    """[block_q, block_k] bool: key `cols` visible from row `rows` (causal, inside the window, the same document),
+    with MASK_DEAD from `live` rows (< L) only. seg_ptr points at the batch row's document ids [L]."""
+    mask = cols[None, :] <= rows[:, None]
+    if MASK_DEAD:
+        mask = mask & live[:, None]
+    if WINDOW > 0:
+        mask = mask & (rows[:, None] - cols[None, :] < WINDOW)
+    if HAS_SEGMENTS:
+        seg_cols = tl.load(seg_ptr + cols, mask=cols < length, other=-1)
+        mask = mask & (seg_rows[:, None] == seg_cols[None, :])
+    return mask
+
+
+@triton.jit
+def _aligned(index, stride, ALIGN: tl.constexpr):
+    """index·stride (element offsets, a scalar or [n]) marked as a multiple of ALIGN, so that loads along D
+    vectorise: jax-triton gives integer arguments no divisibility, and every q/k/v stride is a multiple of D. (The
+    mark goes on the product computed here: on a function's argument it would be lost.)"""
+    offset = index * stride
+    if ALIGN > 1:
+        offset = tl.multiple_of(offset, ALIGN)
+    return offset
+
+
+@triton.jit
+def _in_bounds(rows, dims, length, EVEN_L: tl.constexpr, MASK_D: tl.constexpr):
+    """The mask of [rows, dims] inside [L, D], with only the checks that can fail (EVEN_L: every row < L; MASK_D
+    0: every column < D, else D), for the load or store to broadcast."""
+    if EVEN_L:
+        mask = (dims < MASK_D)[None, :]
+    elif MASK_D == 0:
+        mask = (rows < length)[:, None]
+    else:
+        mask = (rows < length)[:, None] & (dims < MASK_D)[None, :]
+    return mask
+
+
+@triton.jit
+def _load_rows(ptr, rows, dims, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
+               MASK_D: tl.constexpr):
+    """[rows, dims] of a [L, ·, D] array whose head is at `ptr` (0 past L and past D)."""
+    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
+    if EVEN_L and MASK_D == 0:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D), other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(ptr, rows, dims, value, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
+                MASK_D: tl.constexpr):
+    """Store value [rows, Dp] into a [L, ·, D] array whose head is at `ptr` (rows < L, columns < D)."""
+    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
+    if EVEN_L and MASK_D == 0:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D))
+
+
+@triton.jit
+def _add_rows(ptr, rows, dims, value, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
+              MASK_D: tl.constexpr):
+    """Atomically add value [rows, Dp] (float32) into a [L, ·, D] float32 array whose head is at `ptr`."""
+    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
+    if EVEN_L and MASK_D == 0:
+        tl.atomic_add(ptrs, value, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, value, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D), sem="relaxed")
+
+
+@triton.jit
+def _first_key_block(row0, WINDOW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first key block that row `row0` (or any later row) can see: 0 without a window."""
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(row0 - (WINDOW - 1), 0) // BLOCK_K
+    return first
+
+
+@triton.jit
+def _gate_logits(q, kg, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN: tl.constexpr,
+                 EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr, GATE_CHUNK: tl.constexpr):
+    """q·kgᵀ [block_q, block_k] float32 from the tiles q [block_q, Dp] and kg [block_k, Dp]. GATE_CHUNK 0: at the
+    dtype's default precision; else float32-accurate (TF32×3), and when Dp > GATE_CHUNK summed over dots of
+    GATE_CHUNK columns loaded from q_ptr and kg_ptr (the heads' rows; kg unread): the operand splits of whole tiles do
+    not fit the registers."""
+    if GATE_CHUNK == 0:
+        logits = tl.dot(q, tl.trans(kg))
+    elif GATE_CHUNK >= BLOCK_D:
+        logits = tl.dot(q, tl.trans(kg), input_precision="tf32x3")
+    else:
+        logits = tl.zeros([q.shape[0], kg.shape[0]], tl.float32)
+        for start in tl.static_range(0, BLOCK_D, GATE_CHUNK):
+            dims = start + tl.arange(0, GATE_CHUNK)
+            q_chunk = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+            kg_chunk = _load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            logits = tl.dot(q_chunk, tl.trans(kg_chunk), logits, input_precision="tf32x3")
+    return logits
+
+
+@triton.jit
+def _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql, stride_kl,
+                      ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr, WHOLE_KG: tl.constexpr):
+    """s = q·kᵀ and the gates g = σ(sm_scale·q·kgᵀ) (0 where masked), both [block_q, block_k] float32, and the gate
+    keys' tile kg [block_k, Dp] (k without HAS_GATE_K; loaded whole only when a dot or WHOLE_KG needs it, else k).
+    kg_ptr points at the kv head's rows of KG (of K without HAS_GATE_K); qk_scale is sm_scale·log2(e)."""
+    kg = k
+    if HAS_GATE_K:
+        if WHOLE_KG or GATE_CHUNK == 0 or GATE_CHUNK >= BLOCK_D:
+            kg = _load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        s = tl.dot(q, tl.trans(k))
+        logits = _gate_logits(q, kg, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D,
+                              BLOCK_D, GATE_CHUNK)
+    else:
+        s = _gate_logits(q, k, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D,
+                         BLOCK_D, GATE_CHUNK)
+        logits = s
+    g = tl.where(mask, 1.0 / (1.0 + tl.exp2(-qk_scale * logits)), 0.0)
+    return s, g, kg
+
+
+@triton.jit
+def _interpolation(z_rows, live, p, npos, EVEN_L: tl.constexpr):
+    """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1], gathered from the rows of z
+    (pointers z_rows [block_q], read where `live` unless EVEN_L; indices clamped into [0, P − 1])."""
+    lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 1.0)
+    w = p - lo
+    lo_index = lo.to(tl.int32)
+    hi_index = tl.minimum(lo_index + 1, npos - 1)
+    if EVEN_L:
+        z_lo = tl.load(z_rows[:, None] + lo_index)
+        z_hi = tl.load(z_rows[:, None] + hi_index)
+    else:
+        z_lo = tl.load(z_rows[:, None] + lo_index, mask=live[:, None], other=0.0)
+        z_hi = tl.load(z_rows[:, None] + hi_index, mask=live[:, None], other=0.0)
+    return lo_index, hi_index, w, z_lo, z_hi
+
+
+@triton.jit
+def _online_softmax(m, l, acc, s, mask, v, qk_scale):
+    """One tile of the online softmax in base 2: (m, l, acc) updated with logits qk_scale·s where visible."""
+    t = tl.where(mask, s * qk_scale, _MASK)
+    m_new = tl.maximum(m, tl.max(t, 1))
+    alpha = tl.exp2(m - m_new)
+    probs = tl.exp2(t - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(probs, 1), acc
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
+                    stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_zb, stride_zh, stride_zl,
+                    stride_sb, stride_sh, stride_segb,
+                    O, LSE, R, E,
+                    GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
+                    HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr):
+    """One query block of one (batch, query head). Q/O [B, L, Hq, D], K/V/KG [B, L, Hkv, D] (KG read only with
+    HAS_GATE_K), SEG [B, L] int32 (read only with HAS_SEGMENTS), Z [B, Hq, L, P] float32; outputs LSE (lse₂), R
+    float32 and E int32, each [B, Hq, L]. Constexprs: BLOCK_D = Dp; MASK_D = D when D < Dp (columns past it
+    masked), else 0; EVEN_L: L a multiple of BLOCK_Q and BLOCK_K (no row masks); ALIGN a power of two dividing D
+    (<= 16); WINDOW 0: none; GATE_CHUNK as `_gate_logits` takes it."""
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    row0 = block * BLOCK_Q
+    rows = row0 + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    live = rows < length
+    q_head = _aligned(b, stride_qb, ALIGN) + _aligned(h, stride_qh, ALIGN)
+    kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
+    q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
+    kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
+    q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    z_rows = Z + b * stride_zb + h * stride_zh + rows * stride_zl
+    seg_ptr = SEG + b * stride_segb
+    seg_rows = rows
+    if HAS_SEGMENTS:
+        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
+    qk_scale = sm_scale * _LOG2E
+    clamp = npos - 1.0
+
+    m = tl.full([BLOCK_Q], _MASK, tl.float32)
+    l = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    r = tl.zeros([BLOCK_Q], tl.float32)
+    first = _first_key_block(row0, WINDOW, BLOCK_K)
+    index = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K)) - 1
+    unclamped = index >= first
+    while unclamped:  # full tiles, from the diagonal back
+        cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
+        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        s, g, _ = _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql,
+                                    stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K, GATE_CHUNK, False)
+        total = tl.sum(g, 1)
+        p = tl.minimum(r[:, None] + total[:, None] - tl.cumsum(g, 1) + g, clamp)
+        _, _, w, z_lo, z_hi = _interpolation(z_rows, live, p, npos, EVEN_L)
+        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
+        r += total
+        index -= 1
+        unclamped = (index >= first) & (tl.min(tl.where(live, r, clamp)) < clamp)
+    z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
+    for clamped in range(first, index + 1):  # every row's position is P − 1: no gates
+        cols = clamped * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
+        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        m, l, acc = _online_softmax(m, l, acc, tl.dot(q, tl.trans(k)) + z_last[:, None], mask, v, qk_scale)
+
+    out = (acc / l[:, None]).to(O.dtype.element_ty)
+    _store_rows(O + q_head, rows, dims, out, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    stat = b * stride_sb + h * stride_sh + rows
+    tl.store(LSE + stat, m + tl.log2(l), mask=live)
+    tl.store(R + stat, r, mask=live)
+    tl.store(E + stat, tl.full([BLOCK_Q], 0, tl.int32) + (index + 1) * BLOCK_K, mask=live)
+
+
+@triton.jit
+def _backward_kernel(Q, K, V, KG, SEG, Z, DO, LSE, DELTA, R, E, sm_scale, length, npos,
+                     stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_zb, stride_zh,
+                     stride_zl, stride_sb, stride_sh, stride_segb,
+                     DQ, DZ, DK, DV, DKG,
+                     GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                     MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
+                     HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr):
+    """One query block of one (batch, query head): key blocks forward from the first visible one to the diagonal,
+    clamped tiles first. Inputs as the forward's, plus DO [B, L, Hq, D] and LSE (lse₂), DELTA = rowsum(o·do), R, E
+    [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DZ [B, Hq, L, P], DK, DV, DKG [B, L, Hkv, D] (atomic adds
+    into zeros; DKG written only with HAS_GATE_K)."""
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    row0 = block * BLOCK_Q
+    rows = row0 + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    live = rows < length
+    q_head = _aligned(b, stride_qb, ALIGN) + _aligned(h, stride_qh, ALIGN)
+    kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
+    q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
+    kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
+    q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    do = _load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    z_offset = b * stride_zb + h * stride_zh + rows * stride_zl
+    z_rows, dz_rows = Z + z_offset, DZ + z_offset
+    stat = b * stride_sb + h * stride_sh + rows
+    lse = tl.load(LSE + stat, mask=live, other=0.0)
+    delta = tl.load(DELTA + stat, mask=live, other=0.0)
+    r = tl.load(R + stat, mask=live, other=0.0)
+    e = tl.load(E + stat, mask=live, other=length)
+    seg_ptr = SEG + b * stride_segb
+    seg_rows = rows
+    if HAS_SEGMENTS:
+        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
+    qk_scale = sm_scale * _LOG2E
+    clamp = npos - 1.0
+
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    dz_last = tl.zeros([BLOCK_Q], tl.float32)
+    c = tl.zeros([BLOCK_Q], tl.float32)  # the gates of keys >= e in the blocks walked
+    dp_before = tl.zeros([BLOCK_Q], tl.float32)  # Σ ∂L/∂p over the keys walked
+    first = _first_key_block(row0, WINDOW, BLOCK_K)
+    num_blocks = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K))
+    clamped_end = tl.minimum(tl.maximum(first, tl.min(e) // BLOCK_K), num_blocks)
+    z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
+    for index in range(first, clamped_end):  # clamped tiles: every position is P − 1
+        cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
+        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        t = tl.where(mask, (tl.dot(q, tl.trans(k)) + z_last[:, None]) * qk_scale, _MASK)
+        probs = tl.exp2(t - lse[:, None])
+        ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dz_last += tl.sum(ds, 1)
+        dq += tl.dot(ds.to(k.dtype), k)
+        _add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(ds.to(q.dtype)), q), length, stride_kl, ALIGN, EVEN_L,
+                  MASK_D)
+        _add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
+                  EVEN_L, MASK_D)
+    for index in range(clamped_end, num_blocks):  # positions rebuilt from the saved R
+        cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
+        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        s, g, kg = _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql,
+                                     stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K, GATE_CHUNK, True)
+        walked = cols[None, :] >= e[:, None]  # keys whose gates the forward counted into R
+        g = tl.where(walked, g, 0.0)
+        p = tl.minimum(tl.maximum(r[:, None] - c[:, None] - (tl.cumsum(g, 1) - g), 0.0), clamp)
+        p = tl.where(walked, p, clamp)
+        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, live, p, npos, EVEN_L)
+        t = tl.where(mask, (s + z_lo + w * (z_hi - z_lo)) * qk_scale, _MASK)
+        probs = tl.exp2(t - lse[:, None])
+        ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        tl.atomic_add(dz_rows[:, None] + lo, ds - ds * w, mask=mask, sem="relaxed")
+        tl.atomic_add(dz_rows[:, None] + hi, ds * w, mask=mask & (w != 0.0), sem="relaxed")
+        dp = tl.where(p < clamp, ds * (z_hi - z_lo), 0.0)
+        dgate = sm_scale * (dp_before[:, None] + tl.cumsum(dp, 1)) * (g - g * g)
+        c += tl.sum(g, 1)
+        dp_before += tl.sum(dp, 1)
+        if HAS_GATE_K:
+            dscore = ds
+            dq += tl.dot(dgate.to(kg.dtype), kg)
+            _add_rows(DKG + kv_head, cols, dims, tl.dot(tl.trans(dgate.to(q.dtype)), q), length, stride_kl, ALIGN,
+                      EVEN_L, MASK_D)
+        else:
+            dscore = ds + dgate
+        dq += tl.dot(dscore.to(k.dtype), k)
+        _add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(dscore.to(q.dtype)), q), length, stride_kl, ALIGN,
+                  EVEN_L, MASK_D)
+        _add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
+                  EVEN_L, MASK_D)
+
+    _store_rows(DQ + q_head, rows, dims, dq, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    tl.atomic_add(dz_rows + (npos - 1), dz_last, mask=live, sem="relaxed")
+
+
+# --- launches ------------------------------------------------------------------------------------------------------
+
+
+def _strides(x: jax.Array) -> tuple[int, ...]:
+    """Row-major element strides of `x` (what jax-triton and the interpreter pass: contiguous buffers)."""
+    return tuple(math.prod(x.shape[i + 1:]) for i in range(x.ndim))
+
+
+def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
+    """The scalar arguments shared by both kernels (sm_scale, L, P, strides) and their constexprs."""
+    length, num_heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    sq, sk, sz = _strides(q), _strides(k), _strides(z)
+    stat = (num_heads * length, length)  # per-row values [B, Hq, L]
+    scalars = [config.sm_scale, length, config.npos, *sq[:3], *sk[:3], *sz[:3], *stat, length]
+    block_d = tile_extent(dim)
+    constexprs = dict(GROUPS=q.shape[2] // k.shape[2], BLOCK_D=block_d, MASK_D=dim if dim < block_d else 0,
+                      ALIGN=min(dim & -dim, 16),
+                      WINDOW=config.window or 0, HAS_GATE_K=kg is not None, HAS_SEGMENTS=seg is not None,
+                      GATE_CHUNK=_ACCURATE_CHUNK if q.dtype == jnp.float32 else 0)
+    return scalars, constexprs
+
+
+def _forward_call(config: _Config, q, k, v, kg, z, seg) -> list[jax.Array]:
+    """o [B, L, Hq, D] and lse₂, R (float32), e (int32), each [B, Hq, L]; kg and seg may be None."""
+    batch, length, num_heads, _ = q.shape
+    block_q, block_k = config.blocks.block_q, config.blocks.block_k
+    scalars, constexprs = _common_args(config, q, k, kg, z, seg)
+    stat = output_struct((batch, num_heads, length), jnp.float32, q)
+    out_shapes = [output_struct(q.shape, q.dtype, q), stat, stat, output_struct(stat.shape, jnp.int32, q)]
+    return launch(_forward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z, *scalars],
+                  out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
+                  num_warps=config.num_warps, num_stages=config.num_stages or 2, name="cope_triton_forward",
+                  BLOCK_Q=block_q, BLOCK_K=block_k, EVEN_L=length % block_q == 0 and length % block_k == 0,
+                  **constexprs)
+
+
+def _backward_call(config: _Config, q, k, v, kg, z, seg, do, lse, delta, r, e) -> list[jax.Array]:
+    """dq [B, L, Hq, D], dz [B, Hq, L, P], dk, dv, dkg [B, L, Hkv, D] (dkg [1] without kg), all float32."""
+    batch, length, num_heads, _ = q.shape
+    block_q, block_k = config.blocks.block_q_bwd, config.blocks.block_k_bwd
+    scalars, constexprs = _common_args(config, q, k, kg, z, seg)
+    kv = output_struct(k.shape, jnp.float32, q)
+    out_shapes = [output_struct(q.shape, jnp.float32, q), output_struct(z.shape, jnp.float32, q), kv, kv,
+                  kv if kg is not None else output_struct((1,), jnp.float32, q)]
+    return launch(_backward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z, do, lse, delta,
+                                     r, e, *scalars],
+                  out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
+                  num_warps=config.num_warps, num_stages=config.num_stages or 1, name="cope_triton_backward",
+                  zeroed=(1, 2, 3, 4) if kg is not None else (1, 2, 3), BLOCK_Q=block_q, BLOCK_K=block_k,
+                  EVEN_L=length % block_q == 0 and length % block_k == 0, **constexprs)
+
+
+def _position_logits(q: jax.Array, pos_emb: jax.Array) -> jax.Array:
+    """z [B, Hq, L, P] float32 = q·e for a shared [P, D] or per-head [Hq, P, D] table."""
+    spec = "btnd,pd->bntp" if pos_emb.ndim == 2 else "btnd,npd->bntp"
+    return jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(call, *operands):
+    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated: the kernels are
+    differentiated once, by `_cope_triton`'s custom VJP."""
+    return call(*operands)
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(call, primals, tangents):
+    raise NotImplementedError("impl='triton' is differentiable once (reverse mode): for second-order derivatives "
+                              "(jax.grad of jax.grad, jax.hessian) use impl='blockwise' or 'reference', and for "
+                              "forward mode (jax.jvp) impl='reference'")
+
+
+def _cope_triton_fwd(q, k, v, gate_k, pos_emb, segment_ids, config: _Config):
+    z = _position_logits(q, pos_emb)
+    out, lse, r, e = _first_order_only(functools.partial(_forward_call, config), q, k, v, gate_k, z, segment_ids)
+    return out, (q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e)
+
+
+def _cope_triton_bwd(config: _Config, residuals, dout):
+    q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e = residuals
+    z = _position_logits(q, pos_emb)
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
+    dq, dz, dk, dv, dkg = _first_order_only(functools.partial(_backward_call, config), q, k, v, gate_k, z,
+                                            segment_ids, dout.astype(q.dtype), lse, delta, r, e)
+    table = pos_emb.astype(q.dtype).astype(jnp.float32)
+    if pos_emb.ndim == 2:
+        dq = dq + jnp.einsum("bntp,pd->btnd", dz, table)
+        de = jnp.einsum("bntp,btnd->pd", dz, q.astype(jnp.float32))
+    else:
+        dq = dq + jnp.einsum("bntp,npd->btnd", dz, table)
+        de = jnp.einsum("bntp,btnd->npd", dz, q.astype(jnp.float32))
+    dgate_k = None if gate_k is None else dkg.astype(gate_k.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgate_k, de.astype(pos_emb.dtype), None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _cope_triton(q: jax.Array, k: jax.Array, v: jax.Array, gate_k: jax.Array | None, pos_emb: jax.Array,
+                 segment_ids: jax.Array | None, config: _Config) -> jax.Array:
+    return _forward_call(config, q, k, v, gate_k, _position_logits(q, pos_emb), segment_ids)[0]
+
+
+_cope_triton.defvjp(_cope_triton_fwd, _cope_triton_bwd)
+_cope_triton_jit = jax.jit(_cope_triton, static_argnums=(6,))
+
+
+def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
+                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array,
+                          block_sizes: BlockSizes | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None, segment_ids: jax.Array | None = None,
+                          window: int | None = None) -> jax.Array:
+    """Causal CoPE attention, native Triton kernels with a fused backward (custom VJP).
+
+    q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
+    (gates from k) -> [B, L, Hq, D] in q's dtype (float32, bfloat16 or float16; D <= 256).
+    block_sizes: `cope_pallas.BlockSizes`, None fields (or None) taking its defaults for D, dtype and gate_k;
+    num_warps/num_stages tune Triton's compilation (defaults: `cope_pallas.default_num_warps`; 2 stages in the
+    forward, 1 in the backward). Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set
+    before triton is imported).
+    segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
+    restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
+    outside are skipped).
+    sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels (in q's dtype).
+    Differentiable once (jax.grad, not jax.grad of jax.grad nor jax.jvp); static shapes only.
+    """
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    if not all(isinstance(size, int) for size in q.shape):
+        raise ValueError(f"impl='triton' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
+                         f"impl='blockwise'")
+    check_head_dim(q.shape[3])
+    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    empty, segment_ids, window = open_attention(q, causal=True, segment_ids=segment_ids, window=window)
+    if empty:
+        return jnp.zeros(q.shape, q.dtype)
+    try:
+        sm_scale = float(sm_scale)
+    except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
+        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
+        sm_scale = 1.0
+    blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
+                                                  gate_k=gate_k is not None)
+    config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], blocks=blocks,
+                     num_warps=num_warps or default_num_warps(q.shape[3]), num_stages=num_stages, window=window)
+    return _cope_triton_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
