@@ -268,15 +268,15 @@ def find_loops(blocks: Sequence[Block]) -> list[Loop]:
                 todo.extend(predecessors[b])
         loops.append(Loop(header, frozenset(body), tuple(ends)))
     outermost = []
-    for loop in sorted(loops, key=lambda l: (len(l.blocks), l.header)):  # smallest first: each joins its parent
+    for loop in sorted(loops, key=lambda x: (len(x.blocks), x.header)):  # smallest first: each joins its parent
         parents = [p for p in loops if p is not loop and loop.header in p.blocks and len(p.blocks) > len(loop.blocks)]
         if parents:
             min(parents, key=lambda p: len(p.blocks)).children.append(loop)
         else:
             outermost.append(loop)
     for loop in loops:
-        loop.children.sort(key=lambda l: l.header)
-    return sorted(outermost, key=lambda l: l.header)
+        loop.children.sort(key=lambda x: x.header)
+    return sorted(outermost, key=lambda x: x.header)
 
 
 # ------------------------------------------------------------------------------------------------ trip counts
@@ -926,6 +926,7 @@ def _ratio(entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 
 
 def versions(tools: Tools) -> dict[str, str]:
+    """The versions the numbers depend on."""
     t = tools.toolchain
     return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
             t.plugin: t.plugin_version, "ptxas": t.ptxas_version, "nvdisasm": tools.nvdisasm_version}
