@@ -259,6 +259,8 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
         cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
         k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
+            q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
         s, g, _ = _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql,
                                     stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K, GATE_CHUNK, False)
         total = tl.sum(g, 1)

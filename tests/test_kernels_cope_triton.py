@@ -2,10 +2,10 @@
 `jaxpe.cope_attention(impl="reference")`: the output and the gradients of sum(o · cotangent) with respect to q, k,
 v, pos_emb (and gate_k, and a traced sm_scale).
 
-One covering sweep (not the Cartesian product): every value of L ∈ {1, 7, 64, 77, 128, 130, 300} (64 and 128
-multiples of the blocks: loads without row masks), G ∈ {1, 2, 4} (MQA among them), D ∈ {32, 64, 96, 128} (96: masked
-columns), float32/float16, saturated gate logits (|logit| ≈ 40), small and large npos (P − 1 never reached), shared
-and per-head tables, gates from k and from a separate gate_k, packed documents, sliding windows and a traced
+One covering sweep (not the Cartesian product): every value of L ∈ {1, 7, 40, 64, 77, 128, 130, 300} (64 and 128
+multiples of the blocks: loads without row masks), G ∈ {1, 2, 4} (MQA among them), D ∈ {32, 64, 96, 128, 256} (96:
+masked columns), float32/float16, saturated gate logits (|logit| ≈ 40), small and large npos (P − 1 never reached),
+shared and per-head tables, gates from k and from a separate gate_k, packed documents, sliding windows and a traced
 sm_scale each appear, with small, mixed and default block sizes. Without a GPU the kernels run in Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which multiplies bfloat16 dots wrongly (an upstream
 limitation): the bfloat16 cases run on a GPU only.
@@ -78,6 +78,7 @@ CASES = [
     Case(length=77, head_dim=64, groups=2, npos=8, dtype="float16", kv_heads=2, saturated=True, documents=True,
          window=30),
     Case(length=128, head_dim=32, groups=1, npos=16, dtype="float32", saturated=True, blocks=None),
+    Case(length=40, head_dim=256, groups=1, npos=6, dtype="float32", gate_k=True),
 ]
 GPU_CASES = [
     Case(length=300, head_dim=128, groups=4, npos=16, dtype="bfloat16", gate_k=True, documents=True, blocks=None),
