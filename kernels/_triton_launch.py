@@ -137,6 +137,11 @@ class _Dtype:
     __repr__ = __str__
 
 
+# One object per dtype name: Triton caches an argument's type by the id() of its dtype object, and a fresh object per
+# launch can take a freed one's address and be read as that one's type (a float32 q read as int32).
+_dtype = functools.cache(_Dtype)
+
+
 class _Storage:
     """The memory of a HostTensor: the interpreter copies "to the host" and back through it (a no-op here)."""
 
@@ -159,7 +164,7 @@ class HostTensor:
     def __init__(self, array: np.ndarray) -> None:
         self.array = array
         self._storage = _Storage(array)
-        self.dtype = _Dtype(str(array.dtype))
+        self.dtype = _dtype(str(array.dtype))
 
     def data_ptr(self) -> int:
         return self.array.ctypes.data
