@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the suite).
 # CI (.ci/run) adds `make test-wheel` (the built wheel in a fresh venv, outside the repo), `make test-newest`
-# (Python 3.12 with the newest jax) and `make test-compile` (every kernel compiled for an H100, within budget).
+# (Python 3.12 with the newest jax; then a model lowered for CUDA) and `make test-compile` (every kernel compiled for an
+# H100, within budget; a model lowered and exported for CUDA).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,20 +27,25 @@ test-wheel:
 
 # The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to
 # the installed jaxlib; jax 0.10 is the last whose plugin exposes it) and ptxas, in their own venv, so that the main
-# suite never sees the plugin (it makes jax try CUDA first).
+# suite never sees the plugin (it makes jax try CUDA first, and impl="auto" stage the CUDA kernels). The native
+# Triton kernels (impl="triton") compile through triton (from the test extra) and jax-triton 0.3.1, the release for
+# jax 0.10, installed without its dependencies (they would move jax) but absl-py, the one it imports.
 COMPILE_VENV := .venv-compile
 NVCC ?= nvidia-cuda-nvcc
 
-$(COMPILE_VENV)/.installed: pyproject.toml
+$(COMPILE_VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(COMPILE_VENV)
 	$(COMPILE_VENV)/bin/pip install -q --upgrade pip
 	$(COMPILE_VENV)/bin/pip install -q -e ".[test]" "jax>=0.10,<0.11"
 	$(COMPILE_VENV)/bin/pip install -q "jax-cuda13-plugin==$$($(COMPILE_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
-	$(COMPILE_VENV)/bin/pip install -q --no-deps "$(NVCC)"
+	$(COMPILE_VENV)/bin/pip install -q --no-deps "$(NVCC)" "jax-triton==0.3.1" absl-py
 	touch $@
 
-test-compile: $(COMPILE_VENV)/.installed  # every kernel of the report held to its budget: ~2 minutes on 2 cores
-	JAX_PLATFORMS=cpu $(COMPILE_VENV)/bin/python -m pytest -q tests/test_compile_report.py
+# Every kernel of the report held to its budget, and a TransformerLM lowered and exported for CUDA with each GPU path
+# (tests/test_cuda_lowering.py; TRITON_INTERPRET=0: jax-triton compiles, not Triton's interpreter): ~N minutes on 2 cores
+test-compile: $(COMPILE_VENV)/.installed
+	JAX_PLATFORMS=cpu TRITON_INTERPRET=0 $(COMPILE_VENV)/bin/python -m pytest -q tests/test_compile_report.py \
+	  tests/test_cuda_lowering.py
 
 # The committed report (results/compile/sm90a.json and .md) from tools/compile_report.py, a tool outside the wheel.
 compile-report: $(COMPILE_VENV)/.installed

@@ -166,6 +166,7 @@ def test_fused_kernels_share_the_head_dim_limit(kernel):
 
 PALLAS_CALL = "@__gpu$xla.gpu.triton("  # a Pallas kernel lowered to Triton, in StableHLO
 B, L, HQ, HKV, D, NPOS = 2, 150, 4, 2, 8, 12  # L apart from every other size: a [.., L/3.., L] array is quadratic
+SHARDED = (P("x"),) * 3 + (P(),)  # q, k, v (and their gradients) split over the batch, the table replicated
 
 
 def quadratic_arrays(module: str, length: int) -> set[str]:
@@ -179,13 +180,11 @@ def quadratic_arrays(module: str, length: int) -> set[str]:
     return found
 
 
-def lowered_for_cuda(traced: jax.stages.Traced) -> str:
-    """StableHLO text of a traced jit lowered for CUDA without a GPU. The target is an abstract H100: jax >= 0.12
-    reads the GPU generation from the abstract mesh's device when no GPU is present (earlier versions do not ask)."""
+def on_abstract_h100() -> jax.sharding.AbstractMesh:
+    """An abstract mesh of one H100, to trace and lower for CUDA without a GPU: jax >= 0.12 reads the GPU generation
+    from its device when no GPU is present (earlier versions do not ask)."""
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    return jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
 
 
 def attention(encoding: str, impl: str = "auto") -> Callable:
@@ -195,7 +194,10 @@ def attention(encoding: str, impl: str = "auto") -> Callable:
 
 
 def grads(encoding: str, impl: str = "auto") -> Callable:
-    fn = attention(encoding, impl)
+    return grads_of(attention(encoding, impl))
+
+
+def grads_of(fn: Callable) -> Callable:
     return jax.grad(lambda q, k, v, e: jnp.sum(jnp.sin(fn(q, k, v, e))), argnums=(0, 1, 2, 3))
 
 
@@ -231,8 +233,9 @@ def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monke
     args = inputs()
     want = jax.jit(grads(encoding))(*args)
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
-    traced = jax.jit(grads(encoding)).trace(*args)
-    cuda = lowered_for_cuda(traced)
+    with jax.sharding.use_abstract_mesh(on_abstract_h100()):
+        traced = jax.jit(grads(encoding)).trace(*args)
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert cuda.count(PALLAS_CALL) == 2
     assert not quadratic_arrays(cuda, L)
     cpu = traced.lower(lowering_platforms=("cpu",))
@@ -250,7 +253,7 @@ def test_auto_staged_for_cuda_runs_under_transformations(monkeypatch, encoding):
 
     def programs() -> dict[str, Callable[[], object]]:
         grad = grads(encoding)
-        sharded = jax.shard_map(grad, mesh=mesh, in_specs=(P("x"),) * 3 + (P(),), out_specs=(P("x"),) * 3 + (P(),))
+        sharded = jax.shard_map(grad, mesh=mesh, in_specs=SHARDED, out_specs=SHARDED)
         return {
             "vmap": lambda: jax.jit(jax.vmap(attention(encoding), in_axes=(0, 0, 0, None)))(q, k, v, e),
             "scan": lambda: jax.jit(lambda *x: jax.lax.scan(lambda c, x: (c, grad(*x, e)), 0.0, x)[1])(q, k, v),
@@ -360,3 +363,66 @@ def test_triton_refuses_what_pallas_refuses():
         params = lm.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
         with pytest.raises(ValueError, match="impl='triton' needs static shapes|symbolic"):
             jax.export.export(jax.jit(lm.apply))(params, jax.ShapeDtypeStruct((batch, length), jnp.int32))
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_triton_under_transformations_on_cpu(encoding):
+    """The "triton" column of docs/transformations.md, in Triton's interpreter (a pure_callback per launch): vmap
+    (members one after another), remat, lax.scan, eval_shape, x64, float16 and a traced sm_scale give the reference's
+    values."""
+    triton_entries()
+    q, k, v, e = inputs(16)
+    stacked = tuple(jnp.stack([x, 0.5 * x]) for x in (q, k, v))
+
+    def scaled(impl: str) -> Callable:
+        if encoding == "cope":
+            return lambda s: jnp.sum(jnp.sin(jaxpe.cope_attention(q, k, v, e, sm_scale=s, impl=impl)))
+        return lambda s: jnp.sum(jnp.sin(jaxpe.corope_attention(q, k, v, sm_scale=s, impl=impl)))
+
+    def x64(impl: str) -> jax.Array:
+        with jax.enable_x64(True):
+            return jax.jit(attention(encoding, impl))(q, k, v, e)
+
+    programs = {
+        "vmap": lambda impl: jax.jit(jax.vmap(attention(encoding, impl), in_axes=(0, 0, 0, None)))(*stacked, e),
+        "remat": lambda impl: jax.jit(grads_of(jax.checkpoint(attention(encoding, impl),
+                                                              policy=jax.checkpoint_policies.dots_saveable)))(
+            q, k, v, e),
+        "scan": lambda impl: jax.jit(lambda *x: jax.lax.scan(lambda c, x: (c, grads(encoding, impl)(*x, e)), 0.0,
+                                                             x)[1])(*stacked),
+        "eval_shape": lambda impl: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                jax.eval_shape(attention(encoding, impl), q, k, v, e)),
+        "x64": x64,
+        "float16": lambda impl: jax.jit(attention(encoding, impl))(*(x.astype(jnp.float16) for x in (q, k, v, e))),
+        "traced sm_scale": lambda impl: jax.jit(jax.value_and_grad(scaled(impl)))(0.3),
+    }
+    for name, run in programs.items():
+        got, want = run("triton"), run("reference")
+        jax.tree.map(lambda a, b: assert_same_type_and_close(a, b, name), got, want)
+
+
+def assert_same_type_and_close(got: jax.Array, want: jax.Array, name: str) -> None:
+    assert got.dtype == want.dtype, name
+    tolerance = 2e-3 if got.dtype == jnp.float16 else 1e-4
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tolerance,
+                               rtol=tolerance, err_msg=name)
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_triton_refusals_under_transformations_on_cpu(encoding):
+    """What the "triton" column marks ✗ on CPU: forward mode (a custom VJP), a second derivative, jax.export (the
+    interpreter is a host callback) and, under shard_map's default checks, the gradient (the callback's outputs do
+    not carry the mesh axes its inputs vary over)."""
+    triton_entries()
+    q, k, v, e = inputs(16)
+    fn = attention(encoding, "triton")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(fn, (q, k, v, e), (q, k, v, e))
+    with pytest.raises(NotImplementedError, match="differentiable once"):
+        jax.jit(jax.grad(lambda x: jnp.sum(grads(encoding, "triton")(x, k, v, e)[0]))).trace(q)
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        jax.export.export(jax.jit(fn))(q, k, v, e)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharded = jax.shard_map(grads(encoding, "triton"), mesh=mesh, in_specs=SHARDED, out_specs=SHARDED)
+    with pytest.raises(ValueError, match="manual axis types"):
+        jax.jit(sharded).trace(q, k, v, e)
