@@ -30,7 +30,7 @@ GPU_COMPUTE_CAPABILITY = 90  # what to compile for when lowering for CUDA withou
 
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when it was imported)."""
-    import triton
+    import triton  # optional: imported only for impl='triton'
 
     return bool(triton.knobs.runtime.interpret)
 
@@ -80,7 +80,7 @@ def launch(kernel: Any, args: Sequence[jax.Array | int | float], *, out_shapes: 
 @functools.cache
 def _jax_triton() -> Any:
     """jax_triton, with its dead-code rule made to take jax 0.12's arguments."""
-    import jax_triton
+    import jax_triton  # optional, and it refuses to import on a jaxlib without CUDA
 
     _patch_dce_rule(jax_triton)
     return jax_triton
@@ -89,7 +89,7 @@ def _jax_triton() -> Any:
 def _patch_dce_rule(jax_triton: Any) -> None:
     """Register a dead-code rule for jax-triton's primitive that keeps every input and takes the arguments of every
     jax release (jax 0.12 passes a third)."""
-    from jax._src.interpreters import partial_eval as pe
+    from jax._src.interpreters import partial_eval as pe  # private: where jax keeps the dead-code rules
 
     primitive = getattr(jax_triton.triton_lib, "triton_kernel_call_p", None)
     if primitive is None or primitive not in pe.dce_rules:
