@@ -1069,7 +1069,7 @@ def _authors_sentence(a: dict[str, Any]) -> str:
 
 AUTHORS_SOURCE = "corope-exp/flash_attn_co_rope_gqa_triton.py of the GitHub repository Superposition09m/Co-RoPE"
 AUTHORS_KERNEL = "_corope_fwd_backbone"
-AUTHORS_CONFIGS = ((64, 4),)  # (D, G): bf16, GQA 8/2 as in the grid (D 64 alone: it compiles for an hour)
+AUTHORS_CONFIGS = ((64, 4),)  # (D, G): bf16, GQA 8/2 as in the grid (D 64 alone: half an hour)
 TRITON_STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
 
 
