@@ -229,43 +229,35 @@ def test_auto_on_cpu_with_a_cuda_plugin_stages_the_fused_kernels_for_cuda(monkey
 def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monkeypatch, encoding):
     """One trace of a training gradient, lowered for CUDA: the Pallas forward and its fused backward, no quadratic
     array (the dense CPU branch is rematerialised, so its residuals are not zero-filled outputs of the CUDA one);
-    lowered for CPU: no kernel, and the values without a plugin."""
-    args = inputs()
-    want = jax.jit(grads(encoding))(*args)
+    lowered for CPU: no kernel."""
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
     with jax.sharding.use_abstract_mesh(on_abstract_h100()):
-        traced = jax.jit(grads(encoding)).trace(*args)
+        traced = jax.jit(grads(encoding)).trace(*inputs())
         cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert cuda.count(PALLAS_CALL) == 2
     assert not quadratic_arrays(cuda, L)
-    cpu = traced.lower(lowering_platforms=("cpu",))
-    assert PALLAS_CALL not in cpu.as_text()
-    for got_g, want_g in zip(cpu.compile()(*args), want):
-        np.testing.assert_allclose(got_g, want_g, atol=1e-6, rtol=1e-6)
+    assert PALLAS_CALL not in traced.lower(lowering_platforms=("cpu",)).as_text()
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_auto_staged_for_cuda_runs_under_transformations(monkeypatch, encoding):
-    """With the CUDA branch staged (`lax.platform_dependent`), vmap, lax.scan, shard_map and jax.export for CPU run
-    the CPU choice here: the values without a plugin."""
-    q, k, v, e = inputs(24, lead=(2,))
+    """With the CUDA branch staged (`lax.platform_dependent`), the gradient under vmap and shard_map, lax.scan and
+    jax.export for CPU run the CPU choice here: the values without a plugin."""
+    q, k, v, e = inputs(16, lead=(2,))
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
 
-    def programs() -> dict[str, Callable[[], object]]:
+    def run() -> tuple:
         grad = grads(encoding)
-        sharded = jax.shard_map(grad, mesh=mesh, in_specs=SHARDED, out_specs=SHARDED)
-        return {
-            "vmap": lambda: jax.jit(jax.vmap(attention(encoding), in_axes=(0, 0, 0, None)))(q, k, v, e),
-            "scan": lambda: jax.jit(lambda *x: jax.lax.scan(lambda c, x: (c, grad(*x, e)), 0.0, x)[1])(q, k, v),
-            "shard_map": lambda: jax.jit(sharded)(q[0], k[0], v[0], e)[:3],
-            "export": lambda: jax.export.export(jax.jit(grad))(q[0], k[0], v[0], e).call(q[0], k[0], v[0], e),
-        }
+        transformed = jax.jit(lambda q, k, v, e: (
+            jax.vmap(grad, in_axes=(0, 0, 0, None))(q, k, v, e),
+            jax.lax.scan(lambda c, x: (c, attention(encoding)(*x, e)), 0.0, (q, k, v))[1],
+            jax.shard_map(grad, mesh=mesh, in_specs=SHARDED, out_specs=SHARDED)(q[0], k[0], v[0], e)))
+        exported = jax.export.export(jax.jit(attention(encoding)))(q[0], k[0], v[0], e)
+        return transformed(q, k, v, e), exported.call(q[0], k[0], v[0], e)
 
-    want = {name: run() for name, run in programs().items()}
+    want = run()
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
-    for name, run in programs().items():
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=name), run(),
-                     want[name])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), run(), want)
 
 
 def test_auto_staged_for_cuda_limits(monkeypatch):
@@ -302,20 +294,19 @@ def test_jaxpe_imports_and_runs_without_triton():
     code = """
 import sys
 sys.modules["triton"] = sys.modules["jax_triton"] = None
-import jax.numpy as jnp
+import jax, jax.numpy as jnp
 import jaxpe
 q = jnp.ones((1, 8, 2, 8))
-jaxpe.cope_attention(q, q, q, jnp.ones((4, 8)))
-config = jaxpe.ModelConfig(vocab_size=11, d_model=16, num_layers=1, num_heads=2, max_len=16, pe="corope",
-                           impl="triton")
-model = jaxpe.TransformerLM(config)
+jaxpe.corope_attention(q, q, q)
+model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=11, d_model=16, num_layers=1, num_heads=2, max_len=16,
+                                              pe="corope", impl="triton"))
 try:
-    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
 except ValueError as error:
     print(error)
 """
-    result = subprocess.run([sys.executable, "-c", "import jax\n" + code], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr
     assert "pip install 'jaxpe[triton]'" in result.stdout, result.stdout
 
@@ -333,18 +324,16 @@ def model(pe: str, impl: str) -> jaxpe.TransformerLM:
 
 
 @pytest.mark.parametrize("pe", ["cope", "corope"])
-def test_triton_runs_in_a_model_as_the_reference(pe):
-    """impl="triton" reaches the layers through the model config, as "pallas" does: loss and parameter gradients
-    of a TransformerLM equal the dense reference's."""
+def test_triton_reaches_the_layers_of_a_model(pe):
+    """impl="triton" goes from the model config to the layers' kernels, as "pallas" does: the training gradient of
+    a TransformerLM launches the Triton kernels (here the interpreter's host callbacks; the kernels' numerics are
+    tests/test_kernels_*_triton.py's)."""
     triton_entries()
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 13), 0, 11)
-    params = model(pe, "reference").init(jax.random.PRNGKey(0), tokens)
-
-    def loss(impl: str) -> Callable:
-        return lambda p: jnp.mean(jax.nn.log_softmax(model(pe, impl).apply(p, tokens[:, :-1]))[..., 0])
-
-    got, want = (jax.jit(jax.value_and_grad(loss(impl)))(params) for impl in ("triton", "reference"))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4), got, want)
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    lm = model(pe, "triton")
+    params = jax.eval_shape(lm.init, jax.random.PRNGKey(0), tokens)
+    loss = lambda p: jnp.mean(lm.apply(p, tokens))  # noqa: E731
+    assert str(jax.make_jaxpr(jax.grad(loss))(params)).count("pure_callback") == 2  # the forward and the backward
 
 
 def test_triton_refuses_what_pallas_refuses():
@@ -368,8 +357,8 @@ def test_triton_refuses_what_pallas_refuses():
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_triton_under_transformations_on_cpu(encoding):
     """The "triton" column of docs/transformations.md, in Triton's interpreter (a pure_callback per launch): vmap
-    (members one after another), remat, lax.scan, eval_shape, x64, float16 and a traced sm_scale give the reference's
-    values."""
+    (members one after another), remat (saving nothing, saving the dots), lax.scan, eval_shape, x64, float16 and a
+    traced sm_scale give the reference's values."""
     triton_entries()
     q, k, v, e = inputs(16)
     stacked = tuple(jnp.stack([x, 0.5 * x]) for x in (q, k, v))
@@ -379,15 +368,18 @@ def test_triton_under_transformations_on_cpu(encoding):
             return lambda s: jnp.sum(jnp.sin(jaxpe.cope_attention(q, k, v, e, sm_scale=s, impl=impl)))
         return lambda s: jnp.sum(jnp.sin(jaxpe.corope_attention(q, k, v, sm_scale=s, impl=impl)))
 
+    def remat(impl: str, policy: str) -> tuple[jax.Array, ...]:
+        fn = jax.checkpoint(attention(encoding, impl), policy=getattr(jax.checkpoint_policies, policy))
+        return jax.jit(grads_of(fn))(q, k, v, e)
+
     def x64(impl: str) -> jax.Array:
         with jax.enable_x64(True):
             return jax.jit(attention(encoding, impl))(q, k, v, e)
 
     programs = {
         "vmap": lambda impl: jax.jit(jax.vmap(attention(encoding, impl), in_axes=(0, 0, 0, None)))(*stacked, e),
-        "remat": lambda impl: jax.jit(grads_of(jax.checkpoint(attention(encoding, impl),
-                                                              policy=jax.checkpoint_policies.dots_saveable)))(
-            q, k, v, e),
+        **{f"remat {policy}": functools.partial(remat, policy=policy)
+           for policy in ("nothing_saveable", "dots_saveable")},
         "scan": lambda impl: jax.jit(lambda *x: jax.lax.scan(lambda c, x: (c, grads(encoding, impl)(*x, e)), 0.0,
                                                              x)[1])(*stacked),
         "eval_shape": lambda impl: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
