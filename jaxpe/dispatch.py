@@ -91,8 +91,8 @@ def _fused_unless_refused(reason: str | None, causal: bool, kernel_refusal: Call
 def cuda_lowering() -> bool:
     """Whether "auto" stages a CUDA choice beside the CPU one: the default backend is CPU and one of jax's CUDA
     plugins is installed, so that lowering for CUDA here (`lower(lowering_platforms=("cuda",))`, `jax.export`) is
-    what this environment is set up for. Without a plugin the CUDA branch is not traced: it costs tracing time, and
-    forward mode and second order, which the CPU paths take, fail while tracing the fused kernels' branch."""
+    what this environment is set up for. Without a plugin the CUDA branch is not traced: it costs tracing time, and a
+    second derivative, which the CPU paths take, fails while tracing the fused kernels' branch."""
     return jax.default_backend() == "cpu" and _cuda_plugin_installed()
 
 
