@@ -2,12 +2,13 @@
 
 Where jax's CUDA plugin (XLA's Triton compiler) and ptxas are installed (`make test-compile` makes .venv-compile with
 both), each kernel of each configuration of the report (CoPE and Co-RoPE; f32/bf16; D 64/128/256; GQA 8/2 and MHA
-8/8; CoPE npos 64 and 513) compiles to PTX and then to SASS, and is held to two checks: it would launch (compiles;
-shared memory within sm_90's 232448 bytes), and it spills no more than its budget (none in forward kernels, at most
-512 bytes per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed
-report (results/compile/sm90a.json, docs/kernels.md's table) belongs to the kernel sources as they are and finds every
-kernel within budget, and the report's own pieces (lowering, ptxas parsing, verdicts, the error without a
-toolchain) work.
+8/8; CoPE npos 64 and 513) on each path (the Pallas kernels; the native Triton kernels, where triton and jax-triton
+are installed too) compiles to PTX and then to SASS, and is held to two checks: it would launch (compiles; shared
+memory within sm_90's 232448 bytes), and it spills no more than its budget (none in forward kernels, at most 512 bytes
+per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
+(results/compile/sm90a.json, docs/kernels.md's table) belongs to the kernel sources as they are and finds every
+kernel within budget, and the report's own pieces (lowering, recording the Triton launches, ptxas parsing, verdicts,
+the errors without a toolchain) work.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -44,56 +47,69 @@ def _toolchain() -> cr.Toolchain | str:
 
 
 TOOLCHAIN = _toolchain()
+TRITON = cr.triton_unavailable()  # why the native Triton kernels cannot be compiled here, or None
 needs_toolchain = pytest.mark.skipif(isinstance(TOOLCHAIN, str), reason=f"no GPU compiler here: {TOOLCHAIN}")
+needs_triton = pytest.mark.skipif(TRITON is not None, reason=f"no Triton compiler here: {TRITON}")
 ROLES = ("forward", "forward_train", "backward")
 
 
 def _params() -> list:
-    """(case, role) for every kernel of the report."""
+    """(path, case, role) for every kernel of the report."""
     if isinstance(TOOLCHAIN, str):  # one skipped test rather than a few hundred
-        return [pytest.param(None, None, id="no-toolchain")]
-    return [pytest.param(case, role, id=f"{case.id}-{role}") for case in cr.default_cases() for role in ROLES]
+        return [pytest.param(None, None, None, id="no-toolchain")]
+    params = [pytest.param("pallas", case, role, id=f"pallas-{case.id}-{role}")
+              for case in cr.default_cases() for role in ROLES]
+    if TRITON is not None:
+        return params + [pytest.param("triton", None, None, id="triton-unavailable",
+                                      marks=pytest.mark.skip(reason=f"no Triton compiler here: {TRITON}"))]
+    return params + [pytest.param("triton", case, role, id=f"triton-{case.id}-{role}")
+                     for case in cr.default_cases() for role in ROLES]
 
 
 @pytest.fixture(scope="module")
-def compiled(request) -> dict[tuple[str, str], cr.Row]:
-    """Rows of every case that the selected tests of this module ask for, compiled together (a compile per CPU)."""
-    cases = []
+def compiled(request) -> dict[tuple[str, str, str], cr.Row]:
+    """Rows of every (path, case) that the selected tests of this module ask for, compiled together (a compile per
+    CPU), by (path, case id, role)."""
+    cases, paths = [], []
     for item in request.session.items:
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if item.module is request.module and case is not None and case not in cases:
-            cases.append(case)
-    rows = cr.compile_cases(cases, TOOLCHAIN, jobs=cr.default_jobs(), timeout=1200)
-    return {(row.case_id, row.kernel): row for row in rows}
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is request.module and params and params.get("case") is not None:
+            cases += [params["case"]] if params["case"] not in cases else []
+            paths += [params["path"]] if params["path"] not in paths else []
+    rows = cr.compile_cases(cases, TOOLCHAIN, paths=[p for p in cr.PATHS if p in paths], jobs=cr.default_jobs(),
+                            timeout=1200)
+    return {(row.path, row.case_id, row.kernel): row for row in rows}
 
 
 @needs_toolchain
-@pytest.mark.parametrize("case, role", _params())
-def test_kernel_compiles_within_shared_memory(compiled, case, role):
-    row = compiled.get((case.id, role))
-    assert row is not None, f"{case.id} lowered to no {role} kernel: {sorted(k for c, k in compiled if c == case.id)}"
+@pytest.mark.parametrize("path, case, role", _params())
+def test_kernel_compiles_within_shared_memory(compiled, path, case, role):
+    row = compiled.get((path, case.id, role))
+    assert row is not None, (f"{path} {case.id} lowered to no {role} kernel: "
+                             f"{sorted(k for p, c, k in compiled if (p, c) == (path, case.id))}")
     assert row.error is None, row.error
     assert row.registers is not None and row.ptx_bytes
     assert row.smem_bytes <= cr.SMEM_LIMIT_BYTES, f"{row.smem_bytes=} > {cr.SMEM_LIMIT_BYTES}"
 
 
 @needs_toolchain
-@pytest.mark.parametrize("case, role", _params())
-def test_kernel_spills_within_budget(compiled, case, role):
-    row = compiled.get((case.id, role))
+@pytest.mark.parametrize("path, case, role", _params())
+def test_kernel_spills_within_budget(compiled, path, case, role):
+    row = compiled.get((path, case.id, role))
     assert row is not None and row.error is None, row and row.error
-    assert row.spill_problems() == [], f"{case.id} {role}: {row.spill_problems()}"
+    assert row.spill_problems() == [], f"{path} {case.id} {role}: {row.spill_problems()}"
 
 
 @needs_toolchain
 def test_report_and_markdown(compiled):
-    """The JSON report names the target and every version; the Markdown has a row per kernel."""
+    """The JSON report names the target and every version; the Markdown has a row per kernel, each naming its path."""
     rows = list(compiled.values())
     data = cr.report(rows, TOOLCHAIN, command="python tools/compile_report.py --quick --no-write")
     assert data["target"]["gpu_name"] == "sm_90a" and data["versions"]["ptxas"] == TOOLCHAIN.ptxas_version
     assert cr.markdown(data).splitlines()[2].startswith("`python tools/compile_report.py --quick --no-write`, ")
     assert data["versions"][TOOLCHAIN.plugin] == data["versions"]["jaxlib"]
-    assert cr.markdown(data).count("\n| cope") + cr.markdown(data).count("\n| corope") == len(rows)
+    assert ("triton" in data["versions"]) == any(row.path == "triton" for row in rows)
+    assert cr.markdown(data).count("\n| pallas | ") + cr.markdown(data).count("\n| triton | ") == len(rows)
 
 
 # -------------------------------------------------------------------------------- the pieces, on any machine
@@ -102,12 +118,12 @@ def test_report_and_markdown(compiled):
 def test_committed_report_is_current_and_within_budget():
     """results/compile/sm90a.json was made from these kernel sources, covers the full grid and has no problem."""
     data = json.loads(REPORT.read_text())
-    assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(), (
+    assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(cr.PATHS), (
         "the kernels changed since the committed report: rerun `make compile-report`")
     rows = [cr.Row.from_dict(row) for row in data["rows"]]
-    expected = {(case.id, role) for case in cr.default_cases() for role in ROLES}
-    assert {(row.case_id, row.kernel) for row in rows} == expected
-    assert [(row.case_id, row.kernel, row.problems()) for row in rows if row.problems()] == []
+    expected = {(path, case.id, role) for path in cr.PATHS for case in cr.default_cases() for role in ROLES}
+    assert {(row.path, row.case_id, row.kernel) for row in rows} == expected and data["skipped"] == {}
+    assert [(row.path, row.case_id, row.kernel, row.problems()) for row in rows if row.problems()] == []
     assert data["target"]["spill_budget_bytes"] == cr.SPILL_BUDGET_BYTES
 
 
@@ -123,6 +139,57 @@ def test_every_kernel_lowers_with_its_role(op):
     kernels = cr.lower_kernels(case)
     assert tuple(k.role for k in kernels) == ROLES
     assert all(k.ir and k.num_warps in (1, 2, 4, 8, 16) and k.num_stages >= 1 for k in kernels)
+
+
+@needs_triton
+@pytest.mark.parametrize("op", cr.OPS)
+def test_every_triton_kernel_is_recorded_with_its_role(op):
+    """Tracing the native Triton op and its gradient under the recorder gives a launch per role (the same ones when
+    traced again), with every parameter typed, and leaves `launch` as it was."""
+    from jaxpe.kernels import _triton_launch
+
+    launch = _triton_launch.launch
+    case = cr.Case(op, "bfloat16", 64, 4, 2, 16 if op == "cope" else None, length=128)
+    kernels = cr.record_triton_kernels(case)
+    assert tuple(k.role for k in kernels) == ROLES
+    assert cr.record_triton_kernels(case) == kernels
+    assert kernels[0].spec == kernels[1].spec  # the gradient's forward is the inference forward
+    assert all(k.num_warps in (1, 2, 4, 8, 16) and k.num_stages >= 1 and k.grid[0] >= 1 for k in kernels)
+    for kernel in kernels:
+        spec = json.loads(kernel.spec)
+        assert spec["kernel"].startswith(f"jaxpe.kernels.{op}_triton:")
+        assert set(spec["signature"].values()) <= {"*bf16", "*fp32", "*i32", "i32", "fp64", "constexpr"}
+        assert {n for n, t in spec["signature"].items() if t == "constexpr"} == set(spec["constexprs"])
+        assert [list(spec["signature"]).index(n) for n, t in spec["signature"].items() if t[0] == "*"] == \
+            spec["aligned"]
+    assert _triton_launch.launch is launch
+    assert sys.modules[f"jaxpe.kernels.{op}_triton"].launch is launch
+
+
+@needs_toolchain
+@needs_triton
+@pytest.mark.parametrize("op", cr.OPS)
+def test_recorded_launches_compile_to_what_jax_triton_runs(op, tmp_path):
+    """The gradient's launches, recorded and compiled by the report, give the very PTX and shared memory that
+    jax-triton compiles when the op's gradient is lowered for CUDA (its JAX_TRITON_DUMP_DIR files, in a process that
+    imports triton compiled rather than interpreted)."""
+    case = cr.Case(op, "bfloat16", 64, 4, 2, 16 if op == "cope" else None, length=128)
+    rows = [cr.compile_kernel(kernel, TOOLCHAIN, timeout=600, ptx_dir=tmp_path / "report")
+            for kernel in cr.record_triton_kernels(case)[1:]]
+    assert [row.error for row in rows] == [None, None]
+    script = ("import importlib.util, sys\n"
+              "spec = importlib.util.spec_from_file_location('compile_report', sys.argv[1])\n"
+              "cr = importlib.util.module_from_spec(spec); sys.modules[spec.name] = cr; spec.loader.exec_module(cr)\n"
+              f"fn, args = cr._attention(cr.{case!r}, 'triton')\n"
+              "cr._lowered_for_gpu(cr._gradient(fn, len(args)), args)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0", JAX_TRITON_DUMP_DIR=str(tmp_path / "dump"))
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "tools" / "compile_report.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dumped = sorted((tmp_path / "dump").rglob("*.ptx"))
+    assert sorted(p.read_text() for p in dumped) == sorted(p.read_text() for p in (tmp_path / "report").glob("*.ptx"))
+    smem = [int(p.with_suffix(".compile_info").read_text().rsplit(":", 1)[1]) for p in dumped]
+    assert sorted(smem) == sorted(row.smem_bytes for row in rows)
 
 
 def test_parse_ptxas():
@@ -174,6 +241,21 @@ def test_missing_ptxas_says_how_to_install(monkeypatch, tmp_path):
     assert "pip install --no-deps nvidia-cuda-nvcc" in str(error.value)
 
 
+def test_without_triton_the_report_skips_its_rows_saying_why(monkeypatch, capsys):
+    """No jax-triton: triton_unavailable says what to install, and the report is made of the Pallas rows with a
+    sentence saying why the Triton ones are missing."""
+    monkeypatch.setitem(sys.modules, "jax_triton.triton_lib", None)  # import fails
+    why = cr.triton_unavailable()
+    assert why is not None and "pip install --no-deps 'jax-triton==0.3.1' absl-py" in why
+    asked = []
+    toolchain = cr.Toolchain("jax-cuda13-plugin", importlib.metadata.version("jaxlib"), "ptxas", "13.0.0")
+    monkeypatch.setattr(cr, "find_toolchain", lambda ptxas=None: toolchain)
+    monkeypatch.setattr(cr, "compile_cases", lambda cases, toolchain, *, paths, **kwargs: asked.append(paths) or [])
+    assert cr.main(["--quick", "--no-write"]) == 0
+    assert asked == [("pallas",)]
+    assert f"No triton rows: {why}" in capsys.readouterr().out
+
+
 def test_cli_subsets():
     args = cr.parse_args(["--ops", "cope", "--dtypes", "bf16", "--head-dims", "64,128", "--heads", "8/2,4",
                           "--no-write"])
@@ -182,8 +264,12 @@ def test_cli_subsets():
     assert cr.parse_args(["--out", "report"]).name == "sm90a"
     assert cr.parse_args(["--out", "report"]).out == pathlib.Path("report")
     assert cr.parse_args(["--quick", "--no-write"]).head_dims == (64,)
+    assert cr.parse_args(["--no-write"]).paths == ("pallas", "triton")
+    assert cr.parse_args(["--paths", "triton", "--out", "report"]).name == "sm90a-subset"
     with pytest.raises(SystemExit):
         cr.parse_args(["--ops", "rope", "--no-write"])
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--paths", "cuda", "--no-write"])
 
 
 def test_output_folder_is_an_argument(capsys):
@@ -194,8 +280,13 @@ def test_output_folder_is_an_argument(capsys):
 
 
 def test_kernel_sources_are_the_kernels_and_their_jaxpe_imports():
-    """The fingerprint covers both Pallas kernel files and the shared kernel modules they import."""
-    sources = cr.kernel_sources()
-    assert {"jaxpe.kernels.cope_pallas", "jaxpe.kernels.corope_pallas", "jaxpe.kernels._common"} <= set(sources)
+    """The report's fingerprint covers the Pallas and the native Triton kernel files, the launcher and the shared
+    kernel modules they import; by default (the cost report's), the Pallas ones only."""
+    sources = cr.kernel_sources(cr.PATHS)
+    assert {"jaxpe.kernels.cope_pallas", "jaxpe.kernels.corope_pallas", "jaxpe.kernels._common",
+            "jaxpe.kernels.cope_triton", "jaxpe.kernels.corope_triton", "jaxpe.kernels._triton_launch"} <= set(sources)
     assert all(name.startswith("jaxpe.") and path.is_file() for name, path in sources.items())
     assert sources["jaxpe.kernels.cope_pallas"] == ROOT / "kernels" / "cope_pallas.py"
+    assert sources["jaxpe.kernels._triton_launch"] == ROOT / "kernels" / "_triton_launch.py"
+    assert not any("triton" in name for name in cr.kernel_sources())
+    assert cr.kernel_sources_sha256(cr.PATHS) != cr.kernel_sources_sha256()

@@ -3,11 +3,16 @@
     python tools/compile_report.py --out results/compile           # the full grid: sm90a.json and sm90a.md there
     python tools/compile_report.py --out /some/dir --quick         # D 64, GQA, npos 64 only
     python tools/compile_report.py --no-write --ops cope           # print the table only
+    python tools/compile_report.py --no-write --paths triton       # the native Triton kernels only
 
 A command-line tool beside the library, not part of it: it imports the kernels from jaxpe.kernels (cope_pallas,
-corope_pallas) and is not installed with the wheel; `make compile-report` runs it into results/compile/.
+corope_pallas; cope_triton, corope_triton) and is not installed with the wheel; `make compile-report` runs it into
+results/compile/.
 
-How (no GPU needed): each op and its gradient are lowered for CUDA
+Two paths, the same grid and budgets: "pallas", the Pallas kernels through XLA's Triton compiler, and "triton", the
+native Triton kernels through Triton's own compiler (as jax-triton compiles them when they run).
+
+How, pallas (no GPU needed): each op and its gradient are lowered for CUDA
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`); every `stablehlo.custom_call` to
 `__gpu$xla.gpu.triton` carries the Pallas kernel as Triton MLIR bytecode (`mhlo.backend_config`: name, ir,
 num_warps, num_stages). XLA's own Triton compiler, shipped in the CUDA plugin of jax (`jax-cuda13-plugin`, the
@@ -18,21 +23,34 @@ compiles without complaint; the report checks it against SMEM_LIMIT_BYTES itself
 Co-RoPE's megabytes of PTX: it is skipped over --max-ptx-mib and capped at --ptxas-memory-gib (the row says so).
 Works with jax 0.10 only: from 0.11 on, jax's CUDA plugin no longer hands XLA's Triton compiler to Python.
 
+How, triton: each op and its gradient are traced (`jax.jit(f).trace(...)`, nothing runs) with
+`jaxpe.kernels._triton_launch.launch` replaced by a recorder (`_recorded_launches`, the tool's only hook into the
+kernels), which keeps every launch (the @triton.jit function, its arguments' avals and Python scalars, out_shapes,
+grid, num_warps, num_stages, constexprs) and returns zeros. Each launch is compiled as jax-triton 0.3 compiles it:
+parameter types from jax-triton's own `get_triton_type` (Python floats are fp64), scalars equal to 1 as constexprs,
+array pointers 16-byte aligned, fp fusion on; `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` in
+a subprocess gives the PTX (the very PTX jax-triton embeds; a test checks) and `metadata.shared`; the same `ptxas -v`
+gives registers and spills. These rows need triton and jax-triton; without them they are skipped, saying why.
+
 Letters: B batch, L length, N query heads, K key/value heads, D head dim, P = npos (CoPE's table rows).
-Kernels per op: "forward" (inference), "forward_train" (the forward that saves residuals for the gradient, when it
-differs) and "backward" (one fused kernel: dq, dk, dv and the position/gate gradients).
+Kernels per op: "forward" (inference), "forward_train" (the forward that saves residuals for the gradient: on the
+pallas path when it differs; on the triton path the inference forward's kernel again, compiled once) and "backward"
+(one fused kernel: dq, dk, dv and the position/gate gradients).
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -46,7 +64,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +74,7 @@ from jaxpe.kernels import cope_pallas, corope_pallas
 TRITON_CALL = "__gpu$xla.gpu.triton"
 GPU_NAME = "sm_90a"  # ptxas target: H100/H200 with the Hopper-only instructions Triton emits (wgmma)
 TRITON_ARCH = "9.0"  # compute capability as XLA's Triton compiler takes it
+TRITON_TARGET = ("cuda", 90, 32)  # Triton's own GPUTarget: backend, compute capability, warp size
 LOWERED_FOR = "NVIDIA H100"  # the abstract device jax >= 0.12 reads the GPU generation from
 SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
 # Spilled bytes per thread (stores and loads each) each kernel role may have: none in the forward kernels, whose
@@ -63,6 +82,7 @@ SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in m
 SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "backward": 512}
 PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
 OPS = ("cope", "corope")
+PATHS = ("pallas", "triton")  # Pallas kernels through XLA's Triton compiler; native Triton kernels through Triton's
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 HEADS = ((8, 2), (8, 8))  # (N, K): GQA with groups of 4, and MHA
@@ -120,6 +140,7 @@ class Case:
 class Kernel:
     """One Triton call of a case, lowered for the GPU: the kernel's role, its Triton name and settings, its IR."""
 
+    path: ClassVar[str] = "pallas"
     case: Case
     role: str  # "forward", "forward_train", "backward" (or the Triton name when it says none of these)
     name: str
@@ -130,9 +151,26 @@ class Kernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class TritonLaunch:
+    """One launch of a native Triton kernel of a case, recorded while tracing: its role, the launch's name and
+    settings, and `spec`, what Triton compiles (JSON: the @triton.jit function as "module:name", each parameter's
+    Triton type as jax-triton gives it, the constexprs, the 16-byte aligned pointer parameters)."""
+
+    path: ClassVar[str] = "triton"
+    case: Case
+    role: str  # "forward", "forward_train", "backward" (or the launch's name when it says none of these)
+    name: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    spec: str = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
     """What compiling one kernel gave: ptxas's registers and spills (bytes per thread), Triton's shared memory."""
 
+    path: str  # "pallas" or "triton"
     op: str
     dtype: str
     head_dim: int
@@ -258,6 +296,18 @@ def find_toolchain(ptxas: str | None = None) -> Toolchain:
     return Toolchain(plugin, plugin_version, path, version.group(1))
 
 
+def triton_unavailable() -> str | None:
+    """Why the native Triton kernels cannot be compiled here (None when they can): they need triton (its compiler)
+    and jax-triton (the parameter types they are compiled with)."""
+    try:
+        for module in ("triton.compiler", "jax_triton.triton_lib"):
+            importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - jax-triton refuses to import on some jaxlibs
+        return (f"the native Triton kernels need triton and jax-triton ({type(e).__name__}: {e}); install them with:\n"
+                "    pip install triton\n    pip install --no-deps 'jax-triton==0.3.1' absl-py")
+    return None
+
+
 def _find_ptxas(explicit: str | None) -> str | None:
     if explicit or os.environ.get("PTXAS"):
         path = explicit or os.environ["PTXAS"]
@@ -274,18 +324,28 @@ def _find_ptxas(explicit: str | None) -> str | None:
 # ----------------------------------------------------------------------------------------------------- lowering
 
 
-def _attention(case: Case) -> tuple[Callable[..., jax.Array], tuple[jax.ShapeDtypeStruct, ...]]:
-    """The op with its default block sizes and warps, and the abstract inputs of the case."""
+def _attention(case: Case, path: str = "pallas") -> tuple[Callable[..., jax.Array], tuple[jax.ShapeDtypeStruct, ...]]:
+    """The op of the path with its default block sizes and warps, and the abstract inputs of the case."""
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.batch, case.length, case.q_heads, case.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((case.batch, case.length, case.kv_heads, case.head_dim), dtype)
     sm_scale = case.head_dim ** -0.5
+    if path == "triton":
+        module = importlib.import_module(KERNEL_MODULES["triton"][OPS.index(case.op)])  # imports triton
+        entry = getattr(module, f"{case.op}_attention_triton")
+        options = {}
+    else:
+        entry = cope_pallas.cope_attention_pallas if case.op == "cope" else corope_pallas.corope_attention_pallas
+        options = {"interpret": False}
     if case.op == "cope":
-        fn = functools.partial(cope_pallas.cope_attention_pallas, sm_scale=sm_scale, interpret=False)
+        fn = functools.partial(entry, sm_scale=sm_scale, **options)
         return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.npos, case.head_dim), dtype))
-    fn = functools.partial(corope_pallas.corope_attention_pallas, theta=10000.0, sm_scale=sm_scale,
-                           interpret=False)
-    return fn, (q, kv, kv)
+    return functools.partial(entry, theta=10000.0, sm_scale=sm_scale, **options), (q, kv, kv)
+
+
+def _gradient(fn: Callable[..., jax.Array], nargs: int) -> Callable[..., tuple[jax.Array, ...]]:
+    """The gradient of fn's output sum with respect to every input."""
+    return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=tuple(range(nargs)))
 
 
 def _lowered_for_gpu(fn: Callable, args: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
@@ -331,7 +391,7 @@ def lower_kernels(case: Case) -> list[Kernel]:
     """The case's kernels for the GPU: the inference forward, then those of the gradient (forward with residuals,
     backward), each distinct IR once."""
     fn, args = _attention(case)
-    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=tuple(range(len(args))))
+    grad = _gradient(fn, len(args))
     kernels, seen = [], set()
     for training, f in ((False, fn), (True, grad)):
         for call in _triton_calls(_lowered_for_gpu(f, args)):
@@ -343,13 +403,87 @@ def lower_kernels(case: Case) -> list[Kernel]:
     return kernels
 
 
+@contextlib.contextmanager
+def _recorded_launches() -> Iterator[list[dict[str, Any]]]:
+    """While open, `_triton_launch.launch` (and that name in every module that imported it) is a recorder: each call
+    appends {kernel, params (the avals of array arguments and outputs, and the Python scalars), grid, num_warps,
+    num_stages, name, constexprs} to the list yielded, and returns zeros of the output shapes."""
+    from jaxpe.kernels import _triton_launch
+
+    original = _triton_launch.launch
+    launches: list[dict[str, Any]] = []
+
+    def record(kernel: Any, args: Sequence[Any], *, out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
+               num_warps: int, num_stages: int, zeroed: Sequence[int] = (), name: str = "",
+               **constexprs: Any) -> list[jax.Array]:
+        del zeroed  # how the outputs start does not change the compiled kernel
+        outputs = [jax.core.ShapedArray(s.shape, s.dtype) for s in out_shapes]
+        launches.append({"kernel": kernel, "params": [getattr(a, "aval", a) for a in args] + outputs,
+                         "grid": tuple(grid) + (1,) * (3 - len(grid)), "num_warps": num_warps,
+                         "num_stages": num_stages, "name": name or kernel.__name__, "constexprs": constexprs})
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+
+    importers = [m for name, m in list(sys.modules.items())
+                 if name.startswith("jaxpe.") and getattr(m, "launch", None) is original]
+    for module in importers:
+        module.launch = record
+    try:
+        yield launches
+    finally:
+        for module in importers:
+            module.launch = original
+
+
+def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any]) -> str:
+    """What Triton compiles for one launch, as jax-triton 0.3 (`get_or_create_triton_kernel`) builds it: every
+    parameter's type from jax-triton's `get_triton_type`, scalars equal to 1 and the constexprs as constexprs, array
+    pointers 16-byte aligned; JSON for `--compile-triton`."""
+    from jax_triton.triton_lib import get_triton_type
+
+    fn = getattr(kernel, "fn", kernel)  # the Python function of the @triton.jit kernel
+    names = list(inspect.signature(fn).parameters)
+    arrays = [i for i, p in enumerate(params) if isinstance(p, jax.core.ShapedArray)]
+    signature = {names[i]: get_triton_type(p) for i, p in enumerate(params)}
+    constants = {**constexprs, **{names[i]: 1 for i, p in enumerate(params) if i not in arrays and p == 1}}
+    signature.update({name: "constexpr" for name in constants})
+    return json.dumps({"kernel": f"{fn.__module__}:{fn.__name__}", "signature": signature, "constexprs": constants,
+                       "aligned": arrays})
+
+
+def record_triton_kernels(case: Case) -> list[TritonLaunch]:
+    """The case's native Triton kernels as the op and its gradient launch them (traced, never run): the inference
+    forward, then the gradient's forward and backward; each distinct launch once per role (the gradient's forward is
+    usually the inference forward: two rows, one compile)."""
+    fn, args = _attention(case, "triton")
+    kernels: list[TritonLaunch] = []
+    jax.clear_caches()  # the kernel modules' jitted entries would reuse earlier traces and launch nothing
+    try:
+        for training, f in ((False, fn), (True, _gradient(fn, len(args)))):
+            with _recorded_launches() as launches:
+                jax.jit(f).trace(*args)
+            for launch in launches:
+                kernel = TritonLaunch(case, _role(launch["name"], training), launch["name"], launch["num_warps"],
+                                      launch["num_stages"], launch["grid"],
+                                      _triton_spec(launch["kernel"], launch["params"], launch["constexprs"]))
+                if kernel not in kernels:
+                    kernels.append(kernel)
+    finally:
+        jax.clear_caches()  # nor may later traces (the kernels launched for real) reuse the recorder's
+    return kernels
+
+
+def case_kernels(case: Case, path: str) -> list[Kernel] | list[TritonLaunch]:
+    """The case's kernels on one path (PATHS)."""
+    return record_triton_kernels(case) if path == "triton" else lower_kernels(case)
+
+
 # ---------------------------------------------------------------------------------------------------- compiling
 
 
-def _row(kernel: Kernel, **numbers: Any) -> Row:
+def _row(kernel: Kernel | TritonLaunch, **numbers: Any) -> Row:
     c = kernel.case
-    return Row(c.op, c.dtype, c.head_dim, c.q_heads, c.kv_heads, c.npos, c.length, c.batch, kernel.role, kernel.name,
-               kernel.num_warps, kernel.num_stages, kernel.grid, **numbers)
+    return Row(kernel.path, c.op, c.dtype, c.head_dim, c.q_heads, c.kv_heads, c.npos, c.length, c.batch, kernel.role,
+               kernel.name, kernel.num_warps, kernel.num_stages, kernel.grid, **numbers)
 
 
 def parse_ptxas(text: str) -> dict[str, int]:
@@ -422,19 +556,22 @@ class _Once:
         return future.result()
 
 
-def _run_ptxas(ptxas: str, ptx_path: pathlib.Path, *, timeout: float | None, memory_gib: float | None,
+def _run_ptxas(ptxas: str, ptx: bytes, *, timeout: float | None, memory_gib: float | None,
                processes: _Processes) -> dict[str, Any]:
-    """ptxas -v on one PTX file: its numbers and seconds, or an error."""
-    command = [ptxas, "-v", f"--gpu-name={GPU_NAME}", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))]
-    if memory_gib is not None:  # a cap on its address space: ptxas then fails cleanly instead of swamping the host
-        command = ["sh", "-c", f'ulimit -v {int(memory_gib * 2 ** 20)} && exec "$0" "$@"', *command]
-    start = time.perf_counter()
-    try:
-        out = processes.run(command, timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"ptxas timed out after {timeout} s"}
-    result: dict[str, Any] = {"ptxas_seconds": round(time.perf_counter() - start, 2),
-                              **parse_ptxas(out.stdout + out.stderr)}
+    """ptxas -v on one kernel's PTX: its numbers and seconds, or an error."""
+    with tempfile.TemporaryDirectory(prefix="jaxpe-ptxas-") as tmp:
+        ptx_path = pathlib.Path(tmp, "kernel.ptx")
+        ptx_path.write_bytes(ptx)
+        command = [ptxas, "-v", f"--gpu-name={GPU_NAME}", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))]
+        if memory_gib is not None:  # a cap on its address space: ptxas then fails cleanly instead of swamping the host
+            command = ["sh", "-c", f'ulimit -v {int(memory_gib * 2 ** 20)} && exec "$0" "$@"', *command]
+        start = time.perf_counter()
+        try:
+            out = processes.run(command, timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"ptxas timed out after {timeout} s"}
+        seconds = round(time.perf_counter() - start, 2)
+    result: dict[str, Any] = {"ptxas_seconds": seconds, **parse_ptxas(out.stdout + out.stderr)}
     if "Memory allocation failure" in out.stderr + out.stdout:
         result["error"] = f"ptxas ran out of memory: over its cap of {memory_gib} GiB (--ptxas-memory-gib)"
     elif out.returncode != 0 or "registers" not in result:
@@ -442,43 +579,61 @@ def _run_ptxas(ptxas: str, ptx_path: pathlib.Path, *, timeout: float | None, mem
     return result
 
 
-def compile_kernel(kernel: Kernel, toolchain: Toolchain, *, timeout: float | None = 1800.0,
+def _compile_input(kernel: Kernel | TritonLaunch) -> tuple[str, bytes]:
+    """The compile subprocess's flag and input: the Triton MLIR bytecode (pallas) or the launch's spec (triton)."""
+    if isinstance(kernel, TritonLaunch):
+        return "--compile-triton", kernel.spec.encode()
+    return "--compile-one", kernel.ir
+
+
+def _to_ptx(kernel: Kernel | TritonLaunch, *, timeout: float | None, processes: _Processes) -> dict[str, Any]:
+    """The path's Triton compiler in a subprocess (a bad setting aborts the compiler): {ptx, smem_bytes, seconds}
+    or {error}."""
+    flag, source = _compile_input(kernel)
+    with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
+        source_path, ptx_path = pathlib.Path(tmp, "kernel.in"), pathlib.Path(tmp, "kernel.ptx")
+        source_path.write_bytes(source)
+        command = [sys.executable, str(SCRIPT), flag, str(source_path), str(ptx_path),
+                   "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
+        try:
+            out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0"))
+        except subprocess.TimeoutExpired:
+            return {"error": f"Triton compile timed out after {timeout} s"}
+        results = [line for line in out.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+        if out.returncode != 0 or not results:
+            return {"error": f"Triton compile exited {out.returncode}: {_tail(out.stderr + out.stdout)}"}
+        return {**json.loads(results[-1][len(_RESULT_PREFIX):]), "ptx": ptx_path.read_bytes()}
+
+
+def compile_kernel(kernel: Kernel | TritonLaunch, toolchain: Toolchain, *, timeout: float | None = 1800.0,
                    max_ptx_mib: float | None = MAX_PTX_MIB, ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB,
                    ptx_dir: pathlib.Path | None = None, processes: _Processes | None = None,
-                   ptxas_results: _Once | None = None) -> Row:
-    """Triton -> PTX in a subprocess (a bad setting aborts the compiler), then ptxas -v; failures become row.error.
+                   ptxas_results: _Once | None = None, compiles: _Once | None = None) -> Row:
+    """Triton -> PTX in a subprocess, then ptxas -v; failures become row.error. `compiles` and `ptxas_results` share
+    the work of identical kernels (same input and settings; same PTX) between calls.
 
     ptxas is not run on PTX over max_ptx_mib and is stopped at ptxas_memory_gib (None: no limit; see MAX_PTX_MIB).
     """
     processes = processes or _Processes()
-    ptxas_results = ptxas_results or _Once()
-    with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
-        ir_path, ptx_path = pathlib.Path(tmp, "kernel.mlirbc"), pathlib.Path(tmp, "kernel.ptx")
-        ir_path.write_bytes(kernel.ir)
-        command = [sys.executable, str(SCRIPT), "--compile-one", str(ir_path), str(ptx_path),
-                   "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
-        try:
-            out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        except subprocess.TimeoutExpired:
-            return _row(kernel, error=f"Triton compile timed out after {timeout} s")
-        results = [line for line in out.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-        if out.returncode != 0 or not results:
-            return _row(kernel, error=f"Triton compile exited {out.returncode}: {_tail(out.stderr + out.stdout)}")
-        triton = json.loads(results[-1][len(_RESULT_PREFIX):])
-        ptx = ptx_path.read_bytes()
-        if ptx_dir is not None:
-            ptx_dir.mkdir(parents=True, exist_ok=True)
-            (ptx_dir / f"{kernel.case.id}-{kernel.role}.ptx").write_bytes(ptx)
-        from_triton = dict(smem_bytes=triton["smem_bytes"], ptx_bytes=len(ptx),
-                           triton_seconds=round(triton["seconds"], 2))
-        if max_ptx_mib is not None and len(ptx) > max_ptx_mib * 2 ** 20:
-            return _row(kernel, **from_triton,
-                        error=f"ptxas not run: {len(ptx) / 2 ** 20:.1f} MiB of PTX > {max_ptx_mib} MiB (--max-ptx-mib)")
-        from_ptxas = ptxas_results.get(
-            hashlib.sha256(ptx).hexdigest(),
-            lambda: _run_ptxas(toolchain.ptxas, ptx_path, timeout=timeout, memory_gib=ptxas_memory_gib,
-                               processes=processes))
-        return _row(kernel, **from_triton, **from_ptxas)
+    flag, source = _compile_input(kernel)
+    key = hashlib.sha256(b"\0".join([flag.encode(), source, f"{kernel.num_warps}/{kernel.num_stages}".encode()]))
+    compiled = (compiles or _Once()).get(key.hexdigest(), lambda: _to_ptx(kernel, timeout=timeout,
+                                                                          processes=processes))
+    if "error" in compiled:
+        return _row(kernel, error=compiled["error"])
+    ptx = compiled["ptx"]
+    if ptx_dir is not None:
+        ptx_dir.mkdir(parents=True, exist_ok=True)
+        (ptx_dir / f"{kernel.path}-{kernel.case.id}-{kernel.role}.ptx").write_bytes(ptx)
+    from_triton = dict(smem_bytes=compiled["smem_bytes"], ptx_bytes=len(ptx),
+                       triton_seconds=round(compiled["seconds"], 2))
+    if max_ptx_mib is not None and len(ptx) > max_ptx_mib * 2 ** 20:
+        return _row(kernel, **from_triton,
+                    error=f"ptxas not run: {len(ptx) / 2 ** 20:.1f} MiB of PTX > {max_ptx_mib} MiB (--max-ptx-mib)")
+    from_ptxas = (ptxas_results or _Once()).get(
+        hashlib.sha256(ptx).hexdigest(),
+        lambda: _run_ptxas(toolchain.ptxas, ptx, timeout=timeout, memory_gib=ptxas_memory_gib, processes=processes))
+    return _row(kernel, **from_triton, **from_ptxas)
 
 
 def _compile_one(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
@@ -497,35 +652,59 @@ def _compile_one(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -
     print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(result.smem_bytes), "seconds": seconds}), flush=True)
 
 
-def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1, timeout: float | None = 1800.0,
-                  max_ptx_mib: float | None = MAX_PTX_MIB, ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB,
-                  ptx_dir: pathlib.Path | None = None, progress: Callable[[Row], None] | None = None) -> list[Row]:
-    """Every kernel of every case, `jobs` compiles at a time; rows in case order.
+def _compile_triton_one(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
+    """Subprocess side: Triton's own compiler on one recorded launch (`_triton_spec`), with jax-triton's options."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    Cases lower one after the other here while their kernels compile in subprocesses, the likely longest first
-    (Co-RoPE, large D, float32), so that the short ones fill in at the end. Each ptxas of a Co-RoPE kernel can take
-    several GB of memory (up to ptxas_memory_gib each): mind `jobs`."""
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    triton.knobs.cache.dir = str(pathlib.Path(ptx_path).parent / "triton-cache")  # empty: compiled, not looked up
+    module, _, name = spec["kernel"].partition(":")
+    source = ASTSource(fn=getattr(importlib.import_module(module), name), signature=spec["signature"],
+                       constexprs=spec["constexprs"], attrs={(i,): [["tt.divisibility", 16]] for i in spec["aligned"]})
+    start = time.perf_counter()
+    compiled = triton.compile(source, target=GPUTarget(*TRITON_TARGET), options={
+        "num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1, "enable_fp_fusion": True})
+    seconds = time.perf_counter() - start
+    pathlib.Path(ptx_path).write_text(compiled.asm["ptx"])
+    print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(compiled.metadata.shared), "seconds": seconds}), flush=True)
+
+
+def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequence[str] = PATHS, jobs: int = 1,
+                  timeout: float | None = 1800.0, max_ptx_mib: float | None = MAX_PTX_MIB,
+                  ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB, ptx_dir: pathlib.Path | None = None,
+                  progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Every kernel of every case on every path, `jobs` compiles at a time; rows in case order, each case's Pallas
+    rows then its Triton rows.
+
+    Cases lower (or record) one after the other here while their kernels compile in subprocesses, the likely longest
+    first (native Triton, Co-RoPE, large D, float32), so that the short ones fill in at the end. Each ptxas of a
+    Co-RoPE kernel can take several GB of memory (up to ptxas_memory_gib each): mind `jobs`."""
     cases = list(cases)
-    longest_first = sorted(range(len(cases)), key=lambda i: (cases[i].op != "corope", -cases[i].head_dim,
-                                                             cases[i].dtype != "float32"))
-    rows: dict[tuple[int, int], Row] = {}
-    processes, ptxas_results = _Processes(), _Once()
+    longest_first = sorted(((i, path) for i in range(len(cases)) for path in paths), key=lambda item: (
+        item[1] != "triton", cases[item[0]].op != "corope", -cases[item[0]].head_dim,
+        cases[item[0]].dtype != "float32"))
+    rows: dict[tuple[int, int, int], Row] = {}
+    processes, ptxas_results, compiles = _Processes(), _Once(), _Once()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         try:
             futures = {}
-            for i in longest_first:
+            for i, path in longest_first:
                 try:
-                    kernels = lower_kernels(cases[i])
+                    kernels = case_kernels(cases[i], path)
                 except Exception as e:  # noqa: BLE001  a kernel that does not lower is a result, not a crash
-                    failed = Kernel(cases[i], "lowering", "", 0, 0, (0, 0, 0), b"")
-                    rows[i, 0] = row = _row(failed, error=f"lowering failed: {type(e).__name__}: {e}")
+                    failed = (TritonLaunch(cases[i], "lowering", "", 0, 0, (0, 0, 0), "") if path == "triton"
+                              else Kernel(cases[i], "lowering", "", 0, 0, (0, 0, 0), b""))
+                    rows[i, PATHS.index(path), 0] = row = _row(
+                        failed, error=f"lowering failed: {type(e).__name__}: {e}")
                     if progress is not None:
                         progress(row)
                     continue
                 for j, kernel in enumerate(kernels):
                     futures[pool.submit(compile_kernel, kernel, toolchain, timeout=timeout, max_ptx_mib=max_ptx_mib,
                                         ptxas_memory_gib=ptxas_memory_gib, ptx_dir=ptx_dir, processes=processes,
-                                        ptxas_results=ptxas_results)] = i, j
+                                        ptxas_results=ptxas_results, compiles=compiles)] = i, PATHS.index(path), j
             for future in concurrent.futures.as_completed(futures):
                 rows[futures[future]] = row = future.result()
                 if progress is not None:
@@ -540,7 +719,10 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, jobs: int = 1,
 # ------------------------------------------------------------------------------------------------------ reports
 
 
-KERNEL_MODULES = (cope_pallas.__name__, corope_pallas.__name__)  # the modules whose kernels the report compiles
+KERNEL_MODULES = {  # the modules whose kernels the report compiles, by path (the Triton ones import triton)
+    "pallas": (cope_pallas.__name__, corope_pallas.__name__),
+    "triton": ("jaxpe.kernels.cope_triton", "jaxpe.kernels.corope_triton"),
+}
 
 
 def _jaxpe_imports(name: str, path: pathlib.Path) -> set[str]:
@@ -559,11 +741,12 @@ def _jaxpe_imports(name: str, path: pathlib.Path) -> set[str]:
     return {module for module in found if module == "jaxpe" or module.startswith("jaxpe.")}
 
 
-def kernel_sources() -> dict[str, pathlib.Path]:
-    """The sources the compiled kernels are made of: the kernel modules and every jaxpe module they import, directly
-    or through one another, by module name."""
+def kernel_sources(paths: Sequence[str] = ("pallas",)) -> dict[str, pathlib.Path]:
+    """The sources the compiled kernels of these paths are made of: the kernel modules and every jaxpe module they
+    import, directly or through one another (for triton: _triton_launch), by module name. By default the Pallas
+    kernels' (benchmarks/kernel_cost.py's fingerprint); the report's covers PATHS."""
     sources: dict[str, pathlib.Path] = {}
-    todo = list(KERNEL_MODULES)
+    todo = [name for path in paths for name in KERNEL_MODULES[path]]
     while todo:
         name = todo.pop()
         if name not in sources:
@@ -572,29 +755,35 @@ def kernel_sources() -> dict[str, pathlib.Path]:
     return dict(sorted(sources.items()))
 
 
-def kernel_sources_sha256() -> str:
+def kernel_sources_sha256(paths: Sequence[str] = ("pallas",)) -> str:
     """A fingerprint of the kernel sources (kernel_sources) the numbers belong to."""
     digest = hashlib.sha256()
-    for name, path in kernel_sources().items():
+    for name, path in kernel_sources(paths).items():
         digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
 def report(rows: Sequence[Row], toolchain: Toolchain, *, seconds: float | None = None,
-           settings: dict[str, Any] | None = None, command: str = "python tools/compile_report.py") -> dict[str, Any]:
-    """The JSON report: the command, target, versions, date, the kernel sources' fingerprint, the run's settings and
-    the rows."""
+           settings: dict[str, Any] | None = None, skipped: dict[str, str] | None = None,
+           command: str = "python tools/compile_report.py") -> dict[str, Any]:
+    """The JSON report: the command, target, versions, date, the fingerprint of every path's kernel sources, the
+    run's settings, the paths skipped (path: why) and the rows."""
+    versions = {"python": platform.python_version(), "jax": jax.__version__,
+                "jaxlib": importlib.metadata.version("jaxlib"), toolchain.plugin: toolchain.plugin_version,
+                "ptxas": toolchain.ptxas_version}
+    if any(row.path == "triton" for row in rows):
+        versions.update({name: importlib.metadata.version(name) for name in ("triton", "jax-triton")})
     return {
         "command": command,
-        "target": {"gpu_name": GPU_NAME, "triton_arch": TRITON_ARCH, "lowered_for": LOWERED_FOR,
-                   "smem_limit_bytes": SMEM_LIMIT_BYTES, "spill_budget_bytes": SPILL_BUDGET_BYTES},
-        "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                     "jaxlib": importlib.metadata.version("jaxlib"), toolchain.plugin: toolchain.plugin_version,
-                     "ptxas": toolchain.ptxas_version},
+        "target": {"gpu_name": GPU_NAME, "triton_arch": TRITON_ARCH, "triton_target": list(TRITON_TARGET),
+                   "lowered_for": LOWERED_FOR, "smem_limit_bytes": SMEM_LIMIT_BYTES,
+                   "spill_budget_bytes": SPILL_BUDGET_BYTES},
+        "versions": versions,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "kernel_sources_sha256": kernel_sources_sha256(),
+        "kernel_sources_sha256": kernel_sources_sha256(PATHS),
         "settings": settings or {},
+        "skipped": skipped or {},
         "wall_seconds": None if seconds is None else round(seconds, 1),
         "rows": [dataclasses.asdict(row) for row in rows],
     }
@@ -613,7 +802,8 @@ def _settings_sentence(data: dict[str, Any]) -> str:
         parts.append(f"ptxas was not run on PTX over {settings['max_ptx_mib']:g} MiB")
     if settings.get("ptxas_memory_gib"):
         parts.append(f"nor allowed over {settings['ptxas_memory_gib']:g} GiB of memory")
-    return (" " + "; ".join(parts) + ".") if parts else ""
+    skipped = "".join(f" No {path} rows: {why}" for path, why in (data.get("skipped") or {}).items())
+    return ((" " + "; ".join(parts) + ".") if parts else "") + skipped
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -625,14 +815,15 @@ def markdown(data: dict[str, Any]) -> str:
         f"`{data['command']}`, {data['date']}: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f". Kernel sources sha256 {data['kernel_sources_sha256'][:12]}. B 1, default block sizes and warps. "
-        f"Registers and spills per thread from `ptxas -v`; shared memory from XLA's Triton compiler (limit "
-        f"{data['target']['smem_limit_bytes']} bytes). Budget: no spills in forward kernels, ≤ 512 bytes "
-        "in the backward kernel."
+        "Paths: pallas, the Pallas kernels through XLA's Triton compiler; triton, the native Triton kernels through "
+        "Triton's own compiler, as jax-triton compiles them. Registers and spills per thread from `ptxas -v`; shared "
+        f"memory from the path's Triton compiler (limit {data['target']['smem_limit_bytes']} bytes). Budget: no "
+        "spills in forward kernels, ≤ 512 bytes in the backward kernel."
         + _settings_sentence(data),
         "",
-        "| op | dtype | D | N/K | npos | L | kernel | warps/stages | registers | spill store/load B | smem B | PTX KiB "
-        "| Triton s | ptxas s | budget |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| path | op | dtype | D | N/K | npos | L | kernel | warps/stages | registers | spill store/load B | smem B "
+        "| PTX KiB | Triton s | ptxas s | budget |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         row = Row.from_dict(r)
@@ -640,7 +831,7 @@ def markdown(data: dict[str, Any]) -> str:
         verdict = "ok" if not problems else "; ".join(problems)
         spills = "—" if row.spill_stores is None else f"{row.spill_stores} / {row.spill_loads}"
         lines.append(
-            f"| {row.op} | {_short_dtype(row.dtype)} | {row.head_dim} | {row.q_heads}/{row.kv_heads} "
+            f"| {row.path} | {row.op} | {_short_dtype(row.dtype)} | {row.head_dim} | {row.q_heads}/{row.kv_heads} "
             f"| {_cell(row.npos)} | {row.length} | {row.kernel} | {row.num_warps}/{row.num_stages} "
             f"| {_cell(row.registers)} | {spills} | {_cell(row.smem_bytes)} "
             f"| {_cell(None if row.ptx_bytes is None else row.ptx_bytes / 1024, '{:.0f}')} "
@@ -667,6 +858,7 @@ def _heads(text: str) -> tuple[int, int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/compile_report.py", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=_csv(str), default=OPS, help="cope,corope")
+    parser.add_argument("--paths", type=_csv(str), default=PATHS, help="pallas,triton (the kernels' paths)")
     parser.add_argument("--dtypes", type=_csv(_dtype), default=DTYPES, help="float32,bfloat16 (or f32,bf16)")
     parser.add_argument("--head-dims", type=_csv(int), default=HEAD_DIMS, help="64,128,256")
     parser.add_argument("--heads", type=_csv(_heads), default=HEADS, help="query/kv heads: 8/2,8/8")
@@ -687,16 +879,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--ptx-dir", type=pathlib.Path, help="also keep each kernel's PTX there")
     parser.add_argument("--compile-one", nargs=2, metavar=("IR", "PTX"), help=argparse.SUPPRESS)
+    parser.add_argument("--compile-triton", nargs=2, metavar=("SPEC", "PTX"), help=argparse.SUPPRESS)
     parser.add_argument("--num-warps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--num-stages", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.out is None and not (args.no_write or args.compile_one):
+    if args.out is None and not (args.no_write or args.compile_one or args.compile_triton):
         parser.error("--out DIR is required (or --no-write to print the table only)")
-    for op in args.ops:
-        if op not in OPS:
-            parser.error(f"--ops: {op!r} is not one of {OPS}")
-    full = (args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length) == (
-        OPS, DTYPES, HEAD_DIMS, HEADS, NPOS, LENGTH)
+    for option, values, known in (("--ops", args.ops, OPS), ("--paths", args.paths, PATHS)):
+        for value in values:
+            if value not in known:
+                parser.error(f"{option}: {value!r} is not one of {known}")
+    full = (args.paths, args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length) == (
+        PATHS, OPS, DTYPES, HEAD_DIMS, HEADS, NPOS, LENGTH)
     if args.quick:
         args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
     args.name = args.name or ("sm90a-quick" if args.quick else "sm90a" if full else "sm90a-subset")
@@ -709,6 +903,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compile_one:
         _compile_one(*args.compile_one, num_warps=args.num_warps, num_stages=args.num_stages)
         return 0
+    if args.compile_triton:
+        _compile_triton_one(*args.compile_triton, num_warps=args.num_warps, num_stages=args.num_stages)
+        return 0
     try:
         toolchain = find_toolchain(args.ptxas)
     except ToolchainMissing as e:
@@ -717,18 +914,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")  # lowering for CUDA needs no GPU; do not start CUDA here
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the compilers too (KeyboardInterrupt)
     cases = default_cases(args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length)
-    print(f"compiling {len(cases)} configurations for {GPU_NAME} with {toolchain.plugin} {toolchain.plugin_version}, "
-          f"ptxas {toolchain.ptxas_version}, {args.jobs} at a time", file=sys.stderr)
+    skipped = {}
+    if "triton" in args.paths and (why := triton_unavailable()) is not None:
+        skipped["triton"] = why
+        print(f"skipping the triton rows: {why}", file=sys.stderr)
+    paths = tuple(path for path in args.paths if path not in skipped)
+    print(f"compiling {len(cases)} configurations ({', '.join(paths)}) for {GPU_NAME} with {toolchain.plugin} "
+          f"{toolchain.plugin_version}, ptxas {toolchain.ptxas_version}, {args.jobs} at a time", file=sys.stderr)
     start = time.perf_counter()
 
     def progress(row: Row) -> None:
         what = (f"{row.registers} registers, spills {row.spill_stores}/{row.spill_loads} B, smem {row.smem_bytes} B, "
                 f"{(row.triton_seconds or 0) + (row.ptxas_seconds or 0):.1f} s") if row.error is None else row.error
-        print(f"[{time.perf_counter() - start:6.0f} s] {row.case_id} {row.kernel}: {what}", file=sys.stderr,
-              flush=True)
+        print(f"[{time.perf_counter() - start:6.0f} s] {row.path} {row.case_id} {row.kernel}: {what}",
+              file=sys.stderr, flush=True)
 
     try:
-        rows = compile_cases(cases, toolchain, jobs=args.jobs, timeout=args.timeout,
+        rows = compile_cases(cases, toolchain, paths=paths, jobs=args.jobs, timeout=args.timeout,
                              max_ptx_mib=args.max_ptx_mib or None, ptxas_memory_gib=args.ptxas_memory_gib or None,
                              ptx_dir=args.ptx_dir, progress=progress)
     except KeyboardInterrupt:
@@ -736,7 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     settings = {"jobs": args.jobs, "timeout_s": args.timeout, "max_ptx_mib": args.max_ptx_mib or None,
                 "ptxas_memory_gib": args.ptxas_memory_gib or None}
-    data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings,
+    data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings, skipped=skipped,
                   command=shlex.join(["python", "tools/compile_report.py", *argv]))
     text = markdown(data)
     print(text)
