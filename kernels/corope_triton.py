@@ -39,8 +39,8 @@ Kernels (every matrix product a `tl.dot` with sides >= 16):
   dq, dk, dv are zero-initialised float32 outputs that the programs add to with relaxed atomics (no fences): the heads
   of a group share dk, dv and their leader's dq, so float32 sums are not bitwise reproducible on a GPU.
 Memory: O(L) per head — o, the row statistics and the float32 gradients; no L×L array anywhere. Speed (H200,
-`default_num_warps`): at B 1, L 4096, Hq 8, Hkv 2, D 128, bfloat16, forward 4.2 ms and backward 51 ms against the
-Pallas kernel's 11.8 and 95 (forward + backward). A traced sm_scale
+`default_num_warps`, chunks of 4 rotary pairs): at B 1, L 4096, Hq 8, Hkv 2, D 128, bfloat16, forward 4.2 ms and
+backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward). A traced sm_scale
 is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q and sm_scale only
 through sm_scale·q).
 """
@@ -95,22 +95,26 @@ class BlockSizes:
         check_block_sizes(self)
 
     @classmethod
-    def default(cls, head_dim: int) -> BlockSizes:
-        """16 query rows × 32 keys per tile, chunks of 4 rotary pairs, up to 4 heads per forward program and 2 per
-        backward program; for D > 128 half the heads and backward tiles of 16 keys (the [·, DP] tiles fill the
-        registers). Chosen from ptxas's register reports for sm_90 at 8 warps (no spills for D <= 128 in any dtype,
-        nor for bfloat16/float16 at D 256) and timings on an H200 (`default_num_warps`): at D 128, bfloat16, chunks of
-        8 pairs took the forward from 4.2 to 4.0 ms but the backward from 51 to 61 ms; 64 keys per forward tile,
-        5.0 ms; 4 backward heads per program, 71 ms."""
+    def default(cls, head_dim: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
+        """16 query rows × 32 keys per tile, up to 4 heads per forward program and 2 per backward program, chunks of
+        4 rotary pairs at D <= 64 and of 2 above; for D > 128 backward tiles of 16 keys, and 2 forward heads
+        (1 in float32: the TF32×3 gate dot keeps split copies of the [·, DP] tiles). Chosen from ptxas's register
+        reports for sm_90 (tools/compile_report.py: no spills in any forward kernel) and timings on an H200
+        (`default_num_warps`): at D 128, bfloat16, chunks of 8 pairs took the forward from 4.2 to 4.0 ms but the
+        backward from 51 to 61 ms; 64 keys per forward tile, 5.0 ms; 4 backward heads per program, 71 ms. Chunks of
+        4 pairs spill at D 128 with 4 forward warps (12 bytes per thread in bfloat16, 44 in float32)."""
+        pairs = 4 if head_dim <= 64 else 2
         if head_dim > 128:
-            return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=4, block_h=2, block_h_bwd=1)
-        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4, block_h_bwd=2)
+            heads = 1 if jnp.dtype(dtype).itemsize > 2 else 2
+            return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=pairs, block_h=heads,
+                       block_h_bwd=1)
+        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=pairs, block_h=4, block_h_bwd=2)
 
-    def fitted(self, *, length: int, head_dim: int, groups: int) -> BlockSizes:
-        """Every size given (None: `default`'s), rows and keys capped at the next power of two >= length (and >= 16),
-        block_d at the next power of two >= D/2, the head blocks at the largest power of two dividing G not above
-        them."""
-        sizes = filled(self, BlockSizes.default(head_dim))
+    def fitted(self, *, length: int, head_dim: int, groups: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
+        """Every size given (None: `default`'s for head_dim and dtype), rows and keys capped at the next power of two
+        >= length (and >= 16), block_d at the next power of two >= D/2, the head blocks at the largest power of two
+        dividing G not above them."""
+        sizes = filled(self, BlockSizes.default(head_dim, dtype))
         cap, half = tile_extent(length), next_power_of_two(head_dim // 2)
 
         def heads(name: str) -> int:
@@ -138,7 +142,7 @@ class _Config:
     non-differentiable one)."""
 
     groups: int  # G
-    blocks: BlockSizes  # fitted to L, D and G
+    blocks: BlockSizes  # fitted to L, D, G and dtype
     num_warps: int  # forward
     num_warps_bwd: int
     num_stages: int
@@ -532,7 +536,7 @@ def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     require()
     groups = q.shape[2] // k.shape[2]
     config = _Config(groups=groups, blocks=(block_sizes or BlockSizes()).fitted(
-        length=q.shape[1], head_dim=q.shape[3], groups=groups),
+        length=q.shape[1], head_dim=q.shape[3], groups=groups, dtype=q.dtype),
         num_warps=num_warps or default_num_warps(q.shape[3], backward=False),
         num_warps_bwd=num_warps or default_num_warps(q.shape[3], backward=True),
         num_stages=num_stages or DEFAULT_NUM_STAGES, window=window)
