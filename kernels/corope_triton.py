@@ -15,11 +15,11 @@ Maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j) 
 invisible gates are 0. Every walk visits only the key blocks that reach into the window (O(L·window) work).
 
 The rotary score of a tile: per chunk of BD pairs, the phases [BD, BQ, BK] = ω[:, None, None]·Δ, their sin and cos
-from one Cody–Waite reduction and two polynomials (`_sincos`: multiply-adds, which Triton contracts into FMAs, and
-selects; no libdevice), the keys rotated once for the H heads (kc, ks [BD, BQ, BK]), and Σ_d (q1·kc + q2·ks) of each
-head added to its [BQ, BK] scores. The pairs lead the tiles' shapes: Triton's default layouts then give every thread
-all BD pairs of its (row, key) positions, so the sum over a chunk is in-thread adds, no shuffles (seen in the sm_90
-PTX). The chunks' q, k and ω load straight from memory (L1-resident; Triton cannot slice registers). Gate logits
+(`_sincos`: compiled, a reduction to [−π, π] and the SFU's sin.approx/cos.approx; interpreted, a Cody–Waite
+reduction and two polynomials), the keys rotated once for the H heads (kc, ks [BD, BQ, BK]), and q1·kc + q2·ks of
+each head accumulated in a [BD, H, BQ, BK] float32 tile (two FMAs per element), summed over the pairs once after
+the last chunk. The chunks' q, k and ω load straight from memory (L1-resident; Triton cannot slice registers).
+The cost per logit of each kernel, read from its SASS, is in docs/kernel_cost.md. Gate logits
 are float32-accurate for float32 inputs (TF32×3 dots); the softmax runs in base 2 (log2 e folded into sm_scale; the
 saved row statistic is lse·log2 e).
 
@@ -53,12 +53,13 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from jaxpe.kernels._checks import check_corope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
                                    check_block_sizes, check_head_dim, filled, next_power_of_two, output_struct,
                                    rotary_frequencies, tile_extent, vary_alike)
-from jaxpe.kernels._triton_launch import launch, require
+from jaxpe.kernels._triton_launch import interpreted, launch, require
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what impl="triton" takes
@@ -70,6 +71,10 @@ _TWO_OVER_PI_C = tl.constexpr(_TWO_OVER_PI)
 _PIO2_1_C, _PIO2_2_C, _PIO2_3_C = tl.constexpr(_PIO2_1), tl.constexpr(_PIO2_2), tl.constexpr(_PIO2_3)
 _S1, _S2, _S3 = (tl.constexpr(c) for c in _SIN_COEFFS)
 _C1, _C2, _C3 = (tl.constexpr(c) for c in _COS_COEFFS)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+_ROUNDER = tl.constexpr(12582912.0)  # 1.5·2²³: adding and subtracting it rounds |y| < 2²² to an integer
+_TWO_PI_HI = tl.constexpr(6.2831854820251465)  # float32(2π)
+_TWO_PI_LO = tl.constexpr(-1.7484556e-07)  # 2π − float32(2π)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +102,16 @@ class BlockSizes:
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
         """16 query rows × 32 keys per tile, up to 4 heads per forward program and 2 per backward program, chunks of
-        4 rotary pairs at D <= 64 and of 2 above; for D > 128 backward tiles of 16 keys, and 2 forward heads
-        (1 in float32: the TF32×3 gate dot keeps split copies of the [·, DP] tiles). Chosen from ptxas's register
-        reports for sm_90 (tools/compile_report.py: no spills in any forward kernel) and timings on an H200
-        (`default_num_warps`): at D 128, bfloat16, chunks of 8 pairs took the forward from 4.2 to 4.0 ms but the
-        backward from 51 to 61 ms; 64 keys per forward tile, 5.0 ms; 4 backward heads per program, 71 ms. Chunks of
-        4 pairs spill at D 128 with 4 forward warps (12 bytes per thread in bfloat16, 44 in float32)."""
-        pairs = 4 if head_dim <= 64 else 2
+        4 rotary pairs (2 at D > 128); for D > 128 backward tiles of 16 keys, and 2 forward heads (1 in float32: the
+        TF32×3 gate dot keeps split copies of the [·, DP] tiles). Chosen from ptxas's register reports for sm_90
+        (tools/compile_report.py: no spills in any forward kernel) and timings on an H200 (`default_num_warps`): at
+        D 128, bfloat16, chunks of 8 pairs took the forward from 4.2 to 4.0 ms but the backward from 51 to 61 ms;
+        64 keys per forward tile, 5.0 ms; 4 backward heads per program, 71 ms."""
         if head_dim > 128:
             heads = 1 if jnp.dtype(dtype).itemsize > 2 else 2
-            return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=pairs, block_h=heads,
+            return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=2, block_h=heads,
                        block_h_bwd=1)
-        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=pairs, block_h=4, block_h_bwd=2)
+        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4, block_h_bwd=2)
 
     def fitted(self, *, length: int, head_dim: int, groups: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
         """Every size given (None: `default`'s for head_dim and dtype), rows and keys capped at the next power of two
@@ -153,9 +156,16 @@ class _Config:
 
 
 @triton.jit
-def _sincos(x):
-    """(sin x, cos x) of float32 x, as `_common.sincos`: k = round(x·2/π), r = x − k·π/2 in three exact parts, Cephes
-    polynomials on [−π/4, π/4], quadrant selects."""
+def _sincos(x, FAST: tl.constexpr):
+    """(sin x, cos x) of float32 x. FAST (compiled for a GPU): x reduced to [−π, π] (k = x/2π rounded by the
+    1.5·2²³ trick, r = x − k·2π in two fused multiply-adds), then the SFU's sin.approx/cos.approx (absolute error
+    about 2⁻²⁰ there): two MUFU and four FMA-pipe instructions. Else (Triton's interpreter, which has no libdevice),
+    as `_common.sincos`: k = round(x·2/π), r = x − k·π/2 in three exact parts, Cephes polynomials on [−π/4, π/4],
+    quadrant selects."""
+    if FAST:
+        k = (x * _INV_TWO_PI + _ROUNDER) - _ROUNDER
+        r = tl.fma(k, -_TWO_PI_LO, tl.fma(k, -_TWO_PI_HI, x))
+        return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
     k = tl.floor(x * _TWO_OVER_PI_C + 0.5)
     r = x - k * _PIO2_1_C - k * _PIO2_2_C - k * _PIO2_3_C
     r2 = r * r
@@ -195,11 +205,12 @@ def _gates(lead, k_base, cols, mask, gate_scale, length, stride_k, D: tl.constex
 
 
 @triton.jit
-def _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH: tl.constexpr, BD: tl.constexpr):
+def _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH: tl.constexpr, BD: tl.constexpr,
+             FAST: tl.constexpr):
     """The chunk of pairs lo .. lo + BD − 1 for Δ [BQ, BK]: ω [BD], cos φ, sin φ, kc, ks [BD, BQ, BK]."""
     d = lo + tl.arange(0, BD)
     omega = tl.load(freq_ptr + d, mask=d < DH, other=0.0)
-    sin, cos = _sincos(omega[:, None, None] * delta[None, :, :])
+    sin, cos = _sincos(omega[:, None, None] * delta[None, :, :], FAST)
     at = k_base + d[:, None, None] + cols[None, None, :] * stride_k
     inside = (d < DH)[:, None, None] & (cols < length)[None, None, :]
     k1 = tl.load(at, mask=inside, other=0.0).to(tl.float32)  # [BD, 1, BK]
@@ -221,27 +232,28 @@ def _query_chunk(q_base, rows, lo, length, stride_q, H: tl.constexpr, DH: tl.con
 
 @triton.jit
 def _scores(delta, q_base, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr, BD: tl.constexpr):
+            BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
     """Raw scores [H·BQ, BK] Σ_d (q1·kc + q2·ks) of the H heads (without sm_scale) for Δ [BQ, BK]."""
-    acc = tl.zeros((H, BQ, BK), tl.float32)
+    acc = tl.zeros((BD, H, BQ, BK), tl.float32)
     for lo in range(0, DH, BD):
-        _, _, _, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD)
+        _, _, _, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD, FAST)
         q1, q2 = _query_chunk(q_base, rows, lo, length, stride_q, H, DH, BD)
-        acc += tl.sum(q1 * kc[:, None, :, :] + q2 * ks[:, None, :, :], 0)
-    return tl.reshape(acc, (H * BQ, BK))
+        acc += q1 * kc[:, None, :, :]
+        acc += q2 * ks[:, None, :, :]
+    return tl.reshape(tl.sum(acc, 0), (H * BQ, BK))
 
 
 @triton.jit
 def _rotary_backward(ds, delta, q_base, dq_base, k_base, dk_base, freq_ptr, rows, cols, length, stride_q, stride_k,
                      sm_scale, H: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr,
-                     BD: tl.constexpr):
+                     BD: tl.constexpr, FAST: tl.constexpr):
     """The second trig pass of a tile, dS [H·BQ, BK]: adds sm_scale·Σ_j dS (kc, ks) to dq at dq_base (the first
     head's column 0) and the keys' share to dk at dk_base; returns Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc) [BQ, BK]."""
     ds4 = tl.reshape(ds, (H, BQ, BK))[None, :, :, :]
     heads = tl.arange(0, H)
     d_delta = tl.zeros((BQ, BK), tl.float32)
     for lo in range(0, DH, BD):
-        omega, cos, sin, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD)
+        omega, cos, sin, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD, FAST)
         q1, q2 = _query_chunk(q_base, rows, lo, length, stride_q, H, DH, BD)
         d = lo + tl.arange(0, BD)
         dq_at = dq_base + d[:, None, None] + heads[None, :, None] * (2 * DH) + rows[None, None, :] * stride_q
@@ -269,7 +281,8 @@ def _key_blocks(qb, window, BQ: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, window, num_heads, o_ptr, lse_ptr,
                     D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                    H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr):
+                    H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
+                    FAST: tl.constexpr):
     """q [B, L, Hq, D], k/v [B, L, Hkv, D], ω [Dh] float32, segment ids [B, L] int32 (read with HAS_SEG), sm_scale
     [1] float32 -> o [B, L, Hq, D], lse·log2 e [B, Hq, L] float32. window = L when there is none."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest walks start first
@@ -299,7 +312,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, w
         z, _ = _gates(lead, k_base, cols, mask, sm_scale * _LOG2E, length, stride_k, D, DP, PRECISION)
         delta = z_suffix[:, None] + tl.cumsum(z, 1, reverse=True) - z
         raw = _scores(delta, q_base + head0 * D, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H, BQ,
-                      BK, D // 2, BD)
+                      BK, D // 2, BD, FAST)
         visible = _visible(seg_base, rows_s, cols, length, window, HAS_SEG)
         s = tl.where(visible, raw * (sm_scale * _LOG2E), _MASK)
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -322,7 +335,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, w
 def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr, seg_ptr, scale_ptr, length, window,
                      num_heads, dq_ptr, dk_ptr, dv_ptr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                      BK: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, FAST: tl.constexpr):
     """q/do [B, L, Hq, D], k/v [B, L, Hkv, D], lse·log2 e and row_dot = Σ_d dO·O [B, Hq, L] float32, ω, segment ids,
     sm_scale as in the forward -> dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] float32 (zeros in, added to)."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -364,7 +377,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr
         z, kt = _gates(lead, k_base, cols, mask, gate_scale, length, stride_k, D, DP, PRECISION)
         delta = z_suffix[:, None] + tl.cumsum(z, 1, reverse=True) - z
         raw = _scores(delta, q_base + head0 * D, k_base, freq_ptr, rows, cols, length, stride_q, stride_k, H, BQ,
-                      BK, D // 2, BD)
+                      BK, D // 2, BD, FAST)
         visible = _visible(seg_base, rows_s, cols, length, window, HAS_SEG)
         p = tl.where(visible, tl.exp2(raw * gate_scale - lse[:, None]), 0.0)  # [H·BQ, BK]
         vt = tl.load(v_base + cols[None, :] * stride_k + d[:, None], mask=(cols < length)[None, :] & (d < D)[:, None],
@@ -374,7 +387,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr
         ds = p * (tl.dot(do, vt) - row_dot[:, None])
         d_delta = sm_scale * _rotary_backward(ds, delta, q_base + head0 * D, dq_base + head0 * D, k_base, dk_base,
                                               freq_ptr, rows, cols, length, stride_q, stride_k, sm_scale, H, BQ, BK,
-                                              D // 2, BD)
+                                              D // 2, BD, FAST)
         suffix = dd_suffix[:, None] + tl.cumsum(d_delta, 1, reverse=True)  # Suf_it = Σ_{j≥t} dΔ_ij
         weight = suffix * z * (1.0 - z)  # z' = z(1 − z) is 0 where invisible
         s_acc += tl.dot(weight, tl.trans(kt).to(tl.float32), input_precision=_ACCURATE)
@@ -413,7 +426,7 @@ def _kernel_settings(config: _Config, q: jax.Array, segment_ids: jax.Array | Non
                 num_warps=config.num_warps_bwd if backward else config.num_warps,
                 num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk, BD=blocks.block_d, H=h,
                 G=config.groups, HAS_SEG=segment_ids is not None,
-                PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32")
+                PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32", FAST=not interpreted())
 
 
 def _scalars(q: jax.Array, config: _Config) -> list[int]:

@@ -185,8 +185,9 @@ def test_block_sizes_validated():
     with pytest.raises(ValueError, match="block_h_bwd=0"):
         BlockSizes(block_h_bwd=0)
     fitted = BlockSizes(block_h=4, block_h_bwd=3).fitted(length=7, head_dim=96, groups=6)
-    assert (fitted.block_q, fitted.block_h, fitted.block_h_bwd, fitted.block_d) == (16, 2, 2, 2)
-    assert BlockSizes().fitted(length=64, head_dim=8, groups=4).block_d == 4  # capped at D/2
+    assert (fitted.block_q, fitted.block_h, fitted.block_h_bwd, fitted.block_d) == (16, 2, 2, 4)
+    assert BlockSizes().fitted(length=64, head_dim=4, groups=4).block_d == 2  # capped at D/2
+    assert BlockSizes().fitted(length=64, head_dim=256, groups=4).block_d == 2
     wide = {dtype: BlockSizes().fitted(length=64, head_dim=256, groups=4, dtype=dtype).block_h
             for dtype in (jnp.float32, jnp.bfloat16)}
     assert wide == {jnp.float32: 1, jnp.bfloat16: 2}  # float32's split gate dot leaves registers for one head
