@@ -4,23 +4,25 @@
     python benchmarks/kernel_cost.py --out /tmp/cost --quick            # D 64, GQA 8/2, npos 64 only
     python benchmarks/kernel_cost.py --no-write --ops corope            # print the table only
     python benchmarks/kernel_cost.py --out results/cost --authors-file PATH   # also the Co-RoPE authors' forward
+    python benchmarks/kernel_cost.py --out results/cost --authors-from results/cost/kernel_cost.json  # keep theirs
 
 Every kernel of tools/compile_report.py's grid (CoPE and Co-RoPE, f32/bf16, D 64/128/256, GQA 8/2 and MHA 8/8, CoPE
-npos 64/513, L 1024) is lowered and compiled as the compile report does (XLA's Triton compiler from jax's CUDA plugin,
-then `ptxas -arch=sm_90a`), and its cubin disassembled with nvdisasm (the `nvidia-cuda-nvdisasm` wheel of the ptxas
-version). From the SASS control flow (backward branches; natural loops) the tool finds the kernel's outermost loops,
+npos 64/513, L 1024) on both GPU paths is compiled as the compile report does (the Pallas kernels lowered and
+compiled by XLA's Triton compiler from jax's CUDA plugin; the native Triton kernels' launches recorded and compiled by
+Triton's own compiler as jax-triton compiles them; then `ptxas -arch=sm_90a`), and its cubin disassembled with
+nvdisasm (the `nvidia-cuda-nvdisasm` wheel of the ptxas version). From the SASS control flow (backward branches; natural loops) the tool finds the kernel's outermost loops,
 which walk the key blocks, and counts the instructions one iteration issues per warp, by class, each inner loop
 (rotary chunks, head-dim column slices) times its trip count read from its counter (start, step and bound in the
 SASS). Per logit: count × warps / (BQ·BK·H), H query heads per program. The throughput bound per logit, in SM clocks,
 is the largest over the SM's pipes (issue, FP32, integer ALU, MUFU/conversions, shuffles, shared memory, tensor cores)
 of the work per logit over the pipe's rate (RATES: NVIDIA's numbers, with their sources). jax's own Pallas flash
 attention (`jax.experimental.pallas.ops.gpu.attention.mha`, MHA: it has no GQA) compiled the same way at the same
-tiles, and at its defaults, is the plain attention the kernels are compared with. docs/kernel_cost.md explains the
-method and reads the table.
+tiles, and at its defaults, is the plain attention the kernels are compared with. TARGETS are the costs the kernels
+are held to, checked per path (`targets`). docs/kernel_cost.md explains the method and reads the table.
 
 A benchmark script beside the library (not in the wheel); it needs what tools/compile_report.py needs (.venv-compile:
-jax 0.10 with jax-cuda13-plugin, nvidia-cuda-nvcc) plus `pip install --no-deps nvidia-cuda-nvdisasm`, and pip
-`triton` for --authors-file.
+jax 0.10 with jax-cuda13-plugin, nvidia-cuda-nvcc, triton and jax-triton 0.3.1 for the native path) and
+nvidia-cuda-nvdisasm (`make test-compile` builds that venv); pip `triton` for --authors-file.
 """
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ _LABEL = re.compile(r"^\s*([.$\w]+):\s*$")
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w$.]+)")
 _TARGET = re.compile(r"`\(([^)]+)\)")
 _REGISTER = re.compile(r"^-?\|?(U?R(?:\d+|Z))\|?(?:\.reuse)?$")
+_PREDICATE = re.compile(r"!?U?P(?:\d|T)")
 
 
 class SassError(ValueError):
@@ -371,10 +374,10 @@ def _step(inst: Instruction, state: dict[str, Value]) -> None:
     written = _written(inst)
     if not written:
         return
-    a, value = inst.args, None
+    a, value, mods = inst.args, None, inst.opcode.split(".")[1:]
     if inst.predicate is None:
-        if inst.base in ("IADD3", "UIADD3", "VIADD", "IADD", "UIADD") and len(a) >= 3:
-            value = _sum(_operand_value(x, state) for x in a[1:])
+        if inst.base in ("IADD3", "UIADD3", "VIADD", "IADD", "UIADD") and len(a) >= 3 and "X" not in mods:
+            value = _sum(_operand_value(x, state) for x in a[1:] if not _PREDICATE.fullmatch(x))  # carry-outs
         elif inst.opcode in ("IMAD.IADD", "UIMAD.IADD") and len(a) == 4 and _immediate(a[2]) == 1:
             value = _sum(_operand_value(x, state) for x in (a[1], a[3]))
         elif (c := _constant_write(inst)) is not None:
@@ -430,15 +433,22 @@ def trip_count(fn: Function, blocks: Sequence[Block], loop: Loop, limit: int = 4
                 compares.update(dict.fromkeys(x for x in inst.args[:2] if re.fullmatch(r"U?P\d", x)))
                 continue
             a, mods = inst.args, inst.opcode.split(".")
+            chained = compares.get(a[5]) if len(a) == 6 else None  # read before the outputs are reset
             compares.update(dict.fromkeys(x for x in a[:2] if re.fullmatch(r"U?P\d", x)))  # predicate outputs
-            if inst.base in ("ISETP", "UISETP") and len(a) == 5:
+            if inst.base in ("ISETP", "UISETP") and len(a) == 6 and "EX" in mods and a[3] in ("RZ", "URZ"):
+                # the high words of a 64-bit compare against a bound below 2**32: the low words' compare decides
+                # while the counter stays below 2**32 (trip counts here are far smaller)
+                compares[a[0]] = chained if inst.predicate is None and a[4] in ("PT", "UPT") else None
+            elif inst.base in ("ISETP", "UISETP") and len(a) == 5:
                 plain = inst.predicate is None and a[4] in ("PT", "UPT") and mods[-1] == "AND"
                 compares[a[0]] = (mods[1], _operand_value(a[2], state), _operand_value(a[3], state), False) if (
                     plain) else None
-            elif inst.base in ("PLOP3", "UPLOP3") and len(a) == 7 and _immediate(a[5]) == 0x80:
-                sources = [x for x in a[2:5] if x not in ("PT", "UPT")]  # the AND of two trues and one predicate
-                copied = compares.get(sources[0].lstrip("!")) if len(sources) == 1 else None
-                compares[a[0]] = copied and (*copied[:3], copied[3] != sources[0].startswith("!"))
+            elif inst.base in ("PLOP3", "UPLOP3") and len(a) == 7 and _immediate(a[5]) in (0x80, 0x40):
+                # the AND of two trues and one predicate (LUT 0x80), or of its negation (0x40)
+                sources = [x for x in a[2:5] if x not in ("PT", "UPT")]
+                copied = compares.get(sources[0].lstrip("!")) if len(sources) == 1 and a[4] == sources[0] else None
+                flip = sources[0].startswith("!") != (_immediate(a[5]) == 0x40) if copied else False
+                compares[a[0]] = copied and (*copied[:3], copied[3] != flip)
             else:
                 _step(inst, state)
     compare = compares.get(guard.lstrip("@!"))
@@ -453,11 +463,12 @@ def trip_count(fn: Function, blocks: Sequence[Block], loop: Loop, limit: int = 4
     counter = stepped.pop()
     preheaders = [p for p in range(len(blocks)) if loop.header in blocks[p].successors and p not in loop.blocks]
 
-    def start(register: str) -> int:
+    def start(register: str) -> int:  # signed: a 64-bit counter from -4 is 0xfffffffc in its low word
         values = {_entry_value(fn, blocks, p, register) for p in preheaders}
         if len(values) != 1 or None in values:
             raise SassError(f"{where}: {register} holds no known constant before the loop")
-        return values.pop()
+        value = values.pop()
+        return value - 2 ** 32 if 2 ** 31 <= value < 2 ** 32 else value
 
     def fixed(v: Value) -> Value:  # a loop-invariant register as the constant it holds
         if v[0] == "entry" and v[1] != counter:
@@ -642,7 +653,8 @@ PLAIN_HEADS = 8  # jax's mha has no GQA: MHA 8/8, normalised per logit like the 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One kernel to compile and measure: what it is (JSON fields), its Triton IR, launch settings and tile."""
+    """One kernel to compile and measure: what it is (JSON fields), what its path's Triton compiler takes (the
+    Pallas kernel's Triton IR; the native kernel's launch spec), launch settings and tile."""
 
     meta: dict[str, Any]
     ir: bytes = dataclasses.field(repr=False)
@@ -651,6 +663,7 @@ class Job:
     tile: tuple[int, int, int]  # (BQ, BK, H): query rows, keys and query heads of one loop iteration
     trips: frozenset[int] = frozenset()  # the trip counts its inner loops may have (checks the SASS reading)
     error: str | None = None
+    path: str = "pallas"  # cr.PATHS: which compiler takes `ir`
 
 
 def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
@@ -659,7 +672,9 @@ def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
     chunks (D/2 over BD) and head-dim column slices (Dp over DC = min(Dp, 64))."""
     c, backward = kernel.case, kernel.role == "backward"
     dtype = jnp.dtype(c.dtype)
-    if c.op == "cope":
+    if kernel.path == "triton":
+        tile, trips = _triton_tile(c, json.loads(kernel.spec)["constexprs"])
+    elif c.op == "cope":
         b = cope_pallas.BlockSizes().fitted(length=c.length, head_dim=c.head_dim, dtype=dtype, gate_k=False)
         tile, trips = (b.block_q_bwd, b.block_k_bwd, 1) if backward else (b.block_q, b.block_k, 1), frozenset()
     elif c.op == "corope":
@@ -676,23 +691,38 @@ def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
     return tile, trips
 
 
-def report_jobs(cases: Iterable[Any]) -> list[Job]:
-    """The compile report's kernels of these cases (cr.Case), lowered for the GPU."""
+def _triton_tile(c: Any, constexprs: dict[str, Any]) -> tuple[tuple[int, int, int], frozenset[int]]:
+    """(BQ, BK, H) of a native Triton launch from its constexprs, and its inner loops' possible trip counts: none
+    in CoPE's kernels, Co-RoPE's rotary chunks (D/2 over BD)."""
+    if c.op == "cope":
+        return (constexprs["BLOCK_Q"], constexprs["BLOCK_K"], 1), frozenset()
+    if c.op == "corope":
+        chunks = -(-(c.head_dim // 2) // constexprs["BD"])
+        return (constexprs["BQ"], constexprs["BK"], constexprs["H"]), frozenset({chunks})
+    raise ValueError(f"no tile geometry for op {c.op!r}")
+
+
+def report_jobs(cases: Iterable[Any], paths: Sequence[str] = ("pallas",)) -> list[Job]:
+    """The compile report's kernels of these cases (cr.Case) on each path: the Pallas kernels lowered for the GPU,
+    the native Triton kernels' launches recorded."""
     jobs = []
     for case in cases:
-        base = {"op": case.op, "dtype": case.dtype, "head_dim": case.head_dim, "q_heads": case.q_heads,
-                "kv_heads": case.kv_heads, "npos": case.npos, "length": case.length}
-        try:
-            kernels = cr.lower_kernels(case)
-        except Exception as e:  # noqa: BLE001  a kernel that does not lower is a result, not a crash
-            jobs.append(Job({**base, "kernel": "lowering"}, b"", 0, 0, (0, 0, 0), error=f"lowering failed: {e}"))
-            continue
-        for k in kernels:
-            meta = {**base, "kernel": k.role, "name": k.name, "grid": list(k.grid)}
+        for path in paths:
+            base = {"path": path, "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim,
+                    "q_heads": case.q_heads, "kv_heads": case.kv_heads, "npos": case.npos, "length": case.length}
             try:
-                jobs.append(Job(meta, k.ir, k.num_warps, k.num_stages, *_tile(k)))
-            except ValueError as e:
-                jobs.append(Job(meta, k.ir, k.num_warps, k.num_stages, (0, 0, 0), error=str(e)))
+                kernels = cr.case_kernels(case, path)
+            except Exception as e:  # noqa: BLE001  a kernel that does not lower is a result, not a crash
+                jobs.append(Job({**base, "kernel": "lowering"}, b"", 0, 0, (0, 0, 0), error=f"lowering failed: {e}",
+                                path=path))
+                continue
+            for k in kernels:
+                meta = {**base, "kernel": k.role, "name": k.name, "grid": list(k.grid)}
+                source = cr._compile_input(k)[1]
+                try:
+                    jobs.append(Job(meta, source, k.num_warps, k.num_stages, *_tile(k), path=path))
+                except ValueError as e:
+                    jobs.append(Job(meta, source, k.num_warps, k.num_stages, (0, 0, 0), error=str(e), path=path))
     return jobs
 
 
@@ -802,14 +832,17 @@ def find_tools(ptxas: str | None = None, nvdisasm: str | None = None) -> Tools:
 
 def compile_sass(job: Job, tools: Tools, *, timeout: float = 1800.0,
                  ptxas_memory_gib: float | None = cr.PTXAS_MEMORY_GIB) -> dict[str, Any]:
-    """Triton -> PTX (the compile report's subprocess), `ptxas -v -arch=sm_90a` -> cubin, nvdisasm -> SASS text;
+    """The path's Triton compiler -> PTX (the compile report's subprocess), `ptxas -v -arch=sm_90a` -> cubin,
+    nvdisasm -> SASS text;
     with ptxas's registers and spills and Triton's shared memory. Raises RuntimeError on any failure."""
     with tempfile.TemporaryDirectory(prefix="jaxpe-cost-") as tmp:
         ir, ptx, cubin = (pathlib.Path(tmp, name) for name in ("kernel.mlirbc", "kernel.ptx", "kernel.cubin"))
         ir.write_bytes(job.ir)
-        triton = subprocess.run([sys.executable, str(cr.SCRIPT), "--compile-one", str(ir), str(ptx), "--num-warps",
+        flag = "--compile-triton" if job.path == "triton" else "--compile-one"
+        triton = subprocess.run([sys.executable, str(cr.SCRIPT), flag, str(ir), str(ptx), "--num-warps",
                                  str(job.num_warps), "--num-stages", str(job.num_stages)], capture_output=True,
-                                text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                                text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                                                     TRITON_INTERPRET="0"))
         results = [line for line in triton.stdout.splitlines() if line.startswith(cr._RESULT_PREFIX)]
         if triton.returncode != 0 or not results:
             raise RuntimeError(f"Triton compile exited {triton.returncode}: {cr._tail(triton.stderr + triton.stdout)}")
@@ -887,11 +920,12 @@ def run_job(job: Job, tools: Tools, *, timeout: float) -> dict[str, Any]:
     return entry
 
 
-def collect(cases: Sequence[Any], tools: Tools, *, jobs: int = 1, timeout: float = 1800.0, plain: bool = True,
-            progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict], list[dict]]:
-    """Entries of every kernel of the cases and of plain attention (at their tiles for D 64/128, and at its
-    defaults), `jobs` compiles at a time; each kernel entry gets its ratio to plain attention at its tiles."""
-    mine = report_jobs(cases)
+def collect(cases: Sequence[Any], tools: Tools, *, paths: Sequence[str] = cr.PATHS, jobs: int = 1,
+            timeout: float = 1800.0, plain: bool = True, progress: Callable[[dict[str, Any]], None] | None = None
+            ) -> tuple[list[dict], list[dict]]:
+    """Entries of every kernel of the cases on each path and of plain attention (at their tiles for D 64/128, and
+    at its defaults), `jobs` compiles at a time; each kernel entry gets its ratio to plain attention at its tiles."""
+    mine = report_jobs(cases, paths)
     specs = {}
     if plain:
         for job in mine:
@@ -919,17 +953,89 @@ def collect(cases: Sequence[Any], tools: Tools, *, jobs: int = 1, timeout: float
 def _ratio(entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """A kernel's cost against plain attention's: bound and instructions per logit, per loop too."""
     b = base["per_logit"]
-    return {"id": base["id"], "bound": b["bound"], "bound_pipe": b["bound_pipe"],
+    return {"id": base["id"], "bound": b["bound"], "bound_pipe": b["bound_pipe"], "instructions": b["instructions"],
             "ratio": entry["per_logit"]["bound"] / b["bound"],
             "instruction_ratio": entry["per_logit"]["instructions"] / b["instructions"],
-            "loop_ratios": {loop["name"]: loop["per_logit"]["bound"] / b["bound"] for loop in entry["loops"]}}
+            "loop_ratios": {loop["name"]: loop["per_logit"]["bound"] / b["bound"] for loop in entry["loops"]},
+            "loop_instruction_ratios": {loop["name"]: loop["per_logit"]["instructions"] / b["instructions"]
+                                        for loop in entry["loops"]}}
 
 
 def versions(tools: Tools) -> dict[str, str]:
     """The versions the numbers depend on."""
     t = tools.toolchain
-    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
-            t.plugin: t.plugin_version, "ptxas": t.ptxas_version, "nvdisasm": tools.nvdisasm_version}
+    found = {"python": platform.python_version(), "jax": jax.__version__,
+             "jaxlib": importlib.metadata.version("jaxlib"), t.plugin: t.plugin_version, "ptxas": t.ptxas_version,
+             "nvdisasm": tools.nvdisasm_version}
+    for name in ("triton", "jax-triton"):  # the native Triton path's compiler
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A cost the kernels are held to, on GQA 8/2 (CoPE: npos 64 and 513) in float32 and bfloat16: per kernel entry
+    of `op`/`kernel` at `head_dims`, a number (`value`) at most `limit`."""
+
+    id: str
+    text: str
+    op: str
+    kernel: str
+    head_dims: tuple[int, ...]
+    measure: str  # "instruction_ratio": a loop's instructions per logit over plain attention's at the same tiles;
+    #               "bound": the kernel's clk/logit; "fences": fence instructions in its counted loops
+    limit: float
+    loop: str | None = None
+
+    def value(self, entry: dict[str, Any]) -> float | None:
+        """This target's number for one entry (None: not measurable there, e.g. no plain attention beside it)."""
+        if self.measure == "bound":
+            return entry["per_logit"]["bound"]
+        if self.measure == "fences":
+            return float(sum(loop["counts"].get("fence", 0) for loop in entry["loops"]))
+        same = (entry.get("plain") or {}).get("same_tiles")
+        return None if same is None else same["loop_instruction_ratios"][self.loop]
+
+
+TARGETS = (
+    Target("cope-forward-full", "CoPE forward, full tiles: instructions per logit ≤ 2.0× plain attention's at the "
+           "same tiles", "cope", "forward", (64, 128), "instruction_ratio", 2.0, "positions"),
+    Target("cope-forward-clamped", "CoPE forward, clamped tiles: ≤ 1.1× plain", "cope", "forward", (64, 128),
+           "instruction_ratio", 1.1, "clamped"),
+    Target("cope-backward-full", "CoPE backward, full tiles: ≤ 2.0× plain", "cope", "backward", (64, 128),
+           "instruction_ratio", 2.0, "positions"),
+    Target("corope-forward-d64", "Co-RoPE forward at D 64: ≤ 3 clk/logit", "corope", "forward", (64,), "bound", 3.0),
+    Target("corope-forward-d128", "Co-RoPE forward at D 128: ≤ 6 clk/logit", "corope", "forward", (128,), "bound",
+           6.0),
+    Target("corope-backward-d64", "Co-RoPE backward at D 64: ≤ 12 clk/logit", "corope", "backward", (64,), "bound",
+           12.0),
+    Target("cope-backward-fences", "CoPE backward: no fence instruction in its key-block loops", "cope", "backward",
+           (64, 128, 256), "fences", 0.0),
+    Target("corope-backward-fences", "Co-RoPE backward: no fence instruction in its key-block loops", "corope",
+           "backward", (64, 128, 256), "fences", 0.0),
+)
+
+
+def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target per path: the worst value over its entries (GQA 8/2, f32 and bf16) and whether it holds; a
+    target is met when some path meets it on every entry (the path `impl="auto"` is to take on a GPU)."""
+    out = []
+    for t in TARGETS:
+        per_path = {}
+        for path in data.get("paths", ["pallas"]):
+            entries = [e for e in data["kernels"] if e.get("path", "pallas") == path and e["op"] == t.op
+                       and e["kernel"] == t.kernel and e["head_dim"] in t.head_dims and e["kv_heads"] == 2
+                       and e["q_heads"] == 8]
+            values = [None if e["error"] else t.value(e) for e in entries]
+            worst = None if not values or None in values else max(values)
+            per_path[path] = {"worst": worst, "entries": len(entries), "met": worst is not None and worst <= t.limit}
+        met_by = [path for path, r in per_path.items() if r["met"]]
+        out.append({"id": t.id, "text": t.text, "limit": t.limit, "paths": per_path, "met": bool(met_by),
+                    "met_by": met_by})
+    return out
 
 
 MODEL = ("Per kernel, its outermost SASS loops (one iteration per key block); per iteration and warp, every "
@@ -940,14 +1046,17 @@ MODEL = ("Per kernel, its outermost SASS loops (one iteration per key block); pe
 
 
 def report(kernels: list[dict], plains: list[dict], tools: Tools, *, authors: dict[str, Any], command: str,
-           seconds: float | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON report: command, date, versions, kernel sources' fingerprint, device and rates, model, entries."""
-    return {
+           seconds: float | None = None, settings: dict[str, Any] | None = None,
+           paths: Sequence[str] = cr.PATHS) -> dict[str, Any]:
+    """The JSON report: command, date, versions, kernel sources' fingerprint, device and rates, model, entries,
+    and the targets checked on them (`targets`)."""
+    data = {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(tools),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "kernel_sources_sha256": cr.kernel_sources_sha256(),
+        "paths": list(paths),
+        "kernel_sources_sha256": cr.kernel_sources_sha256(paths),
         "device": DEVICE,
         "rates": RATES,
         "model": MODEL,
@@ -957,6 +1066,8 @@ def report(kernels: list[dict], plains: list[dict], tools: Tools, *, authors: di
         "plain": plains,
         "authors": authors,
     }
+    data["targets"] = targets(data)
+    return data
 
 
 _COLUMNS = (("MMA", ("mma",)), ("FFMA", ("ffma",)), ("FMUL", ("fmul",)), ("FADD", ("fadd",)), ("MUFU", ("mufu",)),
@@ -1015,11 +1126,20 @@ def markdown(data: dict[str, Any]) -> str:
         "stages (D 64 and 128); ratio to defaults: over plain attention at mha's own defaults. Loops marked "
         "(instead) take some key blocks in place of the counted loop.",
         "",
-        *_header("op | dtype | D | N/K | P | kernel"),
+        "## Targets",
+        "",
+        *_targets_table(data.get("targets", [])),
+        "",
+        "## The kernels",
+        "",
+        "path: pallas, the Pallas kernels through XLA's Triton compiler; triton, the native Triton kernels through "
+        "Triton's own compiler, as jax-triton compiles them.",
+        "",
+        *_header("path | op | dtype | D | N/K | P | kernel"),
     ]
     for e in data["kernels"]:
-        described = (f"{e['op']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} | {e['q_heads']}/{e['kv_heads']} "
-                     f"| {'—' if e['npos'] is None else e['npos']} | {e['kernel']}")
+        described = (f"{e.get('path', 'pallas')} | {e['op']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} "
+                     f"| {e['q_heads']}/{e['kv_heads']} | {'—' if e['npos'] is None else e['npos']} | {e['kernel']}")
         lines += _table_rows(e, described)
     lines += ["", "## Plain attention (jax.experimental.pallas.ops.gpu.attention.mha, MHA 8/8, causal)", "",
               *_header("variant | dtype | D | kernel")]
@@ -1030,12 +1150,28 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _targets_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown rows: each target, its worst value per path (GQA 8/2, f32 and bf16), and whether it is met."""
+    paths = list(dict.fromkeys(path for r in results for path in r["paths"]))
+    lines = ["| target | limit | " + " | ".join(f"{path} (worst)" for path in paths) + " | met |",
+             "|---|---|" + "---|" * len(paths) + "---|"]
+    for r in results:
+        cells = []
+        for path in paths:
+            p = r["paths"].get(path) or {}
+            worst = p.get("worst")
+            cells.append("—" if worst is None else f"{worst:.2f}" + ("" if p["met"] else " ✗"))
+        met = f"yes ({', '.join(r['met_by'])})" if r["met"] else "no"
+        lines.append(f"| {r['text']} | {r['limit']:g} | {' | '.join(cells)} | {met} |")
+    return lines
+
+
 def summary(data: dict[str, Any]) -> str:
     """The short table of docs/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
     logit: instructions, the bound and its pipe (CoPE's clamped tiles beside), and the ratios to plain attention."""
-    lines = ["| op | dtype | D | kernel | BQ×BK×H/warps | inst/logit | clk/logit (pipe) | clamped clk/logit "
+    lines = ["| path | op | dtype | D | kernel | BQ×BK×H/warps | inst/logit | clk/logit (pipe) | clamped clk/logit "
              "| plain clk/logit | ratio | plain defaults clk/logit | ratio to defaults |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in data["kernels"]:
         if e["kv_heads"] != 2 or e["npos"] not in (None, 64) or e["kernel"] == "forward_train" or e["error"]:
             continue
@@ -1044,7 +1180,8 @@ def summary(data: dict[str, Any]) -> str:
         cells = []
         for base in (plain.get("same_tiles"), plain.get("defaults")):
             cells += ["—", "—"] if base is None else [f"{base['bound']:.2f}", f"{base['ratio']:.1f}"]
-        lines.append(f"| {e['op']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} | {e['kernel']} "
+        lines.append(f"| {e.get('path', 'pallas')} | {e['op']} | {cr._short_dtype(e['dtype'])} | {e['head_dim']} "
+                     f"| {e['kernel']} "
                      f"| {e['block_q']}×{e['block_k']}×{e['heads_per_program']}/{e['num_warps']} "
                      f"| {e['per_logit']['instructions']:.1f} | {e['per_logit']['bound']:.2f} "
                      f"{e['per_logit']['bound_pipe']} | {clamped[0] if clamped else '—'} | {' | '.join(cells)} |")
@@ -1062,6 +1199,8 @@ def _authors_sentence(a: dict[str, Any]) -> str:
                           if part.strip() and not part.startswith("Repro command"))
         outcome = f"failed at {c['failed_stage']}: {error}" if c.get("error") else "compiled"
         parts.append(f"{c['id']}: {ptx}, {c['seconds']:.0f} s, {outcome}.")
+    if "measured_in" in a:
+        parts.append(f"(Measured in an earlier run, on {a['measured_in']['date'][:10]}.)")
     return " ".join(parts)
 
 
@@ -1158,12 +1297,21 @@ def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 
             "num_stages": 3, "configs": configs}
 
 
+def earlier_authors(path: pathlib.Path) -> dict[str, Any]:
+    """The authors' section of an earlier report (JSON), marked with when it was measured."""
+    earlier = json.loads(path.read_text())
+    authors = dict(earlier["authors"])
+    authors.setdefault("measured_in", {"date": earlier["date"]})
+    return authors
+
+
 # ------------------------------------------------------------------------------------------------------- CLI
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python benchmarks/kernel_cost.py", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=cr._csv(str), default=cr.OPS, help="cope,corope")
+    parser.add_argument("--paths", type=cr._csv(str), default=cr.PATHS, help="pallas,triton (the kernels' paths)")
     parser.add_argument("--dtypes", type=cr._csv(cr._dtype), default=cr.DTYPES, help="float32,bfloat16 (f32,bf16)")
     parser.add_argument("--head-dims", type=cr._csv(int), default=cr.HEAD_DIMS, help="64,128,256")
     parser.add_argument("--heads", type=cr._csv(cr._heads), default=cr.HEADS, help="query/kv heads: 8/2,8/8")
@@ -1173,6 +1321,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--authors-file", type=pathlib.Path, metavar="PY",
                         help=f"also compile the Co-RoPE authors' forward from this file ({AUTHORS_SOURCE})")
     parser.add_argument("--authors-timeout", type=float, default=5400.0, help="seconds for the authors' compile")
+    parser.add_argument("--authors-from", type=pathlib.Path, metavar="JSON",
+                        help="take the authors' section from an earlier report (its compile takes an hour) instead")
     parser.add_argument("--jobs", type=int, default=cr.default_jobs(), help="compiles at a time")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile step")
     parser.add_argument("--ptxas", help="path to ptxas (default: $PTXAS, the nvidia-cuda-nvcc wheel, PATH)")
@@ -1192,8 +1342,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for op in args.ops:
         if op not in cr.OPS:
             parser.error(f"--ops: {op!r} is not one of {cr.OPS}")
-    full = (args.ops, args.dtypes, args.head_dims, args.heads, args.npos) == (
-        cr.OPS, cr.DTYPES, cr.HEAD_DIMS, cr.HEADS, cr.NPOS)
+    for path in args.paths:
+        if path not in cr.PATHS:
+            parser.error(f"--paths: {path!r} is not one of {cr.PATHS}")
+    if args.authors_file and args.authors_from:
+        parser.error("--authors-file and --authors-from: give one")
+    full = (args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.paths) == (
+        cr.OPS, cr.DTYPES, cr.HEAD_DIMS, cr.HEADS, cr.NPOS, cr.PATHS)
     if args.quick:
         args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
     args.name = args.name or ("kernel_cost-quick" if args.quick else "kernel_cost" if full else "kernel_cost-subset")
@@ -1223,12 +1378,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"D{entry['head_dim']} {entry['q_heads']}/{entry['kv_heads']} {entry.get('npos') or ''} "
               f"{entry['kernel']}: {what}", file=sys.stderr, flush=True)
 
+    if args.paths != ("pallas",) and (reason := cr.triton_unavailable()):
+        print(f"error: the triton path cannot be compiled here: {reason} (or --paths pallas)", file=sys.stderr)
+        return 2
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside:  # the authors' hour beside the grid
-        authors = beside.submit(authors_report, args.authors_file, tools, timeout=args.authors_timeout)
-        kernels, plains = collect(cases, tools, jobs=args.jobs, timeout=args.timeout, plain=not args.no_plain,
-                                  progress=progress)
-        authors = authors.result()
-    data = report(kernels, plains, tools, authors=authors, seconds=time.perf_counter() - start,
+        authors = beside.submit(authors_report, args.authors_file, tools, timeout=args.authors_timeout) if (
+            args.authors_from is None) else None
+        kernels, plains = collect(cases, tools, paths=args.paths, jobs=args.jobs, timeout=args.timeout,
+                                  plain=not args.no_plain, progress=progress)
+        authors = earlier_authors(args.authors_from) if authors is None else authors.result()
+    data = report(kernels, plains, tools, authors=authors, seconds=time.perf_counter() - start, paths=args.paths,
                   settings={"jobs": args.jobs, "timeout_s": args.timeout, "authors_timeout_s": args.authors_timeout},
                   command=shlex.join(["python", "benchmarks/kernel_cost.py", *argv]))
     text = markdown(data)

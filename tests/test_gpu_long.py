@@ -1,4 +1,5 @@
-"""On a GPU, at the lengths users train at: the fused kernels against the blockwise path (the O(L)-memory JAX
+"""On a GPU, at the lengths users train at: the fused kernels of both GPU paths (impl "pallas" and, where jax-triton
+is installed, "triton") against the blockwise path (the O(L)-memory JAX
 restatement the CPU suite checks against the dense references), outputs and every gradient, with packed documents and
 a window at L 4096, causal and windowed at L 32768. The dense reference fits only the shorter length; its output is
 checked there too. The wanted values are computed with float32 matmuls (`jax.default_matmul_precision("highest")`:
@@ -20,6 +21,7 @@ import pytest
 from kernel_harness import GPU_TOLERANCE, assert_matches_elementwise, outputs_and_grads
 
 import jaxpe
+from jaxpe.kernels._triton_launch import unavailable
 
 pytestmark = pytest.mark.gpu
 HQ, HKV, NPOS = 4, 2, 64
@@ -48,6 +50,7 @@ def _inputs(length: int, head_dim: int, dtype: str, *, documents: bool):
     return q, k, v, pos_emb, cotangent, segment_ids
 
 
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
 @pytest.mark.parametrize("op", ["cope", "corope"])
 @pytest.mark.parametrize("length,head_dim,dtype,documents,window", [
     (4096, 64, "float32", True, 700),
@@ -55,8 +58,10 @@ def _inputs(length: int, head_dim: int, dtype: str, *, documents: bool):
     (32768, 64, "bfloat16", False, None),
     (32768, 128, "float32", False, 4000),
 ])
-def test_pallas_matches_blockwise_at_long_lengths(op: str, length: int, head_dim: int, dtype: str, documents: bool,
-                                                  window: int | None) -> None:
+def test_fused_matches_blockwise_at_long_lengths(impl: str, op: str, length: int, head_dim: int, dtype: str,
+                                                 documents: bool, window: int | None) -> None:
+    if impl == "triton" and (reason := unavailable()):
+        pytest.skip(reason)
     q, k, v, pos_emb, cotangent, segment_ids = _inputs(length, head_dim, dtype, documents=documents)
     if op == "cope":
         attention = functools.partial(jaxpe.cope_attention, segment_ids=segment_ids, window=window)
@@ -64,11 +69,11 @@ def test_pallas_matches_blockwise_at_long_lengths(op: str, length: int, head_dim
     else:
         attention = functools.partial(jaxpe.corope_attention, segment_ids=segment_ids, window=window)
         args, names = (q, k, v), ["out", "dq", "dk", "dv"]
-    got = outputs_and_grads(functools.partial(attention, impl="pallas"), args, cotangent, compiler_options=None)
+    got = outputs_and_grads(functools.partial(attention, impl=impl), args, cotangent, compiler_options=None)
     with jax.default_matmul_precision("highest"):
         want = outputs_and_grads(functools.partial(attention, impl="blockwise"), args, cotangent,
                                  compiler_options=None)
-    context = f"{op} L={length} D={head_dim} {dtype} documents={documents} window={window}"
+    context = f"{impl} {op} L={length} D={head_dim} {dtype} documents={documents} window={window}"
     if op == "cope":
         # dpos_emb sums over every (query, key) pair: its rounding grows with L; bound it relative to its own scale.
         scale = float(np.max(np.abs(np.asarray(want[4], np.float32))))

@@ -176,6 +176,22 @@ def test_trip_counts_from_counters():
     clobbered = uniform.replace("LEA R2, P1,", "LEA R2, UP0,")
     with pytest.raises(kc.SassError, match="no readable compare"):
         kc.trip_count(*_only_loop(clobbered))
+    # Triton's own compiler: a 64-bit uniform counter from -4 (low word 0xfffffffc, high 0xffffffff) stepped by 4
+    # with its carry, a 64-bit unsigned compare (low words, then the high words chained), the branch taken on the
+    # negation (PLOP3 LUT 0x40: PT & PT & !UP0): runs with the counter at 0, 4, ..., 28 after its step
+    wide = _listing("""        /*0000*/                   UMOV UR15, 0xfffffffc ;
+        /*0010*/                   UMOV UR16, 0xffffffff ;
+.L_x_0:
+        /*0020*/                   UIADD3 UR15, UP0, UR15, 0x4, URZ ;
+        /*0030*/                   UIADD3.X UR16, URZ, UR16, URZ, UP0, !UPT ;
+        /*0040*/                   UISETP.GE.U32.AND UP0, UPT, UR15, 0x1c, UPT ;
+        /*0050*/                   UISETP.GE.U32.AND.EX UP0, UPT, UR16, URZ, UPT, UP0 ;
+        /*0060*/                   PLOP3.LUT P3, PT, PT, PT, UP0, 0x40, 0x0 ;
+        /*0070*/               @P3 BRA `(.L_x_0) ;
+        /*0080*/                   EXIT ;
+""")
+    assert kc.trip_count(*_only_loop(wide)) == 8
+    assert kc.trip_count(*_only_loop(wide.replace("@P3 BRA", "@!P3 BRA").replace("0x40, 0x0", "0x80, 0x0"))) == 8
     unreadable = down.replace("IADD3 R5, R5, -0x1, RZ", "IMAD R5, R5, R6, RZ")
     with pytest.raises(kc.SassError, match="no readable compare"):
         kc.trip_count(*_only_loop(unreadable))
@@ -220,12 +236,39 @@ def test_cli_names_and_output_folder(capsys):
     assert "--out DIR is required" in capsys.readouterr().err
 
 
+def test_targets_per_path_by_hand():
+    """A target holds on a path when every GQA 8/2 entry of its op, kernel and head dims is within its limit, and is
+    met when some path meets it; an entry without plain attention beside it, or that failed, leaves it unmet."""
+    def entry(path, head_dim, bound, ratio, fences=0, kv_heads=2, error=None):
+        loops = [{"name": "positions", "counted": True, "counts": {"fence": fences}}]
+        return {"path": path, "op": "corope", "kernel": "forward", "head_dim": head_dim, "q_heads": 8,
+                "kv_heads": kv_heads, "error": error, "loops": loops, "per_logit": {"bound": bound},
+                "plain": {"same_tiles": {"loop_instruction_ratios": {"positions": ratio}}}}
+
+    data = {"paths": ["pallas", "triton"], "kernels": [
+        entry("pallas", 64, 8.9, 3.0), entry("pallas", 64, 2.0, 1.0),  # the worse of the two counts
+        entry("triton", 64, 2.9, 1.0), entry("triton", 64, 99.0, 9.0, kv_heads=8),  # MHA is not held
+        entry("triton", 128, 6.5, 1.0, fences=3), entry("pallas", 128, 5.0, 1.0, error="boom")]}
+    got = {t["id"]: t for t in kc.targets(data)}
+    d64 = got["corope-forward-d64"]
+    assert d64["paths"]["pallas"] == {"worst": 8.9, "entries": 2, "met": False}
+    assert d64["paths"]["triton"] == {"worst": 2.9, "entries": 1, "met": True}
+    assert (d64["met"], d64["met_by"]) == (True, ["triton"])
+    d128 = got["corope-forward-d128"]
+    assert d128["paths"]["pallas"]["worst"] is None and d128["paths"]["triton"]["worst"] == 6.5
+    assert not d128["met"] and d128["met_by"] == []
+    assert got["cope-forward-full"]["paths"]["triton"]["entries"] == 0 and not got["cope-forward-full"]["met"]
+
+
 def test_committed_markdown_and_docs_table_are_the_report():
-    """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/kernel_cost.md shows its `summary`."""
+    """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/kernel_cost.md shows its `summary` and
+    its targets table; the targets in the JSON are `targets` of its entries."""
     data = json.loads(COMMITTED.read_text())
+    assert data["targets"] == kc.targets(data)
     assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
     doc = (ROOT / "docs" / "kernel_cost.md").read_text()
     assert "\n" + kc.summary(data) + "<!-- end of summary -->" in doc
+    assert "\n" + "\n".join(kc._targets_table(data["targets"])) + "\n<!-- end of targets -->" in doc
     assert kc._authors_sentence(data["authors"]) in doc.replace("\n> ", " ")
 
 
@@ -233,19 +276,29 @@ def test_committed_markdown_and_docs_table_are_the_report():
 
 
 def _key(entry: dict) -> tuple:
-    return tuple(entry.get(k) for k in ("op", "dtype", "head_dim", "q_heads", "kv_heads", "npos", "kernel", "id"))
+    return tuple(entry.get(k) for k in ("path", "op", "dtype", "head_dim", "q_heads", "kv_heads", "npos", "kernel",
+                                        "id"))
 
 
 @needs_tools
 def test_committed_report_is_current():
-    """Same kernel sources as the committed report; three of its kernels (CoPE's forward, Co-RoPE's backward with its
-    nested loops, plain attention at CoPE's tiles) compiled again give the same counts, trip counts and costs."""
+    """Same kernel sources as the committed report; four of its kernels (CoPE's Pallas forward, Co-RoPE's Pallas
+    backward with its nested loops, Co-RoPE's native Triton forward with its 64-bit chunk counter, plain attention at
+    CoPE's tiles) compiled again give the same counts, trip counts and costs."""
     data = json.loads(COMMITTED.read_text())
-    assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(), (
+    assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(data["paths"]), (
         "the kernels changed since the committed cost report: rerun `python benchmarks/kernel_cost.py --out "
-        "results/cost --authors-file ...` in .venv-compile")
+        "results/cost --authors-from results/cost/kernel_cost.json` in .venv-compile")
+    here, then = kc.versions(TOOLS), data["versions"]
+    compilers = [name for name in then if name not in ("python", "jax", "jaxlib", "jax-triton")]
+    moved = {name: (then[name], here.get(name)) for name in compilers if here.get(name) != then[name]}
+    if moved:  # another compiler emits other machine code: the counts are that compiler's, not comparable
+        pytest.skip(f"compilers differ from the committed report's (report, here): {moved}")
     cope = [j for j in kc.report_jobs([cr.Case("cope", "bfloat16", 64, 8, 2, 64)]) if j.meta["kernel"] == "forward"]
     corope = [j for j in kc.report_jobs([cr.Case("corope", "bfloat16", 64, 8, 2)]) if j.meta["kernel"] == "backward"]
+    if cr.triton_unavailable() is None:
+        corope += [j for j in kc.report_jobs([cr.Case("corope", "float32", 64, 8, 2)], ("triton",))
+                   if j.meta["kernel"] == "forward"]
     plain = kc.plain_job(kc.plain_spec(cope[0].meta, cope[0].num_warps, cope[0].num_stages, cope[0].tile))
     committed = {_key(e): e for e in data["kernels"] + data["plain"]}
     fields = ("block_q", "block_k", "heads_per_program", "registers", "smem_bytes", "loops", "per_logit")
