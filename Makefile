@@ -6,7 +6,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-wheel test-newest test-compile compile-report bench clean
+.PHONY: demo test test-wheel test-newest test-compile compile-report bench clean ci-venvs
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,10 +26,11 @@ test-wheel:
 	.ci/wheel_smoke $(PY)
 
 # The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to
-# the installed jaxlib; jax 0.10 is the last whose plugin exposes it) and ptxas, in their own venv, so that the main
-# suite never sees the plugin (it makes jax try CUDA first, and impl="auto" stage the CUDA kernels). The native
-# Triton kernels (impl="triton") compile through triton (from the test extra) and jax-triton 0.3.1, the release for
-# jax 0.10, installed without its dependencies (they would move jax) but absl-py, the one it imports.
+# the installed jaxlib; jax 0.10 is the last whose plugin exposes it), ptxas and nvdisasm (its version), in their own
+# venv, so that the main suite never sees the plugin (it makes jax try CUDA first, and impl="auto" stage the CUDA
+# kernels). The native Triton kernels (impl="triton") compile through triton (from the test extra) and jax-triton
+# 0.3.1, the release for jax 0.10, installed without its dependencies (they would move jax) but absl-py, which it
+# imports.
 COMPILE_VENV := .venv-compile
 NVCC ?= nvidia-cuda-nvcc
 
@@ -39,13 +40,16 @@ $(COMPILE_VENV)/.installed: pyproject.toml Makefile
 	$(COMPILE_VENV)/bin/pip install -q -e ".[test]" "jax>=0.10,<0.11"
 	$(COMPILE_VENV)/bin/pip install -q "jax-cuda13-plugin==$$($(COMPILE_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
 	$(COMPILE_VENV)/bin/pip install -q --no-deps "$(NVCC)" "jax-triton==0.3.1" absl-py
+	nvcc=$$($(COMPILE_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-nvcc"))') && \
+	  $(COMPILE_VENV)/bin/pip install -q --no-deps "nvidia-cuda-nvdisasm==$$nvcc"
 	touch $@
 
-# Every kernel of the report held to its budget, and a TransformerLM lowered and exported for CUDA with each GPU path
-# (tests/test_cuda_lowering.py; TRITON_INTERPRET=0: jax-triton compiles, not Triton's interpreter): ~N minutes on 2 cores
+# Every kernel of the report held to its budget, a TransformerLM lowered and exported for CUDA with each GPU path
+# (tests/test_cuda_lowering.py; TRITON_INTERPRET=0: jax-triton compiles, not Triton's interpreter), and the cost model's
+# report checked against kernels compiled again (tests/test_kernel_cost.py): about 5 minutes on 2 cores.
 test-compile: $(COMPILE_VENV)/.installed
 	JAX_PLATFORMS=cpu TRITON_INTERPRET=0 $(COMPILE_VENV)/bin/python -m pytest -q tests/test_compile_report.py \
-	  tests/test_cuda_lowering.py
+	  tests/test_cuda_lowering.py tests/test_kernel_cost.py
 
 # The committed report (results/compile/sm90a.json and .md) from tools/compile_report.py, a tool outside the wheel.
 compile-report: $(COMPILE_VENV)/.installed
@@ -53,6 +57,10 @@ compile-report: $(COMPILE_VENV)/.installed
 
 test-newest:
 	.ci/newest_jax
+
+# The environments of test-newest and test-compile, without their tests (.ci/run builds them beside `make test`).
+ci-venvs: $(COMPILE_VENV)/.installed
+	.ci/newest_jax --prepare
 
 bench: .venv
 	$(BIN)/python benchmarks/attention.py --quick --out results/bench
