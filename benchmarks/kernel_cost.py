@@ -6,19 +6,19 @@
     python benchmarks/kernel_cost.py --out results/cost --authors-file PATH   # also the Co-RoPE authors' forward
     python benchmarks/kernel_cost.py --out results/cost --authors-from results/cost/kernel_cost.json  # keep theirs
 
-Every kernel of tools/compile_report.py's grid (CoPE and Co-RoPE, f32/bf16, D 64/128/256, GQA 8/2 and MHA 8/8, CoPE
-npos 64/513, L 1024) on both GPU paths is compiled as the compile report does (the Pallas kernels lowered and
-compiled by XLA's Triton compiler from jax's CUDA plugin; the native Triton kernels' launches recorded and compiled by
-Triton's own compiler as jax-triton compiles them; then `ptxas -arch=sm_90a`), and its cubin disassembled with
-nvdisasm (the `nvidia-cuda-nvdisasm` wheel of the ptxas version). From the SASS control flow (backward branches; natural loops) the tool finds the kernel's outermost loops,
-which walk the key blocks, and counts the instructions one iteration issues per warp, by class, each inner loop
-(rotary chunks, head-dim column slices) times its trip count read from its counter (start, step and bound in the
-SASS). Per logit: count × warps / (BQ·BK·H), H query heads per program. The throughput bound per logit, in SM clocks,
-is the largest over the SM's pipes (issue, FP32, integer ALU, MUFU/conversions, shuffles, shared memory, tensor cores)
-of the work per logit over the pipe's rate (RATES: NVIDIA's numbers, with their sources). jax's own Pallas flash
-attention (`jax.experimental.pallas.ops.gpu.attention.mha`, MHA: it has no GQA) compiled the same way at the same
-tiles, and at its defaults, is the plain attention the kernels are compared with. TARGETS are the costs the kernels
-are held to, checked per path (`targets`). docs/kernel_cost.md explains the method and reads the table.
+Every kernel of tools/compile_report.py's grid (CoPE and Co-RoPE, f32/bf16, D 64/128/256, GQA 8/2 and MHA 8/8, CoPE npos
+64/513, L 1024) on both GPU paths is compiled as the compile report does (the Pallas kernels lowered and compiled by
+XLA's Triton compiler from jax's CUDA plugin; the native Triton kernels' launches recorded and compiled by Triton's own
+compiler as jax-triton compiles them; then `ptxas -arch=sm_90a`), and its cubin disassembled with nvdisasm (the
+`nvidia-cuda-nvdisasm` wheel of the ptxas version). From the SASS control flow (backward branches; natural loops) the
+tool finds the kernel's outermost loops, which walk the key blocks, and counts the instructions one iteration issues per
+warp, by class, each inner loop (rotary chunks, head-dim column slices) times its trip count read from its counter
+(start, step and bound in the SASS). Per logit: count × warps / (BQ·BK·H), H query heads per program. The throughput
+bound per logit, in SM clocks, is the largest over the SM's pipes (issue, FP32, integer ALU, MUFU/conversions, shuffles,
+shared memory, tensor cores) of the work per logit over the pipe's rate (RATES: NVIDIA's numbers, with their sources).
+jax's own Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, MHA: it has no GQA) compiled the same
+way at the same tiles, and at its defaults, is the plain attention the kernels are compared with. TARGETS are the costs
+the kernels are held to, checked per path (`targets`). docs/kernel_cost.md explains the method and reads the table.
 
 A benchmark script beside the library (not in the wheel); it needs what tools/compile_report.py needs (.venv-compile:
 jax 0.10 with jax-cuda13-plugin, nvidia-cuda-nvcc, triton and jax-triton 0.3.1 for the native path) and
