@@ -20,7 +20,7 @@ demo: .venv
 	$(BIN)/jaxpe-compare --task selective_copy --pe cope,rope,learned --seeds 0 --preset cpu-small --workdir runs/demo
 
 test: .venv
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 # The built wheel in a fresh venv outside the repository, on $(PY) and on Python 3.12 (the newest jax).
 test-wheel:
