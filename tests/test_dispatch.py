@@ -229,14 +229,19 @@ def test_auto_on_cpu_with_a_cuda_plugin_stages_the_fused_kernels_for_cuda(monkey
 def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monkeypatch, encoding):
     """One trace of a training gradient, lowered for CUDA: the Pallas forward and its fused backward, no quadratic
     array (the dense CPU branch is rematerialised, so its residuals are not zero-filled outputs of the CUDA one);
-    lowered for CPU: no kernel."""
+    lowered for CPU: no kernel, and the values without a plugin."""
+    args = inputs()
+    want = jax.jit(grads(encoding))(*args)
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
     with jax.sharding.use_abstract_mesh(on_abstract_h100()):
-        traced = jax.jit(grads(encoding)).trace(*inputs())
+        traced = jax.jit(grads(encoding)).trace(*args)
         cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert cuda.count(PALLAS_CALL) == 2
     assert not quadratic_arrays(cuda, L)
-    assert PALLAS_CALL not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    cpu = traced.lower(lowering_platforms=("cpu",))
+    assert PALLAS_CALL not in cpu.as_text()
+    for got_g, want_g in zip(cpu.compile()(*args), want):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -324,16 +329,20 @@ def model(pe: str, impl: str) -> jaxpe.TransformerLM:
 
 
 @pytest.mark.parametrize("pe", ["cope", "corope"])
-def test_triton_reaches_the_layers_of_a_model(pe):
+def test_triton_runs_in_a_model_as_the_reference(pe):
     """impl="triton" goes from the model config to the layers' kernels, as "pallas" does: the training gradient of
-    a TransformerLM launches the Triton kernels (here the interpreter's host callbacks; the kernels' numerics are
-    tests/test_kernels_*_triton.py's)."""
+    a TransformerLM launches the Triton kernels (here the interpreter's host callbacks), and its loss and parameter
+    gradients equal the dense reference's."""
     triton_entries()
-    tokens = jnp.zeros((2, 9), jnp.int32)
-    lm = model(pe, "triton")
-    params = jax.eval_shape(lm.init, jax.random.PRNGKey(0), tokens)
-    loss = lambda p: jnp.mean(lm.apply(p, tokens))  # noqa: E731
-    assert str(jax.make_jaxpr(jax.grad(loss))(params)).count("pure_callback") == 2  # the forward and the backward
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 13), 0, 11)
+    params = model(pe, "reference").init(jax.random.PRNGKey(0), tokens)
+
+    def loss(impl: str) -> Callable:
+        return lambda p: jnp.mean(jax.nn.log_softmax(model(pe, impl).apply(p, tokens[:, :-1]))[..., 0])
+
+    assert str(jax.make_jaxpr(jax.grad(loss("triton")))(params)).count("pure_callback") == 2  # forward, backward
+    got, want = (jax.jit(jax.value_and_grad(loss(impl)))(params) for impl in ("triton", "reference"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4), got, want)
 
 
 def test_triton_refuses_what_pallas_refuses():
