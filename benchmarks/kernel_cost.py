@@ -832,20 +832,16 @@ def find_tools(ptxas: str | None = None, nvdisasm: str | None = None) -> Tools:
 
 def compile_sass(job: Job, tools: Tools, *, timeout: float = 1800.0,
                  ptxas_memory_gib: float | None = cr.PTXAS_MEMORY_GIB) -> dict[str, Any]:
-    """The path's Triton compiler -> PTX (the compile report's subprocess), `ptxas -v -arch=sm_90a` -> cubin,
-    nvdisasm -> SASS text;
-    with ptxas's registers and spills and Triton's shared memory. Raises RuntimeError on any failure."""
+    """The path's Triton compiler -> PTX (the compile report's `triton_to_ptx`), `ptxas -v -arch=sm_90a` -> cubin,
+    nvdisasm -> SASS text; with ptxas's registers and spills and Triton's shared memory. Raises RuntimeError on any
+    failure."""
+    compiled = cr.triton_to_ptx(cr.COMPILE_FLAGS[job.path], job.ir, job.num_warps, job.num_stages, timeout=timeout,
+                                processes=cr._Processes())
+    if "error" in compiled:
+        raise RuntimeError(compiled["error"])
     with tempfile.TemporaryDirectory(prefix="jaxpe-cost-") as tmp:
-        ir, ptx, cubin = (pathlib.Path(tmp, name) for name in ("kernel.mlirbc", "kernel.ptx", "kernel.cubin"))
-        ir.write_bytes(job.ir)
-        flag = "--compile-triton" if job.path == "triton" else "--compile-one"
-        triton = subprocess.run([sys.executable, str(cr.SCRIPT), flag, str(ir), str(ptx), "--num-warps",
-                                 str(job.num_warps), "--num-stages", str(job.num_stages)], capture_output=True,
-                                text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                                                     TRITON_INTERPRET="0"))
-        results = [line for line in triton.stdout.splitlines() if line.startswith(cr._RESULT_PREFIX)]
-        if triton.returncode != 0 or not results:
-            raise RuntimeError(f"Triton compile exited {triton.returncode}: {cr._tail(triton.stderr + triton.stdout)}")
+        ptx, cubin = pathlib.Path(tmp, "kernel.ptx"), pathlib.Path(tmp, "kernel.cubin")
+        ptx.write_bytes(compiled["ptx"])
         command = [tools.toolchain.ptxas, "-v", f"-arch={cr.GPU_NAME}", str(ptx), "-o", str(cubin)]
         if ptxas_memory_gib is not None:
             command = ["sh", "-c", f'ulimit -v {int(ptxas_memory_gib * 2 ** 20)} && exec "$0" "$@"', *command]
@@ -855,7 +851,7 @@ def compile_sass(job: Job, tools: Tools, *, timeout: float = 1800.0,
         sass = subprocess.run([tools.nvdisasm, "-c", str(cubin)], capture_output=True, text=True, timeout=timeout)
         if sass.returncode != 0:
             raise RuntimeError(f"nvdisasm exited {sass.returncode}: {cr._tail(sass.stderr)}")
-        return {"sass": sass.stdout, "smem_bytes": json.loads(results[-1][len(cr._RESULT_PREFIX):])["smem_bytes"],
+        return {"sass": sass.stdout, "smem_bytes": compiled["smem_bytes"],
                 "ptx_bytes": ptx.stat().st_size, **cr.parse_ptxas(ptxas.stdout + ptxas.stderr)}
 
 

@@ -579,22 +579,29 @@ def _run_ptxas(ptxas: str, ptx: bytes, *, timeout: float | None, memory_gib: flo
     return result
 
 
+COMPILE_FLAGS = {"pallas": "--compile-one", "triton": "--compile-triton"}  # the compile subprocess's, per path
+
+
 def _compile_input(kernel: Kernel | TritonLaunch) -> tuple[str, bytes]:
     """The compile subprocess's flag and input: the Triton MLIR bytecode (pallas) or the launch's spec (triton)."""
-    if isinstance(kernel, TritonLaunch):
-        return "--compile-triton", kernel.spec.encode()
-    return "--compile-one", kernel.ir
+    return COMPILE_FLAGS[kernel.path], kernel.spec.encode() if isinstance(kernel, TritonLaunch) else kernel.ir
 
 
 def _to_ptx(kernel: Kernel | TritonLaunch, *, timeout: float | None, processes: _Processes) -> dict[str, Any]:
     """The path's Triton compiler in a subprocess (a bad setting aborts the compiler): {ptx, smem_bytes, seconds}
     or {error}."""
     flag, source = _compile_input(kernel)
+    return triton_to_ptx(flag, source, kernel.num_warps, kernel.num_stages, timeout=timeout, processes=processes)
+
+
+def triton_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
+                  processes: _Processes) -> dict[str, Any]:
+    """`flag` (COMPILE_FLAGS) on `source` in a subprocess of this script: {ptx, smem_bytes, seconds} or {error}."""
     with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
         source_path, ptx_path = pathlib.Path(tmp, "kernel.in"), pathlib.Path(tmp, "kernel.ptx")
         source_path.write_bytes(source)
         command = [sys.executable, str(SCRIPT), flag, str(source_path), str(ptx_path),
-                   "--num-warps", str(kernel.num_warps), "--num-stages", str(kernel.num_stages)]
+                   "--num-warps", str(num_warps), "--num-stages", str(num_stages)]
         try:
             out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0"))
         except subprocess.TimeoutExpired:
