@@ -10,9 +10,18 @@ Letters (as in cope_pallas.py): B batch, L length, Hq query heads, Hkv key/value
 (Dp its tile), P = npos table rows. Kernel tiles are [block_q, block_k]. CoPE: Golovneva et al., arXiv:2405.18719.
 
 Numerics: logits and gates are computed in base 2, with log2(e) folded into the scale (exp2 only); the softmax
-statistic saved for the backward is lse₂ = m + log2(l). Gate logits of float32 inputs are float32-accurate
-(`tl.dot(..., input_precision="tf32x3")` on the GPU; the interpreter multiplies in IEEE float32): a TF32 error in a
-gate shifts every position counted past it. The other float32 dots take Triton's default (TF32 on the GPU).
+statistic saved for the backward is lse₂ = m + log2(l). Gate logits of float32 inputs are float32-accurate: three
+TF32 dots of q's and the gate keys' TF32 parts, split once by XLA (`_tf32_parts`; the interpreter multiplies in IEEE
+float32): a TF32 error in a gate shifts every position counted past it. The other float32 dots take Triton's default
+(TF32 on the GPU). A tile's running sums over keys (the gates into positions, ∂L/∂p into the gates' gradient) are
+tensor-core dots with a 0/1 triangle, their float32 operands split exactly into float16 or bfloat16 parts
+(`_gate_sums`, `_running_sums`), not `tl.cumsum`'s shuffles.
+
+Compiled for a GPU (FAST; not in Triton's interpreter), z's gathers and ∂L/∂z's scattered adds are inline PTX
+(`ld.global.nc`, `red.global.add`) in the layout of the logits: as `tl.load`/`tl.atomic_add` they would get layouts of
+their own from Triton's coalescing pass, and every address and value would cross shared memory twice. The
+interpreter runs the same kernels with `tl.load`/`tl.atomic_add` (and float32 running sums: its bfloat16 dots are
+wrong), so the GPU tests (tests/test_gpu_long.py) are what check the compiled forms.
 
 Forward: one program per (query block, batch, query head) walks key blocks in reverse from the diagonal carrying
 the suffix sum R of the gates, until every live row's R reaches P − 1; the blocks left are clamped tiles (plain
@@ -38,12 +47,12 @@ import triton.language as tl
 
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import MASK_VALUE, check_head_dim, output_struct, tile_extent
-from jaxpe.kernels._triton_launch import launch
-from jaxpe.kernels.cope_pallas import BlockSizes, default_num_warps
+from jaxpe.kernels._triton_launch import interpreted, launch
+from jaxpe.kernels.cope_pallas import BlockSizes
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
 _MASK = tl.constexpr(MASK_VALUE)  # the logit of invisible keys (exp2 gives exactly 0)
-_ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot (TF32×3 splits of wider tiles spill)
+_ACCURATE_CHUNK = 32  # head-dim columns per float32-accurate gate dot above Dp 64 (three whole dots there spill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +66,14 @@ class _Config:
     num_warps: int
     num_stages: int | None  # None: 2 in the forward, 1 in the backward
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
+
+
+def default_num_warps(head_dim: int, dtype: jnp.dtype) -> int:
+    """Warps per program of the native kernels: 4, one warpgroup (at 8, Hopper's warpgroup dots of 64-row tiles run
+    in both warpgroups alike, and smaller tiles split each row's keys over more warps, whose row sums then cross
+    shared memory: both cost more per logit on benchmarks/kernel_cost.py's model); 8 for float32 at Dp 256, whose
+    forward spills at 4."""
+    return 8 if jnp.dtype(dtype) == jnp.float32 and tile_extent(head_dim) >= 256 else 4
 
 
 # --- kernels ---------------------------------------------------------------------------------------------------------
@@ -146,63 +163,122 @@ def _first_key_block(row0, WINDOW: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gate_logits(q, kg, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN: tl.constexpr,
-                 EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr, GATE_CHUNK: tl.constexpr):
-    """q·kgᵀ [block_q, block_k] float32 from the tiles q [block_q, Dp] and kg [block_k, Dp]. GATE_CHUNK 0: at the
-    dtype's default precision; else float32-accurate (TF32×3), and when Dp > GATE_CHUNK summed over dots of
-    GATE_CHUNK columns loaded from q_ptr and kg_ptr (the heads' rows; kg unread): the operand splits of whole tiles do
-    not fit the registers."""
+def _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql, stride_kl,
+                 ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 GATE_CHUNK: tl.constexpr):
+    """q·kgᵀ [block_q, block_k] float32. GATE_CHUNK 0: from the tiles q [block_q, Dp] and kg [block_k, Dp] at the
+    dtype's default precision. Else float32-accurate (3xTF32): three TF32 dots hi·klᵀ + lo·khᵀ + hi·khᵀ of the
+    operands' TF32 parts (`_tf32_parts`, split once outside the kernel, not in every tile as
+    `input_precision="tf32x3"` would); GATE_CHUNK = Dp: whole tiles, q's parts the tiles q_hi, q_lo and kg's read at
+    kh/kl_ptr; less: summed over chunks of GATE_CHUNK columns, all four read at qh/ql/kh/kl_ptr."""
     if GATE_CHUNK == 0:
         logits = tl.dot(q, tl.trans(kg))
-    elif GATE_CHUNK >= BLOCK_D:
-        logits = tl.dot(q, tl.trans(kg), input_precision="tf32x3")
+    elif GATE_CHUNK == BLOCK_D:
+        k_lo = _load_rows(kl_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        logits = tl.dot(q_hi, tl.trans(k_lo), input_precision="tf32")
+        k_hi = _load_rows(kh_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        logits = tl.dot(q_lo, tl.trans(k_hi), logits, input_precision="tf32")
+        logits = tl.dot(q_hi, tl.trans(k_hi), logits, input_precision="tf32")
     else:
-        logits = tl.zeros([q.shape[0], kg.shape[0]], tl.float32)
+        logits = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
         for start in tl.static_range(0, BLOCK_D, GATE_CHUNK):
-            dims = start + tl.arange(0, GATE_CHUNK)
-            q_chunk = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-            kg_chunk = _load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-            logits = tl.dot(q_chunk, tl.trans(kg_chunk), logits, input_precision="tf32x3")
+            chunk = start + tl.arange(0, GATE_CHUNK)
+            hi = _load_rows(qh_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+            k_lo = _load_rows(kl_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            logits = tl.dot(hi, tl.trans(k_lo), logits, input_precision="tf32")
+            lo = _load_rows(ql_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+            k_hi = _load_rows(kh_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            logits = tl.dot(lo, tl.trans(k_hi), logits, input_precision="tf32")
+            logits = tl.dot(hi, tl.trans(k_hi), logits, input_precision="tf32")
     return logits
 
 
 @triton.jit
-def _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql, stride_kl,
-                      ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr, WHOLE_KG: tl.constexpr):
+def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale, length,
+                      stride_ql, stride_kl, ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr,
+                      WHOLE_KG: tl.constexpr):
     """s = q·kᵀ and the gates g = σ(sm_scale·q·kgᵀ) (0 where masked), both [block_q, block_k] float32, and the gate
     keys' tile kg [block_k, Dp] (k without HAS_GATE_K; loaded whole only when a dot or WHOLE_KG needs it, else k).
-    kg_ptr points at the kv head's rows of KG (of K without HAS_GATE_K); qk_scale is sm_scale·log2(e)."""
+    kg_ptr points at the kv head's rows of KG (of K without HAS_GATE_K), qh/ql/kh/kl_ptr at those of the TF32
+    parts of q and kg, q_hi, q_lo: q's parts as `_gate_logits` takes them; qk_scale is sm_scale·log2(e)."""
     kg = k
     if HAS_GATE_K:
-        if WHOLE_KG or GATE_CHUNK == 0 or GATE_CHUNK >= BLOCK_D:
+        if WHOLE_KG or GATE_CHUNK == 0:
             kg = _load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         s = tl.dot(q, tl.trans(k))
-        logits = _gate_logits(q, kg, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D,
-                              BLOCK_D, GATE_CHUNK)
+        logits = _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql,
+                              stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, GATE_CHUNK)
     else:
-        s = _gate_logits(q, k, q_ptr, kg_ptr, rows, cols, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D,
-                         BLOCK_D, GATE_CHUNK)
+        s = _gate_logits(q, k, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql,
+                         stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, GATE_CHUNK)
         logits = s
     g = tl.where(mask, 1.0 / (1.0 + tl.exp2(-qk_scale * logits)), 0.0)
     return s, g, kg
 
 
 @triton.jit
-def _interpolation(z_rows, live, p, npos, EVEN_L: tl.constexpr):
+def _gather(ptrs, FAST: tl.constexpr):
+    """Float32 values at ptrs [block_q, block_k], every one a valid address. FAST (compiled for a GPU): one
+    `ld.global.nc` per element in the layout ptrs has, where a tl.load of scattered addresses would get a layout of
+    its own from Triton's coalescing pass, the pointers and the values crossing shared memory to it and back."""
+    if FAST:
+        values = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32,
+                                           is_pure=True, pack=1)
+    else:
+        values = tl.load(ptrs)
+    return values
+
+
+@triton.jit
+def _scatter_add(ptrs, values, mask, FAST: tl.constexpr):
+    """Relaxed atomic adds of float32 values [block_q, block_k] at ptrs where mask. FAST (compiled for a GPU): one
+    `red.global.add.f32` per element in the layout the values have (as `_gather`, no trip through shared memory)."""
+    if FAST:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.global.add.f32 [$1], $2; "
+                                  "mov.b32 $0, 0; }", "=r,l,f,r", [ptrs, values, mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(ptrs, values, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _interpolation(z_rows, p, npos, FAST: tl.constexpr):
     """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1], gathered from the rows of z
-    (pointers z_rows [block_q], read where `live` unless EVEN_L; indices clamped into [0, P − 1])."""
+    (pointers z_rows [block_q], every row a valid one; indices clamped into [0, P − 1])."""
     lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 1.0)
     w = p - lo
     lo_index = lo.to(tl.int32)
     hi_index = tl.minimum(lo_index + 1, npos - 1)
-    if EVEN_L:
-        z_lo = tl.load(z_rows[:, None] + lo_index)
-        z_hi = tl.load(z_rows[:, None] + hi_index)
+    z_lo = _gather(z_rows[:, None] + lo_index, FAST)
+    return lo_index, hi_index, w, z_lo, _gather(z_rows[:, None] + hi_index, FAST)
+
+
+@triton.jit
+def _gate_sums(g, init, tri):
+    """init[:, None] + g·tri [block_q, block_k] float32 for gates g in [0, 1] and a 0/±1 float16 matrix tri
+    [block_k, block_k] (a triangle: sums over later or earlier keys), as two float16 tensor-core dots: g = hi + lo
+    in float16, 22 of g's 24 bits, the products exact and summed in float32."""
+    hi = g.to(tl.float16)
+    lo = (g - hi.to(tl.float32)).to(tl.float16)
+    return tl.dot(hi, tri, tl.dot(lo, tri, tl.zeros(g.shape, tl.float32) + init[:, None]))
+
+
+@triton.jit
+def _running_sums(x, init, tri, FAST: tl.constexpr):
+    """init[:, None] + x·tri [block_q, block_k] float32 for any float32 x and a 0/1 triangle tri. FAST (compiled for
+    a GPU; tri bfloat16): three bfloat16 tensor-core dots, x = hi + mid + lo in bfloat16 (24 bits, float32's range).
+    Else (Triton's interpreter, whose bfloat16 tiles are wrong; tri float32): one float32 dot."""
+    acc = tl.zeros(x.shape, tl.float32) + init[:, None]
+    if FAST:
+        hi = x.to(tl.bfloat16)
+        rest = x - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(hi, tri, tl.dot(mid, tri, tl.dot(lo, tri, acc)))
     else:
-        z_lo = tl.load(z_rows[:, None] + lo_index, mask=live[:, None], other=0.0)
-        z_hi = tl.load(z_rows[:, None] + hi_index, mask=live[:, None], other=0.0)
-    return lo_index, hi_index, w, z_lo, z_hi
+        acc = tl.dot(x, tri, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -217,13 +293,14 @@ def _online_softmax(m, l, acc, s, mask, v, qk_scale):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
+def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
                     stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_zb, stride_zh, stride_zl,
                     stride_sb, stride_sh, stride_segb,
                     O, LSE, R, E,
                     GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                     MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
-                    HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr):
+                    HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
+                    FAST: tl.constexpr):
     """One query block of one (batch, query head). Q/O [B, L, Hq, D], K/V/KG [B, L, Hkv, D] (KG read only with
     HAS_GATE_K), SEG [B, L] int32 (read only with HAS_SEGMENTS), Z [B, Hq, L, P] float32; outputs LSE (lse₂), R
     float32 and E int32, each [B, Hq, L]. Constexprs: BLOCK_D = Dp; MASK_D = D when D < Dp (columns past it
@@ -238,8 +315,13 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
     kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
+    qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
     q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    z_rows = Z + b * stride_zb + h * stride_zh + rows * stride_zl
+    q_hi, q_lo = q, q
+    if GATE_CHUNK == BLOCK_D:
+        q_hi = _load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_lo = _load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    z_rows = Z + b * stride_zb + h * stride_zh + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
     seg_ptr = SEG + b * stride_segb
     seg_rows = rows
     if HAS_SEGMENTS:
@@ -252,6 +334,8 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     r = tl.zeros([BLOCK_Q], tl.float32)
+    keys = tl.arange(0, BLOCK_K)
+    later = (keys[:, None] >= keys[None, :]).to(tl.float16)  # [j', j]: key j' counts into key j's position
     first = _first_key_block(row0, WINDOW, BLOCK_K)
     index = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K)) - 1
     unclamped = index >= first
@@ -261,11 +345,12 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
         k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
             q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        s, g, _ = _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql,
-                                    stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K, GATE_CHUNK, False)
+        s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
+                                    length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
+                                    GATE_CHUNK, False)
         total = tl.sum(g, 1)
-        p = tl.minimum(r[:, None] + total[:, None] - tl.cumsum(g, 1) + g, clamp)
-        _, _, w, z_lo, z_hi = _interpolation(z_rows, live, p, npos, EVEN_L)
+        p = tl.minimum(_gate_sums(g, r, later), clamp)
+        _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
         v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
         r += total
@@ -288,13 +373,14 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, sm_scale, length, npos,
 
 
 @triton.jit
-def _backward_kernel(Q, K, V, KG, SEG, Z, DO, LSE, DELTA, R, E, sm_scale, length, npos,
+def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, sm_scale, length, npos,
                      stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_zb, stride_zh,
                      stride_zl, stride_sb, stride_sh, stride_segb,
                      DQ, DZ, DK, DV, DKG,
                      GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                      MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
-                     HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr):
+                     HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
+                     FAST: tl.constexpr):
     """One query block of one (batch, query head): key blocks forward from the first visible one to the diagonal,
     clamped tiles first. Inputs as the forward's, plus DO [B, L, Hq, D] and LSE (lse₂), DELTA = rowsum(o·do), R, E
     [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DZ [B, Hq, L, P], DK, DV, DKG [B, L, Hkv, D] (atomic adds
@@ -308,10 +394,16 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, DO, LSE, DELTA, R, E, sm_scale, length
     kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
+    qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
     q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q_hi, q_lo = q, q
+    if GATE_CHUNK == BLOCK_D:
+        q_hi = _load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_lo = _load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     do = _load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    z_offset = b * stride_zb + h * stride_zh + rows * stride_zl
-    z_rows, dz_rows = Z + z_offset, DZ + z_offset
+    z_head = b * stride_zb + h * stride_zh
+    z_rows = Z + z_head + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
+    dz_rows = DZ + z_head + rows * stride_zl
     stat = b * stride_sb + h * stride_sh + rows
     lse = tl.load(LSE + stat, mask=live, other=0.0)
     delta = tl.load(DELTA + stat, mask=live, other=0.0)
@@ -329,6 +421,9 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, DO, LSE, DELTA, R, E, sm_scale, length
     dz_last = tl.zeros([BLOCK_Q], tl.float32)
     c = tl.zeros([BLOCK_Q], tl.float32)  # the gates of keys >= e in the blocks walked
     dp_before = tl.zeros([BLOCK_Q], tl.float32)  # Σ ∂L/∂p over the keys walked
+    keys = tl.arange(0, BLOCK_K)
+    before = -(keys[:, None] < keys[None, :]).to(tl.float16)  # [j', j]: key j' < j, negated
+    through = (keys[:, None] <= keys[None, :]).to(tl.bfloat16 if FAST else tl.float32)  # [j', j]: key j' <= j
     first = _first_key_block(row0, WINDOW, BLOCK_K)
     num_blocks = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K))
     clamped_end = tl.minimum(tl.maximum(first, tl.min(e) // BLOCK_K), num_blocks)
@@ -352,20 +447,21 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, DO, LSE, DELTA, R, E, sm_scale, length
         mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
         k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        s, g, kg = _scores_and_gates(q, k, q_ptr, kg_ptr, rows, cols, dims, mask, qk_scale, length, stride_ql,
-                                     stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K, GATE_CHUNK, True)
+        s, g, kg = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
+                                     length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
+                                     GATE_CHUNK, True)
         walked = cols[None, :] >= e[:, None]  # keys whose gates the forward counted into R
         g = tl.where(walked, g, 0.0)
-        p = tl.minimum(tl.maximum(r[:, None] - c[:, None] - (tl.cumsum(g, 1) - g), 0.0), clamp)
+        p = tl.minimum(tl.maximum(_gate_sums(g, r - c, before), 0.0), clamp)
         p = tl.where(walked, p, clamp)
-        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, live, p, npos, EVEN_L)
+        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
         t = tl.where(mask, (s + z_lo + w * (z_hi - z_lo)) * qk_scale, _MASK)
         probs = tl.exp2(t - lse[:, None])
         ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        tl.atomic_add(dz_rows[:, None] + lo, ds - ds * w, mask=mask, sem="relaxed")
-        tl.atomic_add(dz_rows[:, None] + hi, ds * w, mask=mask & (w != 0.0), sem="relaxed")
+        _scatter_add(dz_rows[:, None] + lo, ds - ds * w, mask, FAST)
+        _scatter_add(dz_rows[:, None] + hi, ds * w, mask & (w != 0.0), FAST)
         dp = tl.where(p < clamp, ds * (z_hi - z_lo), 0.0)
-        dgate = sm_scale * (dp_before[:, None] + tl.cumsum(dp, 1)) * (g - g * g)
+        dgate = sm_scale * _running_sums(dp, dp_before, through, FAST) * (g - g * g)
         c += tl.sum(g, 1)
         dp_before += tl.sum(dp, 1)
         if HAS_GATE_K:
@@ -393,6 +489,29 @@ def _strides(x: jax.Array) -> tuple[int, ...]:
     return tuple(math.prod(x.shape[i + 1:]) for i in range(x.ndim))
 
 
+def _tf32_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) of float32 x, both exact in TF32 (10 stored mantissa bits), hi = x rounded to nearest and lo = x − hi
+    rounded to nearest: hi·b + lo·b carries x·b to about 2⁻²² (3xTF32; Ootomo & Yokota, arXiv:2203.03341). Non-finite
+    x (and |x| too near float32's largest to round up) keep hi = x, lo = 0."""
+
+    def rounded(y: jax.Array) -> jax.Array:
+        bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+        return jax.lax.bitcast_convert_type((bits + 0x1000) & jnp.uint32(0xFFFFE000), jnp.float32)
+
+    hi = rounded(x)
+    hi = jnp.where(jnp.isfinite(hi), hi, x)
+    rest = jnp.where(jnp.isfinite(x), x - hi, 0.0)
+    return hi, rounded(rest)
+
+
+def _gate_parts(q: jax.Array, k: jax.Array, kg: jax.Array | None) -> list[jax.Array]:
+    """The TF32 parts of q and of the gate keys (kg, else k) [q_hi, q_lo, k_hi, k_lo] for float32 inputs, whose gate
+    logits are float32-accurate; else q, q, k, k (unread)."""
+    if q.dtype != jnp.float32:
+        return [q, q, k, k]
+    return [*_tf32_parts(q), *_tf32_parts(k if kg is None else kg)]
+
+
 def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
     """The scalar arguments shared by both kernels (sm_scale, L, P, strides) and their constexprs."""
     length, num_heads, dim = q.shape[1], q.shape[2], q.shape[3]
@@ -403,7 +522,8 @@ def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
     constexprs = dict(GROUPS=q.shape[2] // k.shape[2], BLOCK_D=block_d, MASK_D=dim if dim < block_d else 0,
                       ALIGN=min(dim & -dim, 16),
                       WINDOW=config.window or 0, HAS_GATE_K=kg is not None, HAS_SEGMENTS=seg is not None,
-                      GATE_CHUNK=_ACCURATE_CHUNK if q.dtype == jnp.float32 else 0)
+                      GATE_CHUNK=(block_d if block_d <= 64 else _ACCURATE_CHUNK) if q.dtype == jnp.float32 else 0,
+                      FAST=not interpreted())
     return scalars, constexprs
 
 
@@ -414,7 +534,8 @@ def _forward_call(config: _Config, q, k, v, kg, z, seg) -> list[jax.Array]:
     scalars, constexprs = _common_args(config, q, k, kg, z, seg)
     stat = output_struct((batch, num_heads, length), jnp.float32, q)
     out_shapes = [output_struct(q.shape, q.dtype, q), stat, stat, output_struct(stat.shape, jnp.int32, q)]
-    return launch(_forward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z, *scalars],
+    return launch(_forward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z,
+                                    *_gate_parts(q, k, kg), *scalars],
                   out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
                   num_warps=config.num_warps, num_stages=config.num_stages or 2, name="cope_triton_forward",
                   BLOCK_Q=block_q, BLOCK_K=block_k, EVEN_L=length % block_q == 0 and length % block_k == 0,
@@ -429,8 +550,8 @@ def _backward_call(config: _Config, q, k, v, kg, z, seg, do, lse, delta, r, e) -
     kv = output_struct(k.shape, jnp.float32, q)
     out_shapes = [output_struct(q.shape, jnp.float32, q), output_struct(z.shape, jnp.float32, q), kv, kv,
                   kv if kg is not None else output_struct((1,), jnp.float32, q)]
-    return launch(_backward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z, do, lse, delta,
-                                     r, e, *scalars],
+    return launch(_backward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z,
+                                     *_gate_parts(q, k, kg), do, lse, delta, r, e, *scalars],
                   out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
                   num_warps=config.num_warps, num_stages=config.num_stages or 1, name="cope_triton_backward",
                   zeroed=(1, 2, 3, 4) if kg is not None else (1, 2, 3), BLOCK_Q=block_q, BLOCK_K=block_k,
@@ -500,7 +621,7 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
     (gates from k) -> [B, L, Hq, D] in q's dtype (float32, bfloat16 or float16; D <= 256).
     block_sizes: `cope_pallas.BlockSizes`, None fields (or None) taking its defaults for D, dtype and gate_k;
-    num_warps/num_stages tune Triton's compilation (defaults: `cope_pallas.default_num_warps`; 2 stages in the
+    num_warps/num_stages tune Triton's compilation (defaults: `default_num_warps`; 2 stages in the
     forward, 1 in the backward). Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set
     before triton is imported).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
@@ -526,5 +647,6 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
                                                   gate_k=gate_k is not None)
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], blocks=blocks,
-                     num_warps=num_warps or default_num_warps(q.shape[3]), num_stages=num_stages, window=window)
+                     num_warps=num_warps or default_num_warps(q.shape[3], q.dtype), num_stages=num_stages,
+                     window=window)
     return _cope_triton_jit(q, k, v, gate_k, pos_emb, segment_ids, config)
