@@ -31,6 +31,7 @@ and "triton" refuse them):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -286,9 +287,10 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     talking_heads [Hq, Hq]: x-transformers' variants, dense only (the reference path).
     impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels
     in Pallas, lowered to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter
-    on CPU; `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "pallas" when lowered for CUDA,
-    dense ones run by causal query blocks, `cope_attention_causal`: the same result up to float rounding, which can
-    move a position across an integer and so pick the other one-sided slope of the interpolation).
+    on CPU; `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "triton" when jax-triton is
+    installed, else "pallas", when lowered for CUDA; dense ones run by causal query blocks, `cope_attention_causal`:
+    the same result up to float rounding, which can move a position across an integer and so pick the other
+    one-sided slope of the interpolation).
     A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
@@ -320,7 +322,7 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None
              or extra_logits is not None)
     choice = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
-                          causal=causal, dense=dense)
+                          causal=causal, dense=dense, kernel_refusal=functools.partial(_kernel_refusal, q))
 
     def run(chosen: str, compiled: bool) -> jax.Array:
         if chosen == "reference":
@@ -350,6 +352,15 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
                                      window=window, interpret=False if compiled else None)
 
     return run_for_platform(choice, run)
+
+
+def _kernel_refusal(q: jax.Array, fused: str) -> TypeError | None:
+    """Why the fused path `fused` refuses q (None: it takes it): the native Triton kernels take float32, bfloat16
+    and float16; the Pallas ones take what cope_attention does."""
+    if fused == "triton" and q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return TypeError(f"q.dtype={q.dtype} is not supported by impl='triton', which takes float32, bfloat16 or "
+                         f"float16")
+    return None
 
 
 def _concrete_or_traced(sm_scale: float | jax.Array | None, head_dim: int) -> float | jax.Array:

@@ -156,8 +156,8 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     traced scalar (a learned temperature; differentiable) for every impl but "pallas" and "triton".
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels in Pallas, lowered
     to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter on CPU;
-    `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "pallas" when lowered for CUDA); "auto"
-    runs "blockwise" where it would choose "pallas" for inputs the fused kernel refuses.
+    `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "triton" when jax-triton is installed,
+    else "pallas", when lowered for CUDA); "auto" runs "blockwise" for inputs both fused paths refuse.
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
@@ -177,7 +177,10 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
 
-    def kernel_refusal() -> str | None:
+    def kernel_refusal(fused: str) -> Exception | None:
+        if fused == "triton":
+            from jaxpe.kernels.corope_triton import triton_refusal  # loads Triton
+            return triton_refusal(q, causal=causal)
         from jaxpe.kernels.corope_pallas import pallas_refusal  # loads Pallas
         return pallas_refusal(q, sm_scale=sm_scale, causal=causal)
 

@@ -25,6 +25,11 @@ BLOCKWISE_MIN_LENGTH = {"cope": 2048, "corope": 8}
 DENSE_MAX_ENTRIES = 2**26
 # The GPU that lowering for CUDA on a machine without one targets: an H100, as kernels/_triton_launch.py compiles for.
 LOWERING_COMPUTE_CAPABILITY = "9.0"
+# The fused paths "auto" tries on an NVIDIA GPU, in order: the faster first, by the cost per logit of every kernel
+# compiled for an H100 (benchmarks/kernel_cost.py's model, results/cost/kernel_cost.json; tests/test_kernel_cost.py
+# holds the two together) until a GPU timing says otherwise. "triton" needs jax-triton (`jaxpe[triton]`); without it,
+# or where its kernels refuse the inputs, the next.
+GPU_PREFERENCE = {"cope": ("triton", "pallas"), "corope": ("triton", "pallas")}
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # jax's CUDA plugins (jax[cuda13], jax[cuda12])
 
 
@@ -37,23 +42,24 @@ class Choice(NamedTuple):
 
 
 def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_heads: int, causal: bool = True,
-                 dense: bool = False, kernel_refusal: Callable[[], object | None] | None = None) -> Choice:
+                 dense: bool = False, kernel_refusal: Callable[[str], object | None] | None = None) -> Choice:
     """The implementations `impl` stands for, for `encoding` ("cope" or "corope") at this length, head dim and
     batch × query heads.
 
-    "auto" is "pallas" where the fused kernels compile (an NVIDIA GPU of compute capability 8.0 or more, D <= 256);
-    on CPU the dense "reference" below BLOCKWISE_MIN_LENGTH[encoding] while batch_heads·L² <= DENSE_MAX_ENTRIES,
-    "blockwise" otherwise; on any other accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one
-    warning that says why. Traced on CPU with a CUDA plugin installed (`cuda_lowering`), "auto" is that CPU choice
-    for every platform but CUDA, and for CUDA what a GPU would pick ("pallas" for an H100): `run_for_platform` then
-    lowers the one that fits the platform. A symbolic length or batch (`jax.export` with shape polymorphism) is
+    "auto" is a fused path where the fused kernels compile (an NVIDIA GPU of compute capability 8.0 or more,
+    D <= 256): the first of GPU_PREFERENCE[encoding] that runs here and takes the inputs ("triton" with jax-triton
+    installed, else "pallas"); on CPU the dense "reference" below BLOCKWISE_MIN_LENGTH[encoding] while
+    batch_heads·L² <= DENSE_MAX_ENTRIES, "blockwise" otherwise; on any other accelerator (TPU, ROCm, older GPUs,
+    larger heads) "blockwise", with one warning that says why. Traced on CPU with a CUDA plugin installed
+    (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for CUDA what a GPU would pick (for
+    an H100): `run_for_platform` then lowers the one that fits the platform. A symbolic length or batch (`jax.export` with shape polymorphism) is
     "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one place that chooses; the
     entry points have refused what an explicit impl cannot run.
 
     causal=False: "auto" never picks "pallas" (the fused kernels are causal). dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
-    kernel_refusal: where "auto" would pick "pallas", a function giving the reason the fused kernel refuses these
-    inputs (None: it runs them); "auto" then runs "blockwise".
+    kernel_refusal: kernel_refusal(fused) gives the reason the fused path `fused` ("triton" or "pallas") refuses these
+    inputs (None: it runs them); "auto" then tries the next, and at the end runs "blockwise".
     """
     check_impl(impl)
     if encoding not in ENCODINGS:
@@ -71,21 +77,38 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
         if not cuda_lowering():
             return Choice(other, other)
         reason = pallas_unsupported(head_dim, backend="gpu", compute_capability=LOWERING_COMPUTE_CAPABILITY)
-        return Choice(_fused_unless_refused(reason, causal, kernel_refusal), other)
+        return Choice(_fused_unless_refused(reason, causal, encoding, kernel_refusal), other)
     reason = pallas_unsupported(head_dim, backend=backend,
                                 compute_capability=getattr(jax.devices()[0], "compute_capability", None))
     if reason is not None:
         _warn_once(f"jaxpe: impl='auto' runs the 'blockwise' path instead of the fused 'pallas' kernels: {reason}")
-    chosen = _fused_unless_refused(reason, causal, kernel_refusal)
+    chosen = _fused_unless_refused(reason, causal, encoding, kernel_refusal)
     return Choice(chosen, chosen)
 
 
-def _fused_unless_refused(reason: str | None, causal: bool, kernel_refusal: Callable[[], object | None] | None
-                          ) -> str:
-    """"pallas" unless the platform cannot run it (`reason`), the call is bidirectional or the kernel refuses it."""
-    if reason is not None or not causal or (kernel_refusal is not None and kernel_refusal() is not None):
+def _fused_unless_refused(reason: str | None, causal: bool, encoding: str,
+                          kernel_refusal: Callable[[str], object | None] | None) -> str:
+    """The first fused path of GPU_PREFERENCE[encoding] that can run here and takes the inputs; "blockwise" when the
+    platform cannot run the fused kernels (`reason`), the call is bidirectional or every fused path refuses it."""
+    if reason is not None or not causal:
         return "blockwise"
-    return "pallas"
+    for fused in GPU_PREFERENCE[encoding]:
+        if fused == "triton" and not triton_compiles():
+            continue
+        if kernel_refusal is None or kernel_refusal(fused) is None:
+            return fused
+    return "blockwise"
+
+
+@functools.cache
+def triton_compiles() -> bool:
+    """Whether impl="triton" compiles its kernels for the GPU here: triton and jax-triton import, and Triton is not
+    set to interpret (TRITON_INTERPRET=1 runs the kernels on the host)."""
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("jax_triton") is None:
+        return False
+    from jaxpe.kernels._triton_launch import interpreted, unavailable  # imports triton
+
+    return not interpreted() and unavailable() is None
 
 
 def cuda_lowering() -> bool:

@@ -64,7 +64,7 @@ def tile_extent(n: int) -> int:
 
 def check_block_sizes(blocks: Any) -> None:
     """A kernel's frozen `BlockSizes`: each field None (the default for the problem) or, by its name, block_h* a
-    positive int (query heads per program), block_d a power of two >= 1 (an elementwise width), any other a power of
+    positive int (query heads per program), block_d* a power of two >= 1 (an elementwise width), any other a power of
     two >= MIN_BLOCK (a side of a dot's operand)."""
     for field in dataclasses.fields(blocks):
         value = getattr(blocks, field.name)
@@ -74,7 +74,7 @@ def check_block_sizes(blocks: Any) -> None:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field.name}={value!r} must be a positive int (or None)")
             continue
-        least = 1 if field.name == "block_d" else MIN_BLOCK
+        least = 1 if field.name.startswith("block_d") else MIN_BLOCK
         if not isinstance(value, int) or value < least or value & (value - 1):
             raise ValueError(f"{field.name}={value!r} must be a power of two >= {least} (or None)")
 

@@ -63,17 +63,18 @@ class _Config:
     sm_scale: float
     npos: int  # P
     blocks: BlockSizes  # fitted to L, D, dtype and gate_k
-    num_warps: int
+    num_warps: int  # forward
+    num_warps_bwd: int
     num_stages: int | None  # None: 2 in the forward, 1 in the backward
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
 
 
-def default_num_warps(head_dim: int, dtype: jnp.dtype) -> int:
+def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int:
     """Warps per program of the native kernels: 4, one warpgroup (at 8, Hopper's warpgroup dots of 64-row tiles run
     in both warpgroups alike, and smaller tiles split each row's keys over more warps, whose row sums then cross
-    shared memory: both cost more per logit on benchmarks/kernel_cost.py's model); 8 for float32 at Dp 256, whose
-    forward spills at 4."""
-    return 8 if jnp.dtype(dtype) == jnp.float32 and tile_extent(head_dim) >= 256 else 4
+    shared memory: both cost more per logit on benchmarks/kernel_cost.py's model); 8 for the float32 forward at
+    Dp 256, which spills at 4."""
+    return 8 if jnp.dtype(dtype) == jnp.float32 and tile_extent(head_dim) >= 256 and not backward else 4
 
 
 # --- kernels ---------------------------------------------------------------------------------------------------------
@@ -553,7 +554,7 @@ def _backward_call(config: _Config, q, k, v, kg, z, seg, do, lse, delta, r, e) -
     return launch(_backward_kernel, [q, k, v, q if kg is None else kg, q if seg is None else seg, z,
                                      *_gate_parts(q, k, kg), do, lse, delta, r, e, *scalars],
                   out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
-                  num_warps=config.num_warps, num_stages=config.num_stages or 1, name="cope_triton_backward",
+                  num_warps=config.num_warps_bwd, num_stages=config.num_stages or 1, name="cope_triton_backward",
                   zeroed=(1, 2, 3, 4) if kg is not None else (1, 2, 3), BLOCK_Q=block_q, BLOCK_K=block_k,
                   EVEN_L=length % block_q == 0 and length % block_k == 0, **constexprs)
 
@@ -621,7 +622,7 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
     (gates from k) -> [B, L, Hq, D] in q's dtype (float32, bfloat16 or float16; D <= 256).
     block_sizes: `cope_pallas.BlockSizes`, None fields (or None) taking its defaults for D, dtype and gate_k;
-    num_warps/num_stages tune Triton's compilation (defaults: `default_num_warps`; 2 stages in the
+    num_warps/num_stages tune Triton's compilation of both kernels (defaults: `default_num_warps`; 2 stages in the
     forward, 1 in the backward). Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set
     before triton is imported).
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
@@ -647,6 +648,7 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
                                                   gate_k=gate_k is not None)
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], blocks=blocks,
-                     num_warps=num_warps or default_num_warps(q.shape[3], q.dtype), num_stages=num_stages,
-                     window=window)
+                     num_warps=num_warps or default_num_warps(q.shape[3], q.dtype, backward=False),
+                     num_warps_bwd=num_warps or default_num_warps(q.shape[3], q.dtype, backward=True),
+                     num_stages=num_stages, window=window)
     return _cope_triton_jit(q, k, v, gate_k, pos_emb, segment_ids, config)

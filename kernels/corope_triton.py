@@ -39,8 +39,8 @@ Kernels (every matrix product a `tl.dot` with sides >= 16):
   dq, dk, dv are zero-initialised float32 outputs that the programs add to with relaxed atomics (no fences): the heads
   of a group share dk, dv and their leader's dq, so float32 sums are not bitwise reproducible on a GPU.
 Memory: O(L) per head — o, the row statistics and the float32 gradients; no L×L array anywhere. Speed (H200,
-`default_num_warps`, chunks of 4 rotary pairs): at B 1, L 4096, Hq 8, Hkv 2, D 128, bfloat16, forward 4.2 ms and
-backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward). A traced sm_scale
+`default_num_warps`, chunks of 4 rotary pairs, the backward at 2 heads per program): at B 1, L 4096, Hq 8, Hkv 2,
+D 128, bfloat16, forward 4.2 ms and backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward). A traced sm_scale
 is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q and sm_scale only
 through sm_scale·q).
 """
@@ -92,32 +92,40 @@ class BlockSizes:
     block_k: int | None = None  # forward: keys per step of the reverse walk
     block_q_bwd: int | None = None  # backward: query rows per program
     block_k_bwd: int | None = None  # backward: keys per step
-    block_d: int | None = None  # rotary pairs per chunk (both kernels)
+    block_d: int | None = None  # forward: rotary pairs per chunk (and the backward's when block_d_bwd is None)
     block_h: int | None = None  # forward: query heads of one group per program (they share the trig)
     block_h_bwd: int | None = None  # backward: the same
+    block_d_bwd: int | None = None  # backward: rotary pairs per chunk (None: block_d if given, else the default)
 
     def __post_init__(self) -> None:
         check_block_sizes(self)
 
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
-        """16 query rows × 32 keys per tile, up to 4 heads per forward program and 2 per backward program, chunks of
-        4 rotary pairs (2 at D > 128); for D > 128 backward tiles of 16 keys, and 2 forward heads (1 in float32: the
-        TF32×3 gate dot keeps split copies of the [·, DP] tiles). Chosen from ptxas's register reports for sm_90
-        (tools/compile_report.py: no spills in any forward kernel) and timings on an H200 (`default_num_warps`): at
-        D 128, bfloat16, chunks of 8 pairs took the forward from 4.2 to 4.0 ms but the backward from 51 to 61 ms;
-        64 keys per forward tile, 5.0 ms; 4 backward heads per program, 71 ms."""
+        """16 query rows × 32 keys per forward tile with up to 4 heads and chunks of 4 rotary pairs (2 heads and 2
+        pairs at D > 128, 1 head in float32 there: the TF32×3 gate dot keeps split copies of the [·, DP] tiles);
+        backward tiles of 16 rows × 32 keys with up to 4 heads and 1 pair per chunk (16 keys and 2 pairs at D > 128).
+        The forward's were chosen from ptxas's register reports for sm_90 (tools/compile_report.py: no spills in any
+        forward kernel) and timings on an H200 (`default_num_warps`): at D 128, bfloat16, chunks of 8 pairs took it
+        from 4.2 to 4.0 ms but the backward of that time from 51 to 61 ms; 64 keys per forward tile, 5.0 ms. The
+        backward's from benchmarks/kernel_cost.py's model at GQA 8/2 (bf16/f32 clk/logit): more heads per program
+        share each phase's sine and cosine, and smaller chunks keep the larger tile in registers: 16.2/15.1 at D 64
+        against 18.7/17.6 for 2 heads, 32 keys and 4 pairs; 65/62 at D 256 against 149/147 for 1 head, 16 keys and 2
+        pairs (no spills, but 112 B at float32 D 256)."""
         if head_dim > 128:
             heads = 1 if jnp.dtype(dtype).itemsize > 2 else 2
             return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=2, block_h=heads,
-                       block_h_bwd=1)
-        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4, block_h_bwd=2)
+                       block_h_bwd=4, block_d_bwd=2)
+        return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4, block_h_bwd=4,
+                   block_d_bwd=1)
 
     def fitted(self, *, length: int, head_dim: int, groups: int, dtype: jnp.dtype = jnp.bfloat16) -> BlockSizes:
-        """Every size given (None: `default`'s for head_dim and dtype), rows and keys capped at the next power of two
-        >= length (and >= 16), block_d at the next power of two >= D/2, the head blocks at the largest power of two
-        dividing G not above them."""
-        sizes = filled(self, BlockSizes.default(head_dim, dtype))
+        """Every size given (None: `default`'s for head_dim and dtype; block_d_bwd None: block_d when that is given),
+        rows and keys capped at the next power of two >= length (and >= 16), the chunks at the next power of two
+        >= D/2, the head blocks at the largest power of two dividing G not above them."""
+        given = self if self.block_d_bwd is not None or self.block_d is None else dataclasses.replace(
+            self, block_d_bwd=self.block_d)
+        sizes = filled(given, BlockSizes.default(head_dim, dtype))
         cap, half = tile_extent(length), next_power_of_two(head_dim // 2)
 
         def heads(name: str) -> int:
@@ -126,7 +134,7 @@ class BlockSizes:
         return BlockSizes(block_q=min(sizes["block_q"], cap), block_k=min(sizes["block_k"], cap),
                           block_q_bwd=min(sizes["block_q_bwd"], cap), block_k_bwd=min(sizes["block_k_bwd"], cap),
                           block_d=min(sizes["block_d"], half), block_h=heads("block_h"),
-                          block_h_bwd=heads("block_h_bwd"))
+                          block_h_bwd=heads("block_h_bwd"), block_d_bwd=min(sizes["block_d_bwd"], half))
 
 
 DEFAULT_NUM_STAGES = 2
@@ -424,7 +432,8 @@ def _kernel_settings(config: _Config, q: jax.Array, segment_ids: jax.Array | Non
                  else (blocks.block_q, blocks.block_k, blocks.block_h))
     return dict(grid=(-(-length // bq), batch, num_heads // h),
                 num_warps=config.num_warps_bwd if backward else config.num_warps,
-                num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk, BD=blocks.block_d, H=h,
+                num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk,
+                BD=blocks.block_d_bwd if backward else blocks.block_d, H=h,
                 G=config.groups, HAS_SEG=segment_ids is not None,
                 PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32", FAST=not interpreted())
 

@@ -1,5 +1,5 @@
 """The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
-outputs (TensorBoard event files read back, with and without tensorboardX)."""
+outputs (TensorBoard event files read back, with and without tensorboardX), and the paper preset end to end."""
 import json
 import pathlib
 import struct
@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
@@ -167,3 +168,25 @@ def test_python_dash_m_runs_the_entry_points_from_outside_the_repo(tmp_path):
     bare = subprocess.run([sys.executable, "-m", "jaxpe.train"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert bare.returncode == 2 and "train,eval,compare" in bare.stderr
+
+
+def test_paper_preset_trains_counting_end_to_end(tmp_path, capsys):
+    """The paper preset as it is (its 4-layer, 256-wide post-norm model with tied embeddings, dropout, schedule and
+    block 512) trains two steps on counting with CoPE, checkpoints, evaluates every split and writes its result; only
+    the sizes that cost CPU time are cut (batch, programs per split, one padded shape). It keeps the preset runnable."""
+    workdir = tmp_path / "paper"
+    assert cli.train_main(["--preset", "paper", "--task", "counting", "--pe", "cope", "--workdir", str(workdir),
+                           "run.steps=2", "run.log_every=1", "run.eval_every=0", "run.checkpoint_every=2",
+                           "optim.batch_size=8", "task.n_train=64", "task.n_valid=16", "task.n_test=16",
+                           "run.eval_batch_size=16", "run.progress=false", "run.num_devices=1",
+                           "run.pad_to=block"]) == 0
+    capsys.readouterr()
+    config = json.loads((workdir / "config.json").read_text())
+    assert (config["model"]["d_model"], config["model"]["num_layers"], config["model"]["prenorm"]) == (256, 4, False)
+    assert config["optim"]["learning_rate"] == 7e-5 and config["task"]["options"]["seq_len"] == 512
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
+    result = json.loads((workdir / "result.json").read_text())
+    assert set(result["splits"]) == {"valid", "test", "len_x2"} and result["steps"] == 2
+    assert any((workdir / "checkpoints").iterdir())

@@ -4,6 +4,7 @@ impl="triton": named by the extra it needs when it cannot run, refused where "pa
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import re
@@ -45,7 +46,11 @@ def test_pallas_supported_on_ampere_and_later(capability):
     assert pallas_unsupported(MAX_HEAD_DIM, backend="gpu", compute_capability=capability) is None
 
 
-def fake_backend(monkeypatch, backend: str, capability: str | None, *, cuda_plugin: bool = False) -> None:
+def fake_backend(monkeypatch, backend: str, capability: str | None, *, cuda_plugin: bool = False,
+                 jax_triton: bool = False) -> None:
+    """jax on `backend` (a device of that compute capability), with or without a CUDA plugin and with or without
+    jax-triton compiling Triton kernels."""
+    monkeypatch.setattr(dispatch, "triton_compiles", lambda: jax_triton)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
     monkeypatch.setattr(dispatch.jax, "devices", lambda: [types.SimpleNamespace(compute_capability=capability)])
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: cuda_plugin)
@@ -57,12 +62,39 @@ def same(impl: str) -> dispatch.Choice:
 
 
 @pytest.mark.parametrize("cuda_plugin", [False, True])
-def test_auto_on_cuda_is_pallas(monkeypatch, cuda_plugin):
-    """On a GPU the choice is today's, one impl for every platform, plugin or not."""
-    fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin)
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_on_cuda_is_triton_with_jax_triton_else_pallas(monkeypatch, cuda_plugin, encoding):
+    """On a GPU one impl for every platform, plugin or not: the native Triton kernels where jax-triton compiles
+    them and they take the inputs, else the Pallas ones, else blockwise; silently."""
+    resolve = functools.partial(dispatch.resolve_impl, "auto", 4096, 128, encoding=encoding, batch_heads=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_impl("auto", 4096, 128, encoding="cope", batch_heads=8) == same("pallas")
+        fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin)
+        assert resolve() == same("pallas")
+        fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin, jax_triton=True)
+        assert resolve() == same("triton")
+        assert resolve(kernel_refusal=lambda fused: "refused" if fused == "triton" else None) == same("pallas")
+        assert resolve(kernel_refusal=lambda fused: "refused") == same("blockwise")
+        assert resolve(causal=False) == same("blockwise")
+
+
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_asks_the_triton_kernels_what_they_refuse(monkeypatch, encoding):
+    """On a GPU with jax-triton, inputs the native kernels refuse (float64 under x64) go to the Pallas ones: the
+    refusal comes from the entry point itself, not from a list kept here."""
+    pytest.importorskip("triton")
+    fake_backend(monkeypatch, "gpu", "9.0", jax_triton=True)
+    asked = []
+
+    def resolve(impl, *args, kernel_refusal=None, **kwargs):
+        asked.append({fused: kernel_refusal(fused) for fused in ("triton", "pallas")} if kernel_refusal else {})
+        return dispatch.Choice("reference", "reference")  # run nothing fused on this CPU
+
+    monkeypatch.setattr(importlib.import_module(f"jaxpe.{encoding}"), "resolve_impl", resolve)
+    with jax.enable_x64(True):
+        q, k, v, e = (x.astype(jnp.float64) for x in inputs(16))
+        attention(encoding)(q, k, v, e)
+    assert isinstance(asked[-1]["triton"], TypeError) and "float64" in str(asked[-1]["triton"])
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -209,9 +241,9 @@ def inputs(length: int = L, lead: tuple[int, ...] = ()) -> tuple[jax.Array, ...]
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_auto_on_cpu_with_a_cuda_plugin_stages_the_fused_kernels_for_cuda(monkeypatch, encoding):
-    """Traced on CPU with a CUDA plugin, "auto" is "pallas" for CUDA (an H100 is assumed) and the CPU choice for the
-    other platforms; bidirectional calls, heads over the kernels' limit and inputs the kernel refuses run blockwise
-    on CUDA. Silently: nothing here is a fallback on the machine itself."""
+    """Traced on CPU with a CUDA plugin (without jax-triton), "auto" is "pallas" for CUDA (an H100 is assumed) and
+    the CPU choice for the other platforms; bidirectional calls, heads over the kernels' limit and inputs the kernel
+    refuses run blockwise on CUDA. Silently: nothing here is a fallback on the machine itself."""
     fake_backend(monkeypatch, "cpu", None, cuda_plugin=True)
     short = dispatch.BLOCKWISE_MIN_LENGTH[encoding] - 1
     resolve = functools.partial(dispatch.resolve_impl, "auto", encoding=encoding, batch_heads=8)
@@ -221,7 +253,7 @@ def test_auto_on_cpu_with_a_cuda_plugin_stages_the_fused_kernels_for_cuda(monkey
         assert resolve(4096, 64) == ("pallas", "blockwise")
         assert resolve(4096, 64, causal=False) == same("blockwise")
         assert resolve(4096, MAX_HEAD_DIM + 32) == same("blockwise")
-        assert resolve(4096, 64, kernel_refusal=lambda: "refused") == same("blockwise")
+        assert resolve(4096, 64, kernel_refusal=lambda fused: "refused") == same("blockwise")
         assert resolve(short, 64, dense=True) == same("reference")
 
 

@@ -122,7 +122,8 @@ def test_loop_tally_by_hand():
     assert trips == [8] and tally.instructions == 13 + 5 * 8
     assert dict(tally.counts) == {"ldg": 1, "int": 4 + 2 * 8, "ffma": 8, "mufu": 8, "branch": 2 + 8, "nop": 1,
                                   "fence": 1, "atomic": 1, "mma": 1, "lds": 1, "bar": 1}
-    assert dict(tally.memory) == {"LDG.E.128": 1, "ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU": 1, "LDSM.16.M88.4": 1}
+    assert dict(tally.memory) == {"LDG.E.128": 1, "ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU": 1, "LDSM.16.M88.4": 1,
+                                  "MEMBAR.ALL.GPU": 1}
     # per warp, in SM clocks: 53 issues at 4/clk; 8 FFMA × 32 lanes at 128/clk; 20 ALU at 64; 8 MUFU at 16;
     # ldmatrix x4 = 512 bytes at 128 B/clk; one m16n8k16 (2048 MAC) at 2048 MAC/clk
     assert tally.clocks() == {"issue": 13.25, "fma": 2.0, "alu": 10.0, "xu": 16.0, "shfl": 0.0, "shared": 4.0,
@@ -240,7 +241,8 @@ def test_targets_per_path_by_hand():
     """A target holds on a path when every GQA 8/2 entry of its op, kernel and head dims is within its limit, and is
     met when some path meets it; an entry without plain attention beside it, or that failed, leaves it unmet."""
     def entry(path, head_dim, bound, ratio, fences=0, kv_heads=2, error=None):
-        loops = [{"name": "positions", "counted": True, "counts": {"fence": fences}}]
+        loops = [{"name": "positions", "counted": True, "counts": {"fence": fences + 2},
+                  "memory": {"MEMBAR.ALL.GPU": fences, "MEMBAR.ALL.CTA": 1, "FENCE.VIEW.ASYNC.S": 1}}]
         return {"path": path, "op": "corope", "kernel": "forward", "head_dim": head_dim, "q_heads": 8,
                 "kv_heads": kv_heads, "error": error, "loops": loops, "per_logit": {"bound": bound},
                 "plain": {"same_tiles": {"loop_instruction_ratios": {"positions": ratio}}}}
@@ -260,6 +262,17 @@ def test_targets_per_path_by_hand():
     assert got["cope-forward-full"]["paths"]["triton"]["entries"] == 0 and not got["cope-forward-full"]["met"]
 
 
+def test_fence_targets_count_gpu_scope_fences_only():
+    """The fences around acquire-release atomics (GPU scope) count; the CTA-scope ones that order shared-memory stores
+    before a warpgroup dot reads them do not."""
+    assert all(kc.gpu_scope_fence(op) for op in ("MEMBAR.ALL.GPU", "MEMBAR.SC.SYS", "ERRBAR", "CCTL.IVALL"))
+    assert not any(kc.gpu_scope_fence(op) for op in ("MEMBAR.ALL.CTA", "FENCE.VIEW.ASYNC.S", "CCTL.E.PF2"))
+    fences = next(t for t in kc.TARGETS if t.id == "corope-backward-fences")
+    entry = {"loops": [{"memory": {"MEMBAR.ALL.GPU": 2, "MEMBAR.ALL.CTA": 5, "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU": 4}},
+                       {"memory": {"CCTL.IVALL": 1, "FENCE.VIEW.ASYNC.S": 1}}]}
+    assert fences.value(entry) == 3.0
+
+
 def test_committed_markdown_and_docs_table_are_the_report():
     """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/kernel_cost.md shows its `summary` and
     its targets table; the targets in the JSON are `targets` of its entries."""
@@ -272,6 +285,23 @@ def test_committed_markdown_and_docs_table_are_the_report():
     assert kc._authors_sentence(data["authors"]) in doc.replace("\n> ", " ")
 
 
+def test_auto_prefers_the_path_the_committed_model_finds_faster():
+    """jaxpe.dispatch.GPU_PREFERENCE, what impl="auto" tries first on a GPU, is per encoding the path whose kernels
+    are faster on the model: its bound per logit is lower in every configuration of the committed grid where both
+    compile, for every kernel (forward, the training forward, backward)."""
+    from jaxpe.dispatch import GPU_PREFERENCE
+
+    data = json.loads(COMMITTED.read_text())
+    for op, (first, second) in GPU_PREFERENCE.items():
+        by_path = {path: {_key({**e, "path": None}): e["per_logit"]["bound"] for e in data["kernels"]
+                          if e["op"] == op and e["path"] == path and not e["error"]} for path in (first, second)}
+        shared = by_path[first].keys() & by_path[second].keys()
+        assert shared, f"{op}: no configuration compiled on both paths"
+        slower = {key: (by_path[first][key], by_path[second][key]) for key in shared
+                  if by_path[first][key] > by_path[second][key]}
+        assert not slower, f"{op}: {first} is slower than {second} on the model at {slower}"
+
+
 # ------------------------------------------------------------------------------- the committed report, compiled
 
 
@@ -280,11 +310,9 @@ def _key(entry: dict) -> tuple:
                                         "id"))
 
 
-@needs_tools
-def test_committed_report_is_current():
-    """Same kernel sources as the committed report; four of its kernels (CoPE's Pallas forward, Co-RoPE's Pallas
-    backward with its nested loops, Co-RoPE's native Triton forward with its 64-bit chunk counter, plain attention at
-    CoPE's tiles) compiled again give the same counts, trip counts and costs."""
+def _comparable_report() -> dict:
+    """The committed report, after checking that it belongs to these kernel sources, and skipping (saying why) where
+    the compilers here are not the report's: another compiler emits other machine code."""
     data = json.loads(COMMITTED.read_text())
     assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(data["paths"]), (
         "the kernels changed since the committed cost report: rerun `python benchmarks/kernel_cost.py --out "
@@ -292,8 +320,17 @@ def test_committed_report_is_current():
     here, then = kc.versions(TOOLS), data["versions"]
     compilers = [name for name in then if name not in ("python", "jax", "jaxlib", "jax-triton")]
     moved = {name: (then[name], here.get(name)) for name in compilers if here.get(name) != then[name]}
-    if moved:  # another compiler emits other machine code: the counts are that compiler's, not comparable
+    if moved:
         pytest.skip(f"compilers differ from the committed report's (report, here): {moved}")
+    return data
+
+
+@needs_tools
+def test_committed_report_is_current():
+    """Same kernel sources as the committed report; four of its kernels (CoPE's Pallas forward, Co-RoPE's Pallas
+    backward with its nested loops, Co-RoPE's native Triton forward with its 64-bit chunk counter, plain attention at
+    CoPE's tiles) compiled again give the same counts, trip counts and costs."""
+    data = _comparable_report()
     cope = [j for j in kc.report_jobs([cr.Case("cope", "bfloat16", 64, 8, 2, 64)]) if j.meta["kernel"] == "forward"]
     corope = [j for j in kc.report_jobs([cr.Case("corope", "bfloat16", 64, 8, 2)]) if j.meta["kernel"] == "backward"]
     if cr.triton_unavailable() is None:
@@ -307,3 +344,26 @@ def test_committed_report_is_current():
         assert entry["error"] is None, entry["error"]
         want = committed[_key(entry)]
         assert {f: entry[f] for f in fields} == {f: want[f] for f in fields}, _key(entry)
+
+
+@needs_tools
+def test_targets_hold_on_the_target_kernels_compiled_again():
+    """The kernels the targets are read from (GQA 8/2, float32 and bfloat16, D 64 and 128, CoPE at npos 64: its
+    loops do not depend on npos) on the path impl="auto" prefers, compiled again here beside plain attention at their
+    tiles: every target's worst value is the committed report's, so every target it meets holds (`kernel_cost.targets`
+    on the fresh entries; the fence targets' D 256 entries stay with the full report)."""
+    from jaxpe.dispatch import GPU_PREFERENCE
+
+    data = _comparable_report()
+    path = GPU_PREFERENCE["cope"][0]
+    if path not in data["paths"] or (path == "triton" and cr.triton_unavailable() is not None):
+        pytest.skip(f"the {path} path is not compiled here: {cr.triton_unavailable()}")
+    cases = [cr.Case(op, dtype, d, 8, 2, 64 if op == "cope" else None)
+             for op in cr.OPS for dtype in cr.DTYPES for d in (64, 128)]
+    kernels, _ = kc.collect(cases, TOOLS, paths=(path,), jobs=cr.default_jobs(), timeout=600)
+    assert not [e["error"] for e in kernels if e["error"]]
+    fresh = {t["id"]: t["paths"][path] for t in kc.targets({"paths": [path], "kernels": kernels})}
+    for target in data["targets"]:
+        want, got = target["paths"][path], fresh[target["id"]]
+        assert got["worst"] == pytest.approx(want["worst"], rel=1e-9, abs=1e-12), target["id"]
+        assert got["met"] == want["met"], target["id"]

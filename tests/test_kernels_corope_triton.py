@@ -191,6 +191,19 @@ def test_block_sizes_validated():
     wide = {dtype: BlockSizes().fitted(length=64, head_dim=256, groups=4, dtype=dtype).block_h
             for dtype in (jnp.float32, jnp.bfloat16)}
     assert wide == {jnp.float32: 1, jnp.bfloat16: 2}  # float32's split gate dot leaves registers for one head
+    with pytest.raises(ValueError, match="block_d_bwd=6"):
+        BlockSizes(block_d_bwd=6)
+
+
+def test_backward_chunks_default_apart_from_the_forwards_unless_block_d_is_given():
+    """The backward walks 1 rotary pair per chunk by default (2 at D > 128) with up to 4 heads; a block_d given
+    sets both kernels' chunks, as before block_d_bwd existed, unless block_d_bwd is given too."""
+    default = BlockSizes().fitted(length=1024, head_dim=64, groups=4)
+    assert (default.block_d, default.block_d_bwd, default.block_h_bwd) == (4, 1, 4)
+    assert BlockSizes().fitted(length=1024, head_dim=256, groups=4).block_d_bwd == 2
+    assert BlockSizes(block_d=8).fitted(length=1024, head_dim=64, groups=4).block_d_bwd == 8
+    assert BlockSizes(block_d=8, block_d_bwd=2).fitted(length=1024, head_dim=64, groups=4).block_d_bwd == 2
+    assert BlockSizes(block_d_bwd=64).fitted(length=1024, head_dim=20, groups=4).block_d_bwd == 16  # D/2 capped
 
 
 def test_bad_inputs_raise():

@@ -1,5 +1,5 @@
 """Plot helpers for the CLI and the notebooks: a run's summary, result bars, position curves, labelled heatmap
-panels (gates, positions, tables; N panels, R rows, C columns) and benchmark curves.
+panels (gates, positions, tables; N panels, R rows, C columns), benchmark curves and learning curves.
 
 Figures are built with `matplotlib.figure.Figure` and rendered by the Agg canvas, so nothing
 here needs a display or touches pyplot's global state; every helper returns the Figure and
@@ -195,4 +195,32 @@ def benchmark_curves(
     ax.set_ylabel(ylabel or y)
     ax.set_title(", ".join(f"{k}={v}" for k, v in where.items()))
     ax.legend()
+    return _save(fig, path)
+
+
+def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None = None) -> Figure:
+    """One panel per setting of `jaxpe.train.curves.collect`'s data: the evaluation error (%) against steps, one
+    colour per encoding and seed, the plateau split solid with its plateau marked, the other splits dashed."""
+    settings = data["settings"]
+    if not settings:
+        raise ValueError("no runs to plot")
+    fig, axes = _figure(5.5 * len(settings), 4, ncols=len(settings))
+    metric, main = data["metric"], data["split"]
+    colours = iter(range(100))
+    for ax, (setting, pes) in zip(axes, settings.items()):
+        for pe, seeds in pes.items():
+            for seed, curve in seeds.items():
+                colour = f"C{next(colours) % 10}"
+                for split, points in curve["splits"].items():
+                    ax.plot(points["steps"], [100 * e for e in points[metric]], color=colour,
+                            linestyle="-" if split == main else "--", linewidth=1.2,
+                            label=f"{pe} {seed} {split}")
+                if curve["plateau"] is not None:
+                    p = curve["plateau"]
+                    ax.plot([p["step"]], [100 * p["error"]], marker="o", color=colour)
+        ax.set_title(setting)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric_label(metric))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
     return _save(fig, path)

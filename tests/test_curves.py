@@ -1,0 +1,65 @@
+"""jaxpe.train.curves: learning curves read back from jaxpe-compare workdirs, with plateaus worked out by hand."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jaxpe.train import curves
+
+
+def test_plateau_by_hand():
+    """Best 0.10 at step 400 of 1000 sequences: within 1.96·sqrt(0.1·0.9/1000) = 0.0186 of it, 0.118 (step 300) is
+    the first; 0.12 (step 200) is not."""
+    p = curves.plateau([100, 200, 300, 400, 500], [0.5, 0.12, 0.118, 0.10, 0.105], 1000)
+    assert p["best_step"] == 400 and p["best"] == 0.10
+    assert p["within"] == pytest.approx(1.96 * math.sqrt(0.09 / 1000))
+    assert (p["step"], p["error"]) == (300, 0.118)
+
+
+def test_plateau_of_a_perfect_run_still_has_a_width():
+    """An error of 0 gives the interval of one error in the set, not zero: noise can still hide below it."""
+    p = curves.plateau([1, 2, 3], [0.01, 0.0005, 0.0], 1000)
+    assert p["within"] == pytest.approx(1.96 / 1000)
+    assert p["step"] == 2
+
+
+@pytest.mark.parametrize("steps, errors, sequences", [([], [], 10), ([1], [0.1, 0.2], 10), ([1], [0.1], 0)])
+def test_plateau_refuses_bad_input(steps, errors, sequences):
+    with pytest.raises(ValueError, match="steps|sequences"):
+        curves.plateau(steps, errors, sequences)
+
+
+def _write_run(root, setting, pe, seed, valid):
+    run = root / setting / pe / f"seed{seed}"
+    run.mkdir(parents=True)
+    lines = []
+    for step, error in valid:
+        lines.append({"step": step, "split": "train", "loss": 2.0 - step / 1000, "accuracy": 0.5})
+        lines.append({"step": step, "split": "valid", "seq_error": error, "loss": 1.0, "sequences": 100})
+        lines.append({"step": step, "split": "len_x2", "seq_error": error + 0.2, "loss": 1.0, "sequences": 100})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run / "config.json").write_text(json.dumps({"optim": {"learning_rate": 0.003}}))
+
+
+def test_collect_reads_every_run_and_writes_json_table_and_figure(tmp_path):
+    _write_run(tmp_path / "runs", "counting_3var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.21)])
+    _write_run(tmp_path / "runs", "counting_5var", "relative", 0, [(100, 0.6)])
+    assert curves.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    run = data["settings"]["counting_3var"]["cope"]["seed0"]
+    assert run["splits"]["valid"]["steps"] == [100, 200, 300]
+    assert run["splits"]["len_x2"]["seq_error"] == pytest.approx([0.7, 0.4, 0.41])
+    assert run["plateau"]["step"] == 200  # 0.21 is within 1.96·sqrt(0.16/100) = 0.078 of 0.2 too, but later
+    assert data["configs"]["counting_3var/cope/seed0"]["optim"]["learning_rate"] == 0.003
+    table = (tmp_path / "out" / "curves.md").read_text()
+    assert "| counting_5var | relative | seed0 | 100 | 60.0 (100) | 100 (60.0," in table
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 1000
+
+
+def test_collect_without_runs_names_the_layout(tmp_path):
+    with pytest.raises(SystemExit):
+        curves.main([str(tmp_path), "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="metrics.jsonl"):
+        curves.collect(tmp_path)

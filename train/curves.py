@@ -1,0 +1,127 @@
+"""Learning curves of `jaxpe-compare` runs: the evaluation error against steps, where each run stopped improving,
+and one JSON + one figure for all of them.
+
+  python -m jaxpe.train.curves runs/counting_curves --out results/counting_curves
+
+reads <root>/<setting>/<pe>/seed<k>/metrics.jsonl (a `jaxpe-compare --workdir <root>/<setting>` layout, as
+results/run_counting_curves.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
+each run, the runs' configs and environments) and curves.png. A run's plateau is the first evaluation whose error
+lies within the 95 % binomial interval of its best (`plateau`): later evaluations improve on it by less than the
+evaluation set can tell.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxpe.train.plots import learning_curves, read_metrics
+
+SPLIT, METRIC = "valid", "seq_error"  # what the plateau is read from
+
+
+def plateau(steps: Sequence[int], errors: Sequence[float], sequences: int) -> dict[str, Any]:
+    """{"best_step", "best", "step", "error", "within"}: the lowest error and its step, and the first step whose error
+    is within `within` (1.96 binomial standard errors of the best, over `sequences` evaluated) of it.
+
+    >>> plateau([1, 2, 3, 4], [0.5, 0.2, 0.21, 0.19], 1000)["step"]
+    2
+    """
+    if not steps or len(steps) != len(errors):
+        raise ValueError(f"steps ({len(steps)}) and errors ({len(errors)}) must be non-empty and of one length")
+    if sequences < 1:
+        raise ValueError(f"sequences={sequences} must be >= 1")
+    best_index = min(range(len(errors)), key=lambda i: (errors[i], steps[i]))
+    best = errors[best_index]
+    within = 1.96 * math.sqrt(max(best * (1.0 - best), 1.0 / sequences) / sequences)
+    first = next(i for i, error in enumerate(errors) if error <= best + within)
+    return {"best_step": steps[best_index], "best": best, "step": steps[first], "error": errors[first],
+            "within": within}
+
+
+def run_curve(metrics_path: pathlib.Path) -> dict[str, Any]:
+    """One run's curve: steps and {split: [metric]} of every evaluation during training, the train loss at each
+    logged step, and the plateau of SPLIT (None before its first evaluation)."""
+    records = read_metrics(metrics_path)
+    evals: dict[str, dict[int, float]] = {}
+    sequences: dict[str, int] = {}
+    train: dict[int, float] = {}
+    for record in records:
+        if record["split"] == "train":
+            train[record["step"]] = record["loss"]
+        elif METRIC in record:
+            evals.setdefault(record["split"], {})[record["step"]] = record[METRIC]
+            sequences[record["split"]] = int(record.get("sequences", sequences.get(record["split"], 0)))
+    curve: dict[str, Any] = {
+        "splits": {split: {"steps": sorted(points), METRIC: [points[s] for s in sorted(points)],
+                           "sequences": sequences[split]} for split, points in sorted(evals.items())},
+        "train": {"steps": sorted(train), "loss": [train[s] for s in sorted(train)]},
+        "plateau": None,
+    }
+    main = curve["splits"].get(SPLIT)
+    if main and main["sequences"] > 0:
+        curve["plateau"] = plateau(main["steps"], main[METRIC], main["sequences"])
+    return curve
+
+
+def collect(root: str | pathlib.Path) -> dict[str, Any]:
+    """{"settings": {setting: {pe: {"seed<k>": curve}}}, "configs": {...}, "environments": {...}} of every run under
+    root (<setting>/<pe>/seed<k>/metrics.jsonl). ValueError when there is none."""
+    root = pathlib.Path(root)
+    found = sorted(root.glob("*/*/seed*/metrics.jsonl"))
+    if not found:
+        raise ValueError(f"no runs under {root} (<setting>/<pe>/seed<k>/metrics.jsonl)")
+    settings: dict[str, dict[str, dict[str, Any]]] = {}
+    configs, environments = {}, {}
+    for path in found:
+        run = path.parent
+        setting, pe, seed = run.parent.parent.name, run.parent.name, run.name
+        settings.setdefault(setting, {}).setdefault(pe, {})[seed] = run_curve(path)
+        name = f"{setting}/{pe}/{seed}"
+        if (run / "config.json").exists():
+            configs[name] = json.loads((run / "config.json").read_text())
+        if (run / "result.json").exists():
+            environments[name] = json.loads((run / "result.json").read_text()).get("environment")
+    return {"split": SPLIT, "metric": METRIC, "settings": settings, "configs": configs,
+            "environments": environments}
+
+
+def summary(data: Mapping[str, Any]) -> str:
+    """A Markdown table: per setting and encoding, the steps run, the best error and its step, and the plateau."""
+    lines = [f"| setting | pe | seed | steps run | best {data['split']} error % (step) | plateau step "
+             f"(error %, within ± %) |", "|---|---|---|---|---|---|"]
+    for setting, pes in data["settings"].items():
+        for pe, seeds in pes.items():
+            for seed, curve in seeds.items():
+                ran = curve["train"]["steps"][-1] if curve["train"]["steps"] else 0
+                p = curve["plateau"]
+                cells = (["—", "—"] if p is None else
+                         [f"{100 * p['best']:.1f} ({p['best_step']})",
+                          f"{p['step']} ({100 * p['error']:.1f}, {100 * p['within']:.1f})"])
+                lines.append(f"| {setting} | {pe} | {seed} | {ran} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
+    parser.add_argument("root", help="folder of <setting>/<pe>/seed<k>/metrics.jsonl runs")
+    parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
+    args = parser.parse_args(argv)
+    try:
+        data = collect(args.root)
+    except ValueError as error:
+        parser.error(str(error))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "curves.md").write_text(summary(data))
+    learning_curves(data, path=out / "curves.png")
+    print(summary(data), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
