@@ -52,11 +52,11 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     batch_heads·L² <= DENSE_MAX_ENTRIES, "blockwise" otherwise; on any other accelerator (TPU, ROCm, older GPUs,
     larger heads) "blockwise", with one warning that says why. Traced on CPU with a CUDA plugin installed
     (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for CUDA what a GPU would pick (for
-    an H100): `run_for_platform` then lowers the one that fits the platform. A symbolic length or batch (`jax.export` with shape polymorphism) is
-    "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one place that chooses; the
-    entry points have refused what an explicit impl cannot run.
+    an H100): `run_for_platform` then lowers the one that fits the platform. A symbolic length or batch (`jax.export`
+    with shape polymorphism) is "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one
+    place that chooses; the entry points have refused what an explicit impl cannot run.
 
-    causal=False: "auto" never picks "pallas" (the fused kernels are causal). dense: the call needs the dense path
+    causal=False: "auto" never picks a fused path (the fused kernels are causal). dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
     kernel_refusal: kernel_refusal(fused) gives the reason the fused path `fused` ("triton" or "pallas") refuses these
     inputs (None: it runs them); "auto" then tries the next, and at the end runs "blockwise".

@@ -195,8 +195,8 @@ def _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, 
 
 
 @triton.jit
-def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale, length,
-                      stride_ql, stride_kl, ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr,
+def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
+                      length, stride_ql, stride_kl, ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr,
                       BLOCK_D: tl.constexpr, HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr,
                       WHOLE_KG: tl.constexpr):
     """s = q·kᵀ and the gates g = σ(sm_scale·q·kgᵀ) (0 where masked), both [block_q, block_k] float32, and the gate
@@ -346,8 +346,8 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
         k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
             q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
-                                    length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
+        s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
+                                    qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
                                     GATE_CHUNK, False)
         total = tl.sum(g, 1)
         p = tl.minimum(_gate_sums(g, r, later), clamp)
@@ -448,8 +448,8 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
         mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
         k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        s, g, kg = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
-                                     length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
+        s, g, kg = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
+                                     qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
                                      GATE_CHUNK, True)
         walked = cols[None, :] >= e[:, None]  # keys whose gates the forward counted into R
         g = tl.where(walked, g, 0.0)

@@ -39,10 +39,10 @@ Kernels (every matrix product a `tl.dot` with sides >= 16):
   dq, dk, dv are zero-initialised float32 outputs that the programs add to with relaxed atomics (no fences): the heads
   of a group share dk, dv and their leader's dq, so float32 sums are not bitwise reproducible on a GPU.
 Memory: O(L) per head — o, the row statistics and the float32 gradients; no L×L array anywhere. Speed (H200,
-`default_num_warps`, chunks of 4 rotary pairs, the backward at 2 heads per program): at B 1, L 4096, Hq 8, Hkv 2,
-D 128, bfloat16, forward 4.2 ms and backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward). A traced sm_scale
-is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q and sm_scale only
-through sm_scale·q).
+chunks of 4 rotary pairs, the backward at its earlier 2 heads per program and 8 warps): at B 1, L 4096, Hq 8, Hkv 2,
+D 128, bfloat16, forward 4.2 ms and backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward).
+A traced sm_scale is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q
+and sm_scale only through sm_scale·q).
 """
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ class BlockSizes:
         from 4.2 to 4.0 ms but the backward of that time from 51 to 61 ms; 64 keys per forward tile, 5.0 ms. The
         backward's from benchmarks/kernel_cost.py's model at GQA 8/2 (bf16/f32 clk/logit): more heads per program
         share each phase's sine and cosine, and smaller chunks keep the larger tile in registers: 16.2/15.1 at D 64
-        against 18.7/17.6 for 2 heads, 32 keys and 4 pairs; 65/62 at D 256 against 149/147 for 1 head, 16 keys and 2
-        pairs (no spills, but 112 B at float32 D 256)."""
+        against 18.7/17.6 for 2 heads, 32 keys and 4 pairs (8 warps both); 65/62 at D 256 against 149/147 for 1 head, 16
+        keys and 2 pairs (no spills, but 112 B at float32 D 256)."""
         if head_dim > 128:
             heads = 1 if jnp.dtype(dtype).itemsize > 2 else 2
             return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=2, block_h=heads,
@@ -141,10 +141,13 @@ DEFAULT_NUM_STAGES = 2
 
 
 def default_num_warps(head_dim: int, *, backward: bool) -> int:
-    """Warps per program: 4 in the forward for D <= 128, else 8. Timed on an H200 (Triton 3.6; B 1, L 4096, Hq 8,
-    Hkv 2, D 128, bfloat16, default blocks): the forward took 4.2 ms at 4 warps and 12.0 at 8 (the Pallas kernel
-    11.8), the backward 51 ms at either (Pallas forward + backward 95); at 8 warps the backward does not spill."""
-    return 4 if head_dim <= 128 and not backward else 8
+    """Warps per program: 4 for D <= 128, else 8, in both kernels. The forward's timed on an H200 (Triton 3.6; B 1,
+    L 4096, Hq 8, Hkv 2, D 128, bfloat16, default blocks): 4.2 ms at 4 warps and 12.0 at 8 (the Pallas kernel 11.8).
+    The backward's from benchmarks/kernel_cost.py's model at its default blocks (GQA 8/2, bf16/f32 clk/logit): 14.2/
+    12.8 at D 64 and 28/25 at D 128 against 16.2/15.1 and 32/30 at 8 warps (4 heads of 64 stacked rows make one
+    warpgroup's dot; at 8 warps both warpgroups compute it), spilling at most 136 bytes; at D 256 4 warps spill
+    kilobytes."""
+    return 4 if head_dim <= 128 else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,9 +467,13 @@ def _backward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, do
                    row_dot: jax.Array, omega: jax.Array, segment_ids: jax.Array | None, scale: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward's inputs, do [B, L, Hq, D], lse·log2 e and row_dot [B, Hq, L] -> dq [B, L, Hq, D], dk, dv
-    [B, L, Hkv, D] float32."""
+    [B, L, Hkv, D] float32. q and k go in as float32 copies (the same values: the gate dot's TF32 products of them
+    are exact): the rotary passes read them once per chunk and tile, and 16-bit elements cost each load an unpacking
+    shift (bf16 D 64 on benchmarks/kernel_cost.py's model: 12.7 clk/logit against 14.2)."""
+    wide_q, wide_k = q.astype(jnp.float32), k.astype(jnp.float32)
     dq, dk, dv = launch(_backward_kernel,
-                        [q, k, v, do, lse, row_dot, omega, _segments(segment_ids), scale, *_scalars(q, config)],
+                        [wide_q, wide_k, v, do, lse, row_dot, omega, _segments(segment_ids), scale,
+                         *_scalars(q, config)],
                         out_shapes=[output_struct(x.shape, jnp.float32, q) for x in (q, k, v)], zeroed=(0, 1, 2),
                         name="corope_triton_backward", **_kernel_settings(config, q, segment_ids, backward=True))
     return dq, dk, dv
