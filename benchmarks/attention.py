@@ -1,12 +1,13 @@
 """Benchmark of the contextual attentions: time and peak memory, forward and forward+backward.
 
 CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_attention` with impl = reference,
-blockwise, pallas; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
+blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed); plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
     python benchmarks/attention.py --out results/bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1, 4
     python benchmarks/attention.py --out results/bench --quick    # CPU-sized sweep
     python benchmarks/attention.py --out DIR --lengths 1024,4096 --impls blockwise,anchor --ops cope
+    python benchmarks/attention.py --out DIR --lengths 4096,32768 --groups 4 --impls pallas,triton,anchor  # GPU paths
 
 Peak memory: on GPU, `peak_bytes_in_use` of the device, each case in a fresh subprocess so the peak is its own;
 on CPU, the compiled executable's memory analysis (temp + argument + output bytes), and cases above
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import jaxpe
 
 OPS = ("cope", "corope")
-IMPLS = ("reference", "blockwise", "pallas", "anchor")
+IMPLS = ("reference", "blockwise", "pallas", "triton", "anchor")
 MODES = ("fwd", "fwd+bwd")
 
 
@@ -108,8 +109,8 @@ def measure(case: Case, *, repeats: int, cpu_memory_cap: float, max_interpret_le
     (so its memory is known) but not run."""
     row = dataclasses.asdict(case)
     on_gpu = jax.default_backend() == "gpu"
-    if case.impl == "pallas" and not on_gpu and case.length > max_interpret_length:
-        return row | {"error": f"skipped: Pallas interpret mode above L={max_interpret_length} on CPU"}
+    if case.impl in ("pallas", "triton") and not on_gpu and case.length > max_interpret_length:
+        return row | {"error": f"skipped: {case.impl} interpreted above L={max_interpret_length} on CPU"}
     try:
         fn, args = _problem(case)
         compiled = jax.jit(fn).lower(*args).compile()
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=_ints, help="comma-separated sequence lengths")
     parser.add_argument("--head-dims", type=_ints, help="comma-separated head dims (default 64,128)")
     parser.add_argument("--groups", type=_ints, help="comma-separated GQA group sizes G (default 1,4)")
-    parser.add_argument("--impls", type=_names(IMPLS), default=list(IMPLS), help=f"subset of {IMPLS}")
+    parser.add_argument("--impls", type=_names(IMPLS), default=[i for i in IMPLS if i != "triton"],
+                        help=f"subset of {IMPLS} (default all but triton, which needs jax-triton on a GPU)")
     parser.add_argument("--ops", type=_names(OPS), default=list(OPS), help=f"subset of {OPS}")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="query heads Hq")

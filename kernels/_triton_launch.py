@@ -8,6 +8,9 @@ that hides where they run.
   passed in parameter order and only the keyword differs. 0.4.1's dead-code rule takes jax 0.11's two arguments and
   jax 0.12 passes three: `_patch_dce_rule` registers one that takes either. 0.4.x warns that `zeroed_outputs` is
   deprecated (in favour of refs that jax 0.10 lacks); the warning is silenced here, where that choice is made.
+  0.4.x imports `TMA_TF32` from Triton's CUDA driver module, which Triton 3.6 (the release torch 2.11 pins) lacks,
+  and on that ImportError it silently drops its whole CUDA backend; `_import_jax_triton` supplies Triton 3.7's value
+  first (it only describes TMA tensors, which jaxpe's kernels never take).
 - Interpreted (TRITON_INTERPRET=1 set before Triton is imported, as its interpreter requires): on CPU, through
   `jax.pure_callback`, on NumPy arrays wrapped in the few tensor methods the interpreter calls (`HostTensor`); no
   torch. The interpreter multiplies bfloat16 dots wrongly (it reads their raw bits), so the tests run it in float32
@@ -44,7 +47,7 @@ def unavailable() -> str | None:
     if importlib.util.find_spec("jax_triton") is None:
         return f"impl='triton' needs jax-triton to compile its kernels: {EXTRA}"
     try:
-        import jax_triton  # noqa: F401  (imported to see whether it can be)
+        _import_jax_triton()
     except Exception as error:  # noqa: BLE001 - jax-triton refuses to import on a jaxlib without CUDA
         return (f"impl='triton' compiles through jax-triton, which does not import here ({error}); on CPU set "
                 f"TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's interpreter")
@@ -77,11 +80,25 @@ def launch(kernel: Any, args: Sequence[jax.Array | int | float], *, out_shapes: 
 # --- compiled: jax-triton --------------------------------------------------------------------------------------------
 
 
+TRITON_3_7_TMA_TF32 = 11  # triton.backends.nvidia.driver.TMA_TF32 from Triton 3.7 on
+
+
+def _import_jax_triton() -> Any:
+    """`import jax_triton`, after giving Triton 3.6's CUDA driver module the name jax-triton 0.4.x imports from it."""
+    if importlib.util.find_spec("triton.backends.nvidia") is not None:
+        from triton.backends.nvidia import driver
+
+        if not hasattr(driver, "TMA_TF32"):
+            driver.TMA_TF32 = TRITON_3_7_TMA_TF32
+    import jax_triton  # optional, and it refuses to import on a jaxlib without CUDA
+
+    return jax_triton
+
+
 @functools.cache
 def _jax_triton() -> Any:
     """jax_triton, with its dead-code rule made to take jax 0.12's arguments."""
-    import jax_triton  # optional, and it refuses to import on a jaxlib without CUDA
-
+    jax_triton = _import_jax_triton()
     _patch_dce_rule(jax_triton)
     return jax_triton
 
