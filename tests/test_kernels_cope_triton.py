@@ -225,3 +225,22 @@ def test_rejects_bad_inputs():
         attention_fn(q, k, k, e, segment_ids=jnp.zeros((1, 8)))
     with pytest.raises(ValueError, match="window=0"):
         attention_fn(q, k, k, e, window=0)
+
+
+@pytest.mark.parametrize("present", [False, True])
+def test_jax_triton_is_imported_with_the_driver_name_triton_3_6_lacks(monkeypatch, present: bool) -> None:
+    """jax-triton 0.4.x imports TMA_TF32 from Triton's CUDA driver module and, where that fails (Triton 3.6, which
+    torch 2.11 pins), silently drops its whole CUDA backend. The name is supplied with Triton 3.7's value before
+    jax_triton is imported, and a Triton that has it keeps its own."""
+    import sys
+    import types
+
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    if present:
+        monkeypatch.setattr(driver, "TMA_TF32", 99, raising=False)
+    else:
+        monkeypatch.delattr(driver, "TMA_TF32", raising=False)
+    fake = types.ModuleType("jax_triton")
+    monkeypatch.setitem(sys.modules, "jax_triton", fake)
+    assert _triton_launch._import_jax_triton() is fake
+    assert driver.TMA_TF32 == (99 if present else 11)
