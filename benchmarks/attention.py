@@ -1,7 +1,8 @@
 """Benchmark of the contextual attentions: time and peak memory, forward and forward+backward.
 
 CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_attention` with impl = reference,
-blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed); plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
+blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed); plain RoPE attention
+through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
     python benchmarks/attention.py --out results/bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1, 4
@@ -105,8 +106,8 @@ def _is_oom(error: Exception) -> bool:
 def measure(case: Case, *, repeats: int, cpu_memory_cap: float, max_interpret_length: int,
             predicted_s: float = 0.0, slow_s: float = float("inf")) -> dict:
     """Time and peak memory of one case; errors recorded. The first run is timed; if it took under 2 s, the
-    median of `repeats` more timings is reported instead (each of back-to-back runs when one takes under 50 ms). A case predicted to take over `slow_s` is compiled
-    (so its memory is known) but not run."""
+    median of `repeats` more timings is reported instead (each of back-to-back runs when one takes under 50 ms). A
+    case predicted to take over `slow_s` is compiled (so its memory is known) but not run."""
     row = dataclasses.asdict(case)
     on_gpu = jax.default_backend() == "gpu"
     if case.impl in ("pallas", "triton") and not on_gpu and case.length > max_interpret_length:

@@ -203,7 +203,8 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin x, cos x) of a float32 array from one range reduction: elementwise multiply-adds and selects only, so XLA
     vectorises it (on CPU it is ~20× faster than jnp.sin and jnp.cos in Co-RoPE's loops) and Triton lowers it inside
     the Co-RoPE kernels without libdevice. Max abs error ≤ 2e-7 for |x| ≤ SINCOS_MAX_ARG (Co-RoPE's angles Δ·ω are
-    at most L); meant for those angles, not for huge |x|. Differentiable: d sin = cos·dx, d cos = −sin·dx (not the polynomials' own derivatives)."""
+    at most L); meant for those angles, not for huge |x|. Differentiable: d sin = cos·dx, d cos = −sin·dx (not the
+    polynomials' own derivatives)."""
     x = jnp.asarray(x, jnp.float32)
     f32 = lambda c: jnp.float32(c)
     k = jnp.floor(x * f32(_TWO_OVER_PI) + f32(0.5))  # the quadrant, x = k·π/2 + r (Triton has no round-half-even)

@@ -86,7 +86,7 @@ TRITON_3_7_TMA_TF32 = 11  # triton.backends.nvidia.driver.TMA_TF32 from Triton 3
 def _import_jax_triton() -> Any:
     """`import jax_triton`, after giving Triton 3.6's CUDA driver module the name jax-triton 0.4.x imports from it."""
     if importlib.util.find_spec("triton.backends.nvidia") is not None:
-        from triton.backends.nvidia import driver
+        from triton.backends.nvidia import driver  # optional: Triton, only for impl="triton"
 
         if not hasattr(driver, "TMA_TF32"):
             driver.TMA_TF32 = TRITON_3_7_TMA_TF32

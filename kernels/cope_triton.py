@@ -48,6 +48,7 @@ import triton.language as tl
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import MASK_VALUE, check_head_dim, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
+from jaxpe.kernels._triton_memory import gather, scatter_add
 from jaxpe.kernels.cope_pallas import BlockSizes
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
@@ -72,8 +73,9 @@ class _Config:
 def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int:
     """Warps per program of the native kernels: 4, one warpgroup (at 8, Hopper's warpgroup dots of 64-row tiles run
     in both warpgroups alike, and smaller tiles split each row's keys over more warps, whose row sums then cross
-    shared memory: both cost more per logit on benchmarks/kernel_cost.py's model); 8 for the float32 forward at
-    Dp 256, which spills at 4."""
+    shared memory: both cost more per logit on benchmarks/kernel_cost.py's model, and on an H200 8 warps took 1.7×
+    the forward's time and 1.5× the backward's at D 64 and 128, bfloat16: results/bench/tiles_gpu_h200.md); 8 for
+    the float32 forward at Dp 256, which spills at 4."""
     return 8 if jnp.dtype(dtype) == jnp.float32 and tile_extent(head_dim) >= 256 and not backward else 4
 
 
@@ -219,31 +221,6 @@ def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, 
 
 
 @triton.jit
-def _gather(ptrs, FAST: tl.constexpr):
-    """Float32 values at ptrs [block_q, block_k], every one a valid address. FAST (compiled for a GPU): one
-    `ld.global.nc` per element in the layout ptrs has, where a tl.load of scattered addresses would get a layout of
-    its own from Triton's coalescing pass, the pointers and the values crossing shared memory to it and back."""
-    if FAST:
-        values = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32,
-                                           is_pure=True, pack=1)
-    else:
-        values = tl.load(ptrs)
-    return values
-
-
-@triton.jit
-def _scatter_add(ptrs, values, mask, FAST: tl.constexpr):
-    """Relaxed atomic adds of float32 values [block_q, block_k] at ptrs where mask. FAST (compiled for a GPU): one
-    `red.global.add.f32` per element in the layout the values have (as `_gather`, no trip through shared memory)."""
-    if FAST:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.global.add.f32 [$1], $2; "
-                                  "mov.b32 $0, 0; }", "=r,l,f,r", [ptrs, values, mask.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(ptrs, values, mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _interpolation(z_rows, p, npos, FAST: tl.constexpr):
     """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1], gathered from the rows of z
     (pointers z_rows [block_q], every row a valid one; indices clamped into [0, P − 1])."""
@@ -251,8 +228,8 @@ def _interpolation(z_rows, p, npos, FAST: tl.constexpr):
     w = p - lo
     lo_index = lo.to(tl.int32)
     hi_index = tl.minimum(lo_index + 1, npos - 1)
-    z_lo = _gather(z_rows[:, None] + lo_index, FAST)
-    return lo_index, hi_index, w, z_lo, _gather(z_rows[:, None] + hi_index, FAST)
+    z_lo = gather(z_rows[:, None] + lo_index, FAST)
+    return lo_index, hi_index, w, z_lo, gather(z_rows[:, None] + hi_index, FAST)
 
 
 @triton.jit
@@ -459,8 +436,8 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
         t = tl.where(mask, (s + z_lo + w * (z_hi - z_lo)) * qk_scale, _MASK)
         probs = tl.exp2(t - lse[:, None])
         ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        _scatter_add(dz_rows[:, None] + lo, ds - ds * w, mask, FAST)
-        _scatter_add(dz_rows[:, None] + hi, ds * w, mask & (w != 0.0), FAST)
+        scatter_add(dz_rows[:, None] + lo, ds - ds * w, mask, FAST)
+        scatter_add(dz_rows[:, None] + hi, ds * w, mask & (w != 0.0), FAST)
         dp = tl.where(p < clamp, ds * (z_hi - z_lo), 0.0)
         dgate = sm_scale * _running_sums(dp, dp_before, through, FAST) * (g - g * g)
         c += tl.sum(g, 1)

@@ -6,8 +6,8 @@ size, D head dim, Dh = D/2 rotary pairs, BK block size (queries and keys). Einsu
 (Hkv), g head of its group (G), t query and s key positions, d head dim. Internally heads
 are grouped: q [B, Hkv, G, Lp, D], k/v [B, Hkv, Lp, D]; head 0 of a group is its leader.
 
-The maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j), mileage a_ij = Σ_{t≤j} z_it, Δ_ij = a_ii − a_ij,
-φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
+The maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k_j), mileage a_ij = Σ_{t≤j} z_it,
+Δ_ij = a_ii − a_ij, φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
 + q2 (k2 cos φ − k1 sin φ). Causal: Δ_ij = Σ_{t=j+1..i} z_it for the keys j ≤ i. Bidirectional (causal=False): every
 visible key counts, and Δ is signed: Σ_{t=j+1..i} z_it for j ≤ i, −Σ_{t=i+1..j} z_it for j > i; with constant gates
 it is bidirectional RoPE with scaled frequencies. The scores take q already multiplied by sm_scale (float32), so
@@ -284,7 +284,8 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
     block = config.block
 
     def visit(qb, kb, carry):
-        o, lse, z_suffix, m, l, acc = carry  # query block qb's rows: [B, Hkv, BK], [B, Hkv, G, BK] x2, [B, Hkv, G, BK, D]
+        # query block qb's rows: [B, Hkv, BK], [B, Hkv, G, BK] x2, [B, Hkv, G, BK, D]
+        o, lse, z_suffix, m, l, acc = carry
         start = kb == qb  # the walk of query block qb starts at its diagonal block
         z_suffix, l, acc = (jnp.where(start, 0.0, x) for x in (z_suffix, l, acc))
         m = jnp.where(start, -jnp.inf, m)

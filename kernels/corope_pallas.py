@@ -34,8 +34,8 @@ Kernels:
   The gate gradient dz_it = Σ_{j<t} dΔ_ij = Tot_i − Suf_it with Suf_it = Σ_{j≥t} dΔ_ij (carried along the
   walk): the −Suf part is added at once (dq^leader −= sm_scale·(Suf·z')·k, dk −= sm_scale·(Suf·z')ᵀ·q^leader);
   the Tot part, known only at the walk's end, by a second gates-only walk over the same key blocks (the gate
-  logits again, two dots per tile, no trig). dq, dk, dv are float32 accumulators (zeros in, aliased out) that every program adds to
-  atomically: the heads of a group share dk, dv and the leader's dq (so their float32 sums are not bitwise
+  logits again, two dots per tile, no trig). dq, dk, dv are float32 accumulators (zeros in, aliased out) that every
+  program adds to atomically: the heads of a group share dk, dv and the leader's dq (so their float32 sums are not bitwise
   reproducible from run to run on a GPU).
 Memory: O(L) per head — o, lse and the float32 gradient accumulators; no carries between kernels, no L×L or
 L×L×D array anywhere. Extra work against a two-kernel backward with saved carries: the gates-only walk (per tile

@@ -29,7 +29,9 @@ Kernels (every matrix product a `tl.dot` with sides >= 16):
   writes o and the rows' lse·log2 e.
 - backward, the same grid, one kernel for dq, dk and dv: the same reverse walk. Per tile: the gates, the scores
   (first trig pass), P, dV += Pᵀ dO and dP = dO Vᵀ (one dot each for the H heads), dS; a second trig pass adds
-  sm_scale·Σ_j dS (kc, ks) to dq, the keys' share (summed over the H heads) to dk, and accumulates
+  sm_scale·Σ_j dS (kc, ks) to dq (the sums over keys as tensor-core products with 0/1 selectors, where tl.sum would
+  shuffle across the lanes that hold the keys: `_add_key_sums`), the keys' share (summed over the H heads) to dk,
+  and accumulates
   dΔ_ij = sm_scale·Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc). The gate gradient dz_it = Tot_i − Suf_it with
   Suf_it = Σ_{j≥t} dΔ_ij (carried along the walk) and Tot_i = Σ_j dΔ_ij, known at the walk's end. The −Suf part:
   dk per tile, dq^leader −= sm_scale·S with S = Σ_t Suf_it z'_it k_t accumulated in registers and added after the
@@ -39,8 +41,9 @@ Kernels (every matrix product a `tl.dot` with sides >= 16):
   dq, dk, dv are zero-initialised float32 outputs that the programs add to with relaxed atomics (no fences): the heads
   of a group share dk, dv and their leader's dq, so float32 sums are not bitwise reproducible on a GPU.
 Memory: O(L) per head — o, the row statistics and the float32 gradients; no L×L array anywhere. Speed (H200,
-chunks of 4 rotary pairs, the backward at its earlier 2 heads per program and 8 warps): at B 1, L 4096, Hq 8, Hkv 2,
-D 128, bfloat16, forward 4.2 ms and backward 51 ms against the Pallas kernel's 11.8 and 95 (forward + backward).
+bfloat16, B 1, Hq 8, Hkv 2, results/bench/bench_gpu_h200_native_4096.md): at L 4096 the forward took 1.5 ms at D 64
+and 2.7 at D 128, forward + backward 13.6 and 27.8, against the Pallas kernels' 4.7, 10.9, 46.5 and 95.7 (before
+the backward's key sums moved to the tensor cores).
 A traced sm_scale is a [1] float32 input of the kernels; its gradient is Σ dq·q / sm_scale (the attention depends on q
 and sm_scale only through sm_scale·q).
 """
@@ -60,6 +63,7 @@ from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _P
                                    check_block_sizes, check_head_dim, filled, next_power_of_two, output_struct,
                                    rotary_frequencies, tile_extent, vary_alike)
 from jaxpe.kernels._triton_launch import interpreted, launch, require
+from jaxpe.kernels._triton_memory import scatter_add
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what impl="triton" takes
@@ -108,10 +112,10 @@ class BlockSizes:
         The forward's were chosen from ptxas's register reports for sm_90 (tools/compile_report.py: no spills in any
         forward kernel) and timings on an H200 (`default_num_warps`): at D 128, bfloat16, chunks of 8 pairs took it
         from 4.2 to 4.0 ms but the backward of that time from 51 to 61 ms; 64 keys per forward tile, 5.0 ms. The
-        backward's from benchmarks/kernel_cost.py's model at GQA 8/2 (bf16/f32 clk/logit): more heads per program
-        share each phase's sine and cosine, and smaller chunks keep the larger tile in registers: 16.2/15.1 at D 64
-        against 18.7/17.6 for 2 heads, 32 keys and 4 pairs (8 warps both); 65/62 at D 256 against 149/147 for 1 head, 16
-        keys and 2 pairs (no spills, but 112 B at float32 D 256)."""
+        backward's from benchmarks/kernel_cost.py's model at GQA 8/2 (more heads per program share each phase's sine
+        and cosine; smaller chunks keep the larger tile in registers), then timed on an H200 (benchmarks/tiles.py,
+        results/bench/tiles_gpu_h200.md; bfloat16, L 4096, GQA 8/2): 12.5 ms at D 64 and 25.4 at D 128 against 1.5×
+        that for 2 heads, 2.0× for 2 pairs, 1.2× for 16 keys and 2.0× for the earlier 2 heads, 4 pairs and 8 warps."""
         if head_dim > 128:
             heads = 1 if jnp.dtype(dtype).itemsize > 2 else 2
             return cls(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=16, block_d=2, block_h=heads,
@@ -255,22 +259,73 @@ def _scores(delta, q_base, k_base, freq_ptr, rows, cols, length, stride_q, strid
 
 
 @triton.jit
-def _rotary_backward(ds, delta, q_base, dq_base, k_base, dk_base, freq_ptr, rows, cols, length, stride_q, stride_k,
-                     sm_scale, H: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr,
-                     BD: tl.constexpr, FAST: tl.constexpr):
+def _computed_once(x, FAST: tl.constexpr):
+    """x, which Triton may not recompute in another layout (compiled: behind a move it cannot see through). The key
+    sums' tensor-core operands would otherwise have the whole rotary chain, sine and cosine included, computed again
+    in their layout."""
+    if FAST:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def _sum_columns(x, selector, PRECISION: tl.constexpr):
+    """x [M, K] float32 @ selector [K, N] of zeros and ones on the tensor cores (the selector is exact in TF32). With
+    PRECISION "tf32x3", float32-accurate: x split into its TF32 part and the rest (exact in float32), two products;
+    else one TF32 product (x rounded to 11 bits, finer than the 16-bit gradient it goes into)."""
+    if PRECISION == "tf32x3":
+        hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        total = tl.dot(hi, selector, input_precision="tf32") + tl.dot(x - hi, selector, input_precision="tf32")
+    else:
+        total = tl.dot(x, selector, input_precision="tf32")
+    return total
+
+
+@triton.jit
+def _add_key_sums(ds4, kc, ks, dq_base, lo, first_row, rows, length, stride_q, sm_scale, H: tl.constexpr,
+                  BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                  MMA_SUMS: tl.constexpr, FAST: tl.constexpr):
+    """Adds sm_scale·Σ_j dS (kc, ks) ([BD, H, BQ] each; dS ds4 [1, H, BQ, BK], kc, ks [BD, BQ, BK]) to dq's pairs
+    lo .. lo + BD − 1 at dq_base (the first head's column 0). MMA_SUMS: as products with 0/1 selectors
+    [BD·H·BQ, BK] @ [BK, 16] (selector c puts Σ_j into column c), the sums over keys without the shuffles across
+    lanes that tl.sum needs (Triton puts the keys across a warp's lanes); else tl.sum."""
+    if MMA_SUMS:
+        kc, ks = _computed_once(kc, FAST), _computed_once(ks, FAST)
+        m = tl.arange(0, BD * H * BQ)  # the sums' rows: pair, head, query row
+        pair_m, rows_m, part = lo + m // (H * BQ), first_row + m % BQ, tl.arange(0, 16)
+        keys = tl.zeros((BK, 1), tl.float32)
+        pairs = (_sum_columns(tl.reshape(ds4 * kc[:, None, :, :], (BD * H * BQ, BK)),
+                              keys + (part == 0).to(tl.float32)[None, :], PRECISION)
+                 + _sum_columns(tl.reshape(ds4 * ks[:, None, :, :], (BD * H * BQ, BK)),
+                                keys + (part == 1).to(tl.float32)[None, :], PRECISION))  # columns 0, 1: the sums
+        dq_at = (dq_base + pair_m[:, None] + ((m // BQ) % H)[:, None] * (2 * DH) + rows_m[:, None] * stride_q
+                 + part[None, :] * DH)
+        inside = (pair_m < DH)[:, None] & (rows_m < length)[:, None] & (part < 2)[None, :]
+        scatter_add(dq_at, sm_scale * pairs, inside, FAST)
+    else:
+        d = lo + tl.arange(0, BD)
+        heads = tl.arange(0, H)
+        dq_at = dq_base + d[:, None, None] + heads[None, :, None] * (2 * DH) + rows[None, None, :] * stride_q
+        inside = (d < DH)[:, None, None] & (rows < length)[None, None, :]
+        tl.atomic_add(dq_at, sm_scale * tl.sum(ds4 * kc[:, None, :, :], 3), mask=inside, sem="relaxed")
+        tl.atomic_add(dq_at + DH, sm_scale * tl.sum(ds4 * ks[:, None, :, :], 3), mask=inside, sem="relaxed")
+
+
+@triton.jit
+def _rotary_backward(ds, delta, q_base, dq_base, k_base, dk_base, freq_ptr, rows, first_row, cols, length, stride_q,
+                     stride_k, sm_scale, H: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, DH: tl.constexpr,
+                     BD: tl.constexpr, PRECISION: tl.constexpr, MMA_SUMS: tl.constexpr, FAST: tl.constexpr):
     """The second trig pass of a tile, dS [H·BQ, BK]: adds sm_scale·Σ_j dS (kc, ks) to dq at dq_base (the first
-    head's column 0) and the keys' share to dk at dk_base; returns Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc) [BQ, BK]."""
+    head's column 0; `_add_key_sums`) and the keys' share to dk at dk_base; returns
+    Σ_d ω_d Σ_h dS^h (q1^h ks − q2^h kc) [BQ, BK]."""
     ds4 = tl.reshape(ds, (H, BQ, BK))[None, :, :, :]
-    heads = tl.arange(0, H)
     d_delta = tl.zeros((BQ, BK), tl.float32)
     for lo in range(0, DH, BD):
         omega, cos, sin, kc, ks = _rotated(delta, freq_ptr, k_base, cols, lo, length, stride_k, DH, BD, FAST)
         q1, q2 = _query_chunk(q_base, rows, lo, length, stride_q, H, DH, BD)
+        _add_key_sums(ds4, kc, ks, dq_base, lo, first_row, rows, length, stride_q, sm_scale, H, BQ, BK, DH, BD,
+                      PRECISION, MMA_SUMS, FAST)
         d = lo + tl.arange(0, BD)
-        dq_at = dq_base + d[:, None, None] + heads[None, :, None] * (2 * DH) + rows[None, None, :] * stride_q
-        dq_inside = (d < DH)[:, None, None] & (rows < length)[None, None, :]
-        tl.atomic_add(dq_at, sm_scale * tl.sum(ds4 * kc[:, None, :, :], 3), mask=dq_inside, sem="relaxed")
-        tl.atomic_add(dq_at + DH, sm_scale * tl.sum(ds4 * ks[:, None, :, :], 3), mask=dq_inside, sem="relaxed")
         dsq1 = tl.sum(ds4 * q1, 1)  # Σ_h dS^h q1^h, [BD, BQ, BK]
         dsq2 = tl.sum(ds4 * q2, 1)
         dk_at = dk_base + d[:, None] + cols[None, :] * stride_k
@@ -346,7 +401,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, w
 def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr, seg_ptr, scale_ptr, length, window,
                      num_heads, dq_ptr, dk_ptr, dv_ptr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                      BK: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr,
-                     PRECISION: tl.constexpr, FAST: tl.constexpr):
+                     PRECISION: tl.constexpr, MMA_SUMS: tl.constexpr, FAST: tl.constexpr):
     """q/do [B, L, Hq, D], k/v [B, L, Hkv, D], lse·log2 e and row_dot = Σ_d dO·O [B, Hq, L] float32, ω, segment ids,
     sm_scale as in the forward -> dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] float32 (zeros in, added to)."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -397,8 +452,8 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr
                       mask=keys, sem="relaxed")
         ds = p * (tl.dot(do, vt) - row_dot[:, None])
         d_delta = sm_scale * _rotary_backward(ds, delta, q_base + head0 * D, dq_base + head0 * D, k_base, dk_base,
-                                              freq_ptr, rows, cols, length, stride_q, stride_k, sm_scale, H, BQ, BK,
-                                              D // 2, BD, FAST)
+                                              freq_ptr, rows, qb * BQ, cols, length, stride_q, stride_k, sm_scale, H,
+                                              BQ, BK, D // 2, BD, PRECISION, MMA_SUMS, FAST)
         suffix = dd_suffix[:, None] + tl.cumsum(d_delta, 1, reverse=True)  # Suf_it = Σ_{j≥t} dΔ_ij
         weight = suffix * z * (1.0 - z)  # z' = z(1 − z) is 0 where invisible
         s_acc += tl.dot(weight, tl.trans(kt).to(tl.float32), input_precision=_ACCURATE)
@@ -433,12 +488,17 @@ def _kernel_settings(config: _Config, q: jax.Array, segment_ids: jax.Array | Non
     blocks = config.blocks
     bq, bk, h = ((blocks.block_q_bwd, blocks.block_k_bwd, blocks.block_h_bwd) if backward
                  else (blocks.block_q, blocks.block_k, blocks.block_h))
-    return dict(grid=(-(-length // bq), batch, num_heads // h),
-                num_warps=config.num_warps_bwd if backward else config.num_warps,
-                num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk,
-                BD=blocks.block_d_bwd if backward else blocks.block_d, H=h,
-                G=config.groups, HAS_SEG=segment_ids is not None,
-                PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32", FAST=not interpreted())
+    settings = dict(grid=(-(-length // bq), batch, num_heads // h),
+                    num_warps=config.num_warps_bwd if backward else config.num_warps,
+                    num_stages=config.num_stages, D=d, DP=tile_extent(d), BQ=bq, BK=bk,
+                    BD=blocks.block_d_bwd if backward else blocks.block_d, H=h,
+                    G=config.groups, HAS_SEG=segment_ids is not None,
+                    PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32", FAST=not interpreted())
+    if backward:  # the key sums on the tensor cores where they fill a warpgroup's 64 rows (fewer: MHA, the shuffles
+        # cost less), but for float32 at Dp 256, where their operands spill a kilobyte
+        settings["MMA_SUMS"] = (h * bq * blocks.block_d_bwd >= 64
+                                and (q.dtype != jnp.float32 or tile_extent(d) <= 128))
+    return settings
 
 
 def _scalars(q: jax.Array, config: _Config) -> list[int]:

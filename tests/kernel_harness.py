@@ -4,6 +4,7 @@ one-bound-per-tensor form the transformation tests use), the walk over every equ
 that finds arrays of size L×L built by a backward pass."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import chex
@@ -34,6 +35,18 @@ def outputs_and_grads(attention: Callable[..., jax.Array], args: Sequence[jax.Ar
 # float32 output's largest error seen on an H200, at L 4096 against a TF32-computed want: 0.0126 at |want| 0.05).
 TOLERANCE = {"float32": {"out": (3e-5, 1e-3), "grad": (2e-4, 1e-3)},
              "bfloat16": {"out": (1e-2, 1e-2), "grad": (1e-1, 1e-2)}}
+def float32_products(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """fn traced with float32 matrix products (`jax.default_matmul_precision("highest")`), for the references a GPU
+    checks against: there XLA would multiply float32 in TF32, and CoPE's positions (sums of gates) would move. The
+    same as the default on CPU."""
+    @functools.wraps(fn)
+    def traced_highest(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+
+    return traced_highest
+
+
 GPU_TOLERANCE = {"float32": {"out": (2e-2, 1e-2), "grad": (6e-2, 2e-2)},
                  "bfloat16": {"out": (3e-2, 2e-2), "grad": (1.5e-1, 3e-2)}}
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,
-                            square_intermediates_of_grad)
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,
+                            outputs_and_grads, square_intermediates_of_grad)
 
 import jaxpe
 from jaxpe.kernels.cope_pallas import BlockSizes, cope_attention_pallas
@@ -89,8 +89,9 @@ def reference(case: Case) -> list[jax.Array]:
     """The dense reference's outputs and gradients, computed once per case. Compiled with XLA's default options:
     at optimisation level 0 (FAST_COMPILE) XLA's CPU backend returns NaN in some of its gradients (jax 0.10, 0.12)."""
     sm_scale = case.head_dim ** -0.5
-    return run(lambda q, k, v, e, gk: jaxpe.cope_attention(q, k, v, e, sm_scale=sm_scale, gate_k=gk,
-                                                            impl="reference"), case, compiler_options=None)
+    return run(float32_products(lambda q, k, v, e, gk: jaxpe.cope_attention(q, k, v, e, sm_scale=sm_scale, gate_k=gk,
+                                                                             impl="reference")),
+               case, compiler_options=None)
 
 
 def assert_matches_reference(case: Case, got: list[jax.Array], table: dict = TOLERANCE) -> None:

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,
-                            square_intermediates_of_grad)
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,
+                            outputs_and_grads, square_intermediates_of_grad)
 
 import jaxpe
 
@@ -133,6 +133,7 @@ def triton_kernel(blocks: BlockSizes | None):
     return lambda q, k, v, e, gk, s, **o: cope_attention_triton(q, k, v, e, gk, sm_scale=s, block_sizes=blocks, **o)
 
 
+@float32_products
 def reference_impl(q, k, v, e, gk, s, **options):
     return jaxpe.cope_attention(q, k, v, e, sm_scale=s, gate_k=gk, impl="reference", **options)
 

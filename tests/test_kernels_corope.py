@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,
-                            square_intermediates_of_grad)
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,
+                            outputs_and_grads, square_intermediates_of_grad)
 
 import jaxpe
 from jaxpe.kernels.corope_pallas import BlockSizes, corope_attention_pallas
@@ -88,6 +88,7 @@ def run(attention, case: Case) -> list[jax.Array]:
     return outputs_and_grads(attention, (q, k, v), cotangent)
 
 
+@float32_products
 def reference(q, k, v):
     return jaxpe.corope_attention(q, k, v, theta=THETA, sm_scale=q.shape[-1] ** -0.5, impl="reference")
 

@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, outputs_and_grads,  # noqa: E402
-                            square_intermediates_of_grad)
+from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,  # noqa: E402
+                            outputs_and_grads, square_intermediates_of_grad)
 from test_kernels_corope import THETA, Case, make_inputs, reference  # noqa: E402
 
 import jaxpe  # noqa: E402
@@ -83,6 +83,7 @@ def triton_attention(options: Options):
     return functools.partial(corope_attention_triton, block_sizes=options.blocks)
 
 
+@float32_products
 def reference_attention(q, k, v, **given):
     return jaxpe.corope_attention(q, k, v, impl="reference", **given)
 
