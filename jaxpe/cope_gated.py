@@ -2,7 +2,8 @@
 
 B batch, L length, H heads, D head dim, d_model width, max_pos table rows.
 Gates come from the token embeddings, not from q·k: g_j = sigmoid(x_j W_g + b_g) per head; absolute soft positions
-p_j = Σ_{t≤j} g_t (over j's document when documents are packed), clamped to [0, max_pos − 1]; e(p_j) interpolated from a table [max_pos, D];
+p_j = Σ_{t≤j} g_t (over j's document when documents are packed), clamped to [0, max_pos − 1]; e(p_j) interpolated
+from a table [max_pos, D];
 bias_ij = (W_q q_i)·e(p_j)/√D added to the scaled logits. `cope_rope` also rotates q and k (RoPE).
 """
 from __future__ import annotations
@@ -70,7 +71,8 @@ class GatedCoPECore(nn.Module):
         key_positions = update_cache(self, "gate_positions", steps, index) if ctx.decode else steps
         table = self.param("pos_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                            (self.max_pos, d))
-        q_proj = nn.DenseGeneral(d, use_bias=False, kernel_init=partitioned(nn.initializers.normal(0.02), "head_dim", None),
+        q_proj = nn.DenseGeneral(d, use_bias=False,
+                                 kernel_init=partitioned(nn.initializers.normal(0.02), "head_dim", None),
                                  dtype=q.dtype, name="pos_query")(q)
         bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
         if self.rope:

@@ -267,9 +267,9 @@ class TransformerLM(nn.Module):
     """tokens [B, L] int -> logits [B, L, V] float32.
 
     Optional, [B, L] each: `positions` (int; default: the index within each document, continuing the cache while
-    decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention across documents, and
-    CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded tokens are keys no real
-    token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see `generate`): initialise
+    decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention
+    across documents, and CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded
+    tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see `generate`): initialise
     the cache with an input of the full length.
     """
 
