@@ -5,7 +5,8 @@
 # cuDNN's flash attention at L 4096 (Pallas too) and 32768. Each stage has a time limit, so a slow one cannot starve
 # the next; every stage's JSON and log land in DEST (default results/bench). Needs jax with CUDA, triton and the
 # jax-triton release of the installed jax (`pip install 'jaxpe[gpu,triton]'`).
-# Usage: bash benchmarks/gpu_check.sh [DEST]     (TESTS_S, TILES_S, BENCH_S: seconds per stage)
+# Usage: bash benchmarks/gpu_check.sh [DEST]     (TESTS_S, TILES_S, BENCH_S: seconds per stage; STAGES=tests,tiles
+# or STAGES=bench runs some of them, e.g. to split the list over two calls of a machine with a time limit per call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=$(mkdir -p "${1:-results/bench}" && cd "${1:-results/bench}" && pwd)
@@ -20,30 +21,37 @@ log="$DEST/gpu_check.log"
 print(jax.devices(), 'jax', jax.__version__, 'triton', triton.__version__, 'native path:', unavailable() or 'ok')"
 } 2>&1 | tee "$log"
 
-echo "== tests" | tee -a "$log"
-SECONDS=0
-# -v with xdist names every test as it ends ("[gw1] PASSED tests/..."), so a stage cut short still says which failed.
-timeout "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider tests/test_kernels_cope_triton.py \
-  tests/test_kernels_corope_triton.py tests/test_gpu_long.py > "$DEST/gpu_tests.log" 2>&1
-echo "tests: exit $? in $SECONDS s" | tee -a "$log"
-grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 | tee -a "$log"
-pkill -f "pytest.*gpu_long" 2>/dev/null  # xdist workers a timeout left behind would share the GPU with the timings
+STAGES=",${STAGES:-tests,tiles,bench},"
+if [[ $STAGES == *,tests,* ]]; then
+  echo "== tests" | tee -a "$log"
+  SECONDS=0
+  # -v with xdist names each test as it ends ("[gw1] PASSED tests/..."): a stage cut short still names failures.
+  timeout "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider tests/test_kernels_cope_triton.py \
+    tests/test_kernels_corope_triton.py tests/test_gpu_long.py > "$DEST/gpu_tests.log" 2>&1
+  echo "tests: exit $? in $SECONDS s" | tee -a "$log"
+  grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 | tee -a "$log"
+  pkill -f "pytest.*gpu_long" 2>/dev/null  # xdist workers a timeout left behind would share the GPU with the timings
+fi
 
-echo "== tiles" | tee -a "$log"
-SECONDS=0
-timeout "${TILES_S:-100}" $PYTHON benchmarks/tiles.py --out "$WORK" > "$WORK/tiles.log" 2>&1
-echo "tiles: exit $? in $SECONDS s" | tee -a "$log"
-cp "$WORK"/tiles_*.json "$DEST"/ 2>/dev/null || cp "$WORK/tiles.log" "$DEST/tiles.log"
-cat "$WORK"/tiles_*.md 2>/dev/null | tee -a "$log"
+if [[ $STAGES == *,tiles,* ]]; then
+  echo "== tiles" | tee -a "$log"
+  SECONDS=0
+  timeout "${TILES_S:-100}" $PYTHON benchmarks/tiles.py --out "$WORK" > "$WORK/tiles.log" 2>&1
+  echo "tiles: exit $? in $SECONDS s" | tee -a "$log"
+  cp "$WORK"/tiles_*.json "$DEST"/ 2>/dev/null || cp "$WORK/tiles.log" "$DEST/tiles.log"
+  cat "$WORK"/tiles_*.md 2>/dev/null | tee -a "$log"
+fi
 
-echo "== attention" | tee -a "$log"
-SECONDS=0
-timeout "${BENCH_S:-180}" bash -c "
-  $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_4096 --lengths 4096 --groups 4 \
-    --impls pallas,triton,anchor --repeats 5 &&
-  $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_32768 --lengths 32768 --groups 4 \
-    --impls triton,anchor --repeats 3" > "$WORK/bench.log" 2>&1
-echo "attention: exit $? in $SECONDS s" | tee -a "$log"
-cp "$WORK"/bench_gpu_native_*.json "$DEST"/ 2>/dev/null
-grep '^{' "$WORK/bench.log" > "$DEST/bench_rows.jsonl"
-cat "$WORK"/bench_gpu_native_*.md 2>/dev/null | tee -a "$log"
+if [[ $STAGES == *,bench,* ]]; then
+  echo "== attention" | tee -a "$log"
+  SECONDS=0
+  timeout "${BENCH_S:-300}" bash -c "
+    $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_4096 --lengths 4096 --groups 4 \
+      --impls pallas,triton,anchor --repeats 5 &&
+    $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_32768 --lengths 32768 --groups 4 \
+      --impls triton,anchor --repeats 3" > "$WORK/bench.log" 2>&1
+  echo "attention: exit $? in $SECONDS s" | tee -a "$log"
+  cp "$WORK"/bench_gpu_native_*.json "$DEST"/ 2>/dev/null
+  grep '^{' "$WORK/bench.log" > "$DEST/bench_rows.jsonl"
+  cat "$WORK"/bench_gpu_native_*.md 2>/dev/null | tee -a "$log"
+fi
