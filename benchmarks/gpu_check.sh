@@ -29,7 +29,8 @@ if [[ $STAGES == *,tests,* ]]; then
   timeout "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider tests/test_kernels_cope_triton.py \
     tests/test_kernels_corope_triton.py tests/test_gpu_long.py > "$DEST/gpu_tests.log" 2>&1
   echo "tests: exit $? in $SECONDS s" | tee -a "$log"
-  grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 | tee -a "$log"
+  grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 |
+    tee -a "$log"
   pkill -f "pytest.*gpu_long" 2>/dev/null  # xdist workers a timeout left behind would share the GPU with the timings
 fi
 
