@@ -6,7 +6,7 @@
 # Usage: bash results/run_cpu_medium.sh [counting_3var|counting_5var ...]   (resumes; PES=... SEEDS=... narrow it)
 # Tables: compare.json goes to results/cpu_medium/<setting>/; `bash results/tables.sh` prints docs/results.md's tables.
 # The same runs at other settings: NAME=... runs in runs/NAME/ and copies to results/NAME/ (COPY=0: no copy),
-# OVERRIDES="key=value ..." adds configuration overrides (results/run_counting_curves.sh is one such).
+# OVERRIDES="key=value ..." adds configuration overrides (results/run_cpu_medium_converged.sh is one such).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-cope,relative,learned,rope,none,corope}

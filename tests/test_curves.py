@@ -63,3 +63,18 @@ def test_collect_without_runs_names_the_layout(tmp_path):
         curves.main([str(tmp_path), "--out", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="metrics.jsonl"):
         curves.collect(tmp_path)
+
+
+def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
+    for pe, seed in [("cope", 0), ("cope", 1), ("cope", 10), ("relative", 0), ("rope", 0)]:
+        _write_run(tmp_path, "counting_3var", pe, seed, [(100, 0.5)])
+    data = curves.collect(tmp_path, pes=["cope", "relative"], seeds=[0, 1])
+    assert {pe: sorted(seeds) for pe, seeds in data["settings"]["counting_3var"].items()} == {
+        "cope": ["seed0", "seed1"], "relative": ["seed0"]}  # seed10 is not seed1
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "10"]) == 0
+    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
+        "counting_3var/cope/seed10"]
+    with pytest.raises(ValueError, match=r"encodings \['corope'\]"):
+        curves.collect(tmp_path, pes=["corope"])
+    with pytest.raises(SystemExit):
+        curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "0,x"])

@@ -1,10 +1,10 @@
 """Learning curves of `jaxpe-compare` runs: the evaluation error against steps, where each run stopped improving,
 and one JSON + one figure for all of them.
 
-  python -m jaxpe.train.curves runs/counting_curves --out results/counting_curves
+  python -m jaxpe.train.curves runs/cpu_medium_converged --out results/cpu_medium_converged/curves
 
 reads <root>/<setting>/<pe>/seed<k>/metrics.jsonl (a `jaxpe-compare --workdir <root>/<setting>` layout, as
-results/run_counting_curves.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
+results/run_cpu_medium_converged.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
 each run, the runs' configs and environments) and curves.png. A run's plateau is the first evaluation whose error
 lies within the 95 % binomial interval of its best (`plateau`): later evaluations improve on it by less than the
 evaluation set can tell.
@@ -67,13 +67,16 @@ def run_curve(metrics_path: pathlib.Path) -> dict[str, Any]:
     return curve
 
 
-def collect(root: str | pathlib.Path) -> dict[str, Any]:
+def collect(root: str | pathlib.Path, *, pes: Sequence[str] = (), seeds: Sequence[int] = ()) -> dict[str, Any]:
     """{"settings": {setting: {pe: {"seed<k>": curve}}}, "configs": {...}, "environments": {...}} of every run under
-    root (<setting>/<pe>/seed<k>/metrics.jsonl). ValueError when there is none."""
+    root (<setting>/<pe>/seed<k>/metrics.jsonl), or of those of `pes` and `seeds` (empty: all). ValueError when there
+    is none."""
     root = pathlib.Path(root)
-    found = sorted(root.glob("*/*/seed*/metrics.jsonl"))
+    found = [path for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))
+             if (not pes or path.parent.parent.name in pes) and (not seeds or path.parent.name[4:] in map(str, seeds))]
     if not found:
-        raise ValueError(f"no runs under {root} (<setting>/<pe>/seed<k>/metrics.jsonl)")
+        which = f" of encodings {list(pes) or 'any'} and seeds {list(seeds) or 'any'}" if pes or seeds else ""
+        raise ValueError(f"no runs{which} under {root} (<setting>/<pe>/seed<k>/metrics.jsonl)")
     settings: dict[str, dict[str, dict[str, Any]]] = {}
     configs, environments = {}, {}
     for path in found:
@@ -109,9 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
     parser.add_argument("root", help="folder of <setting>/<pe>/seed<k>/metrics.jsonl runs")
     parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
+    parser.add_argument("--pes", default="", help="only these encodings (comma-separated; default all)")
+    parser.add_argument("--seeds", default="", help="only these seeds (comma-separated integers; default all)")
     args = parser.parse_args(argv)
     try:
-        data = collect(args.root)
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed]
+    except ValueError:
+        parser.error(f"--seeds={args.seeds!r} must be comma-separated integers")
+    try:
+        data = collect(args.root, pes=[pe for pe in args.pes.split(",") if pe], seeds=seeds)
     except ValueError as error:
         parser.error(str(error))
     out = pathlib.Path(args.out)

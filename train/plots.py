@@ -200,21 +200,23 @@ def benchmark_curves(
 
 def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None = None) -> Figure:
     """One panel per setting of `jaxpe.train.curves.collect`'s data: the evaluation error (%) against steps, one
-    colour per encoding and seed, the plateau split solid with its plateau marked, the other splits dashed."""
+    colour per encoding (its seeds alike), the plateau split solid with each run's plateau marked, the others dashed."""
     settings = data["settings"]
     if not settings:
         raise ValueError("no runs to plot")
     fig, axes = _figure(5.5 * len(settings), 4, ncols=len(settings))
     metric, main = data["metric"], data["split"]
-    colours = iter(range(100))
-    for ax, (setting, pes) in zip(axes, settings.items()):
-        for pe, seeds in pes.items():
-            for seed, curve in seeds.items():
-                colour = f"C{next(colours) % 10}"
+    pes = sorted({pe for pes in settings.values() for pe in pes})
+    for ax, (setting, by_pe) in zip(axes, settings.items()):
+        for pe, seeds in by_pe.items():
+            colour = f"C{pes.index(pe) % 10}"
+            for number, (seed, curve) in enumerate(seeds.items()):
                 for split, points in curve["splits"].items():
+                    first = number == 0
                     ax.plot(points["steps"], [100 * e for e in points[metric]], color=colour,
-                            linestyle="-" if split == main else "--", linewidth=1.2,
-                            label=f"{pe} {seed} {split}")
+                            linestyle="-" if split == main else "--", linewidth=1.0, alpha=0.8,
+                            label=f"{pe} {split}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
+                            if first else None)
                 if curve["plateau"] is not None:
                     p = curve["plateau"]
                     ax.plot([p["step"]], [100 * p["error"]], marker="o", color=colour)
