@@ -200,7 +200,8 @@ def benchmark_curves(
 
 def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None = None) -> Figure:
     """One panel per setting of `jaxpe.train.curves.collect`'s data: the evaluation error (%) against steps, one
-    colour per encoding (its seeds alike), the plateau split solid with each run's plateau marked, the others dashed."""
+    colour per encoding (its seeds alike), the plateau split solid with each run's plateau marked, the others dashed;
+    a split evaluated only once (at the end) is left out."""
     settings = data["settings"]
     if not settings:
         raise ValueError("no runs to plot")
@@ -212,6 +213,8 @@ def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None 
             colour = f"C{pes.index(pe) % 10}"
             for number, (seed, curve) in enumerate(seeds.items()):
                 for split, points in curve["splits"].items():
+                    if len(points["steps"]) < 2:  # evaluated at the end only (the final evaluation's extra splits)
+                        continue
                     first = number == 0
                     ax.plot(points["steps"], [100 * e for e in points[metric]], color=colour,
                             linestyle="-" if split == main else "--", linewidth=1.0, alpha=0.8,
@@ -224,5 +227,6 @@ def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None 
         ax.set_xlabel("step")
         ax.set_ylabel(metric_label(metric))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     return _save(fig, path)
