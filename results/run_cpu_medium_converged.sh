@@ -2,15 +2,16 @@
 # Reproduces results/cpu_medium_converged/: the counting comparison at the cpu-medium preset (programs of up to 64
 # statements in 128-token blocks, 10k training programs) trained until it stops improving: CoPE, relative, learned,
 # RoPE, no positions and Co-RoPE x 3 and 5 variables x seeds 0, 1, 2, each 20000 steps at a constant learning rate
-# after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every run
-# is also a learning curve. results/cpu_medium_converged/curves/ holds the seed-0 curves of CoPE, relative and
-# learned that chose this budget (`PES=cope,relative,learned SEEDS=0` runs those alone).
-# results/run_cpu_medium.sh's runs with these overrides, in runs/cpu_medium_converged/: the two variable counts side
-# by side, a core each. Every run resumes from its checkpoint (one each 1000 steps) and a finished run is read back,
-# so the sweep can be stopped and started again, in parts:
+# of 1e-3 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
+# run is also a learning curve. The budget and the rate were chosen from learning curves (docs/results.md, "Counting
+# trained until it stops improving"); LR=... STEPS=... change them (LR=3e-3 COPY=0 NAME=... gives those curves).
+# results/run_cpu_medium.sh's runs with these overrides, in runs/$NAME/ (default cpu_medium_converged): the two
+# variable counts side by side, a core each. Every run resumes from its checkpoint (one each 1000 steps) and a
+# finished run is read back, so the sweep can be stopped and started again, in parts:
 #   nohup bash results/run_cpu_medium_converged.sh &     (or: ... counting_5var, PES=..., SEEDS=...)
 # Then: .venv/bin/python -m jaxpe.train.curves runs/cpu_medium_converged --out results/cpu_medium_converged/curves
 set -euo pipefail
-NAME=cpu_medium_converged \
+NAME=${NAME:-cpu_medium_converged} \
   OVERRIDES="run.steps=${STEPS:-20000} run.eval_every=${EVAL:-250} run.checkpoint_every=1000 \
-run.eval_splits=valid,len_x2 optim.min_lr_ratio=1.0" exec bash "$(dirname "$0")/run_cpu_medium.sh" "$@"
+run.eval_splits=valid,len_x2 optim.min_lr_ratio=1.0 optim.learning_rate=${LR:-1e-3}" \
+  exec bash "$(dirname "$0")/run_cpu_medium.sh" "$@"

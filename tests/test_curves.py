@@ -78,3 +78,15 @@ def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
         curves.collect(tmp_path, pes=["corope"])
     with pytest.raises(SystemExit):
         curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "0,x"])
+
+
+def test_several_roots_name_each_setting_by_its_root(tmp_path):
+    _write_run(tmp_path / "lr_a", "counting_5var", "cope", 0, [(100, 0.5), (200, 0.4)])
+    _write_run(tmp_path / "lr_b", "counting_5var", "cope", 0, [(100, 0.3)])
+    data = curves.collect([tmp_path / "lr_a", tmp_path / "lr_b"])
+    assert sorted(data["settings"]) == ["lr_a/counting_5var", "lr_b/counting_5var"]
+    assert data["settings"]["lr_b/counting_5var"]["cope"]["seed0"]["splits"]["valid"]["seq_error"] == [0.3]
+    assert sorted(data["configs"]) == ["lr_a/counting_5var/cope/seed0", "lr_b/counting_5var/cope/seed0"]
+    assert curves.main([str(tmp_path / "lr_a"), str(tmp_path / "lr_b"), "--out", str(tmp_path / "out")]) == 0
+    with pytest.raises(ValueError, match="lr_c"):
+        curves.collect([tmp_path / "lr_c"])

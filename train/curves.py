@@ -5,7 +5,8 @@ and one JSON + one figure for all of them.
 
 reads <root>/<setting>/<pe>/seed<k>/metrics.jsonl (a `jaxpe-compare --workdir <root>/<setting>` layout, as
 results/run_cpu_medium_converged.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
-each run, the runs' configs and environments) and curves.png. A run's plateau is the first evaluation whose error
+each run, the runs' configs and environments) and curves.png; several roots side by side name each setting by its
+root (`python -m jaxpe.train.curves runs/lr_a runs/lr_b --out ...`). A run's plateau is the first evaluation whose error
 lies within the 95 % binomial interval of its best (`plateau`): later evaluations improve on it by less than the
 evaluation set can tell.
 """
@@ -67,21 +68,25 @@ def run_curve(metrics_path: pathlib.Path) -> dict[str, Any]:
     return curve
 
 
-def collect(root: str | pathlib.Path, *, pes: Sequence[str] = (), seeds: Sequence[int] = ()) -> dict[str, Any]:
+def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Sequence[str] = (),
+            seeds: Sequence[int] = ()) -> dict[str, Any]:
     """{"settings": {setting: {pe: {"seed<k>": curve}}}, "configs": {...}, "environments": {...}} of every run under
-    root (<setting>/<pe>/seed<k>/metrics.jsonl), or of those of `pes` and `seeds` (empty: all). ValueError when there
-    is none."""
-    root = pathlib.Path(root)
-    found = [path for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))
+    the root(s) (<setting>/<pe>/seed<k>/metrics.jsonl), or of those of `pes` and `seeds` (empty: all). With several
+    roots a setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). ValueError when there is
+    no run."""
+    roots = [pathlib.Path(roots)] if isinstance(roots, (str, pathlib.Path)) else [pathlib.Path(r) for r in roots]
+    found = [(root, path) for root in roots for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))
              if (not pes or path.parent.parent.name in pes) and (not seeds or path.parent.name[4:] in map(str, seeds))]
     if not found:
         which = f" of encodings {list(pes) or 'any'} and seeds {list(seeds) or 'any'}" if pes or seeds else ""
-        raise ValueError(f"no runs{which} under {root} (<setting>/<pe>/seed<k>/metrics.jsonl)")
+        raise ValueError(f"no runs{which} under {', '.join(map(str, roots))} "
+                         "(<setting>/<pe>/seed<k>/metrics.jsonl)")
     settings: dict[str, dict[str, dict[str, Any]]] = {}
     configs, environments = {}, {}
-    for path in found:
+    for root, path in found:
         run = path.parent
         setting, pe, seed = run.parent.parent.name, run.parent.name, run.name
+        setting = f"{root.name}/{setting}" if len(roots) > 1 else setting
         settings.setdefault(setting, {}).setdefault(pe, {})[seed] = run_curve(path)
         name = f"{setting}/{pe}/{seed}"
         if (run / "config.json").exists():
@@ -110,7 +115,7 @@ def summary(data: Mapping[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
-    parser.add_argument("root", help="folder of <setting>/<pe>/seed<k>/metrics.jsonl runs")
+    parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs")
     parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
     parser.add_argument("--pes", default="", help="only these encodings (comma-separated; default all)")
     parser.add_argument("--seeds", default="", help="only these seeds (comma-separated integers; default all)")
@@ -120,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--seeds={args.seeds!r} must be comma-separated integers")
     try:
-        data = collect(args.root, pes=[pe for pe in args.pes.split(",") if pe], seeds=seeds)
+        data = collect(args.roots, pes=[pe for pe in args.pes.split(",") if pe], seeds=seeds)
     except ValueError as error:
         parser.error(str(error))
     out = pathlib.Path(args.out)
