@@ -90,3 +90,16 @@ def test_several_roots_name_each_setting_by_its_root(tmp_path):
     assert curves.main([str(tmp_path / "lr_a"), str(tmp_path / "lr_b"), "--out", str(tmp_path / "out")]) == 0
     with pytest.raises(ValueError, match="lr_c"):
         curves.collect([tmp_path / "lr_c"])
+
+
+def test_window_mean_column(tmp_path):
+    _write_run(tmp_path, "counting_5var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.1), (400, 0.3)])
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
+    table = (tmp_path / "out" / "curves.md").read_text()
+    assert "mean error % over steps 200–300 |" in table
+    assert table.rstrip().endswith("| 15.0 |")  # (0.2 + 0.1) / 2
+    data = curves.collect(tmp_path)
+    assert curves.window_mean(data["settings"]["counting_5var"]["cope"]["seed0"], 500, 600) is None
+    for bad in ("300:200", "1:2:3", "a:b"):
+        with pytest.raises(SystemExit):
+            curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", bad])

@@ -97,10 +97,23 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
             "environments": environments}
 
 
-def summary(data: Mapping[str, Any]) -> str:
-    """A Markdown table: per setting and encoding, the steps run, the best error and its step, and the plateau."""
+def window_mean(curve: Mapping[str, Any], first: int, last: int) -> float | None:
+    """The mean SPLIT error of a run's evaluations at steps first..last (both included); None when there is none.
+
+    >>> window_mean({"splits": {"valid": {"steps": [1, 2, 3], "seq_error": [0.5, 0.2, 0.1]}}}, 2, 3)
+    0.15000000000000002
+    """
+    points = curve["splits"].get(SPLIT, {"steps": [], METRIC: []})
+    inside = [e for s, e in zip(points["steps"], points[METRIC]) if first <= s <= last]
+    return sum(inside) / len(inside) if inside else None
+
+
+def summary(data: Mapping[str, Any], window: tuple[int, int] | None = None) -> str:
+    """A Markdown table: per setting and encoding, the steps run, the best error and its step, the plateau, and with
+    `window` (first, last) the mean error of the evaluations in those steps (`window_mean`)."""
+    extra = "" if window is None else f" mean error % over steps {window[0]}–{window[1]} |"
     lines = [f"| setting | pe | seed | steps run | best {data['split']} error % (step) | plateau step "
-             f"(error %, within ± %) |", "|---|---|---|---|---|---|"]
+             f"(error %, within ± %) |{extra}", "|---|---|---|---|---|---|" + ("---|" if window else "")]
     for setting, pes in data["settings"].items():
         for pe, seeds in pes.items():
             for seed, curve in seeds.items():
@@ -109,7 +122,10 @@ def summary(data: Mapping[str, Any]) -> str:
                 cells = (["—", "—"] if p is None else
                          [f"{100 * p['best']:.1f} ({p['best_step']})",
                           f"{p['step']} ({100 * p['error']:.1f}, {100 * p['within']:.1f})"])
-                lines.append(f"| {setting} | {pe} | {seed} | {ran} | {cells[0]} | {cells[1]} |")
+                if window is not None:
+                    mean = window_mean(curve, *window)
+                    cells.append("—" if mean is None else f"{100 * mean:.1f}")
+                lines.append(f"| {setting} | {pe} | {seed} | {ran} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -118,12 +134,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs")
     parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
     parser.add_argument("--pes", default="", help="only these encodings (comma-separated; default all)")
+    parser.add_argument("--window", default="", help="FIRST:LAST: a column of the mean error over those steps")
     parser.add_argument("--seeds", default="", help="only these seeds (comma-separated integers; default all)")
     args = parser.parse_args(argv)
     try:
         seeds = [int(seed) for seed in args.seeds.split(",") if seed]
     except ValueError:
         parser.error(f"--seeds={args.seeds!r} must be comma-separated integers")
+    window = None
+    if args.window:
+        try:
+            window = tuple(int(step) for step in args.window.split(":"))
+        except ValueError:
+            window = ()
+        if len(window) != 2 or window[0] > window[1]:
+            parser.error(f"--window={args.window!r} must be FIRST:LAST steps with FIRST <= LAST")
     try:
         data = collect(args.roots, pes=[pe for pe in args.pes.split(",") if pe], seeds=seeds)
     except ValueError as error:
@@ -131,9 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "curves.md").write_text(summary(data))
+    (out / "curves.md").write_text(summary(data, window))
     learning_curves(data, path=out / "curves.png")
-    print(summary(data), end="")
+    print(summary(data, window), end="")
     return 0
 
 

@@ -19,10 +19,11 @@ from matplotlib.figure import Figure
 from jaxpe.train.tables import metric_label, metric_scale
 
 
-def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:
-    fig = Figure(figsize=(width, height), layout="constrained")
+def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1) -> tuple[Figure, list[Any]]:
+    """A figure `width` inches wide of nrows x ncols panels, each row `height` inches; its axes row by row."""
+    fig = Figure(figsize=(width, height * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(ncols * nrows)]
     return fig, axes
 
 
@@ -205,7 +206,9 @@ def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None 
     settings = data["settings"]
     if not settings:
         raise ValueError("no runs to plot")
-    fig, axes = _figure(5.5 * len(settings), 4, ncols=len(settings))
+    ncols = min(len(settings), 3)
+    nrows = -(-len(settings) // ncols)
+    fig, axes = _figure(5.5 * ncols, 4, ncols=ncols, nrows=nrows)
     metric, main = data["metric"], data["split"]
     pes = sorted({pe for pes in settings.values() for pe in pes})
     for ax, (setting, by_pe) in zip(axes, settings.items()):
@@ -229,4 +232,6 @@ def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None 
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
+    for ax in axes[len(settings):]:
+        ax.set_visible(False)
     return _save(fig, path)
