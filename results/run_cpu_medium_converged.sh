@@ -2,7 +2,7 @@
 # Reproduces results/cpu_medium_converged/: the counting comparison at the cpu-medium preset (programs of up to 64
 # statements in 128-token blocks, 10k training programs) trained until it stops improving: CoPE, relative, learned,
 # RoPE, no positions and Co-RoPE x 3 and 5 variables x seeds 0, 1, 2, each 20000 steps at a constant learning rate
-# of 1e-3 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
+# of 3e-4 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
 # run is also a learning curve. The budget and the rate were chosen from learning curves (docs/results.md, "Counting
 # trained until it stops improving"); LR=... STEPS=... change them (LR=3e-3 COPY=0 NAME=... gives those curves).
 # results/run_cpu_medium.sh's runs with these overrides, in runs/$NAME/ (default cpu_medium_converged): the two
@@ -13,5 +13,5 @@
 set -euo pipefail
 NAME=${NAME:-cpu_medium_converged} \
   OVERRIDES="run.steps=${STEPS:-20000} run.eval_every=${EVAL:-250} run.checkpoint_every=1000 \
-run.eval_splits=valid,len_x2 optim.min_lr_ratio=1.0 optim.learning_rate=${LR:-1e-3}" \
+run.eval_splits=valid,len_x2 optim.min_lr_ratio=1.0 optim.learning_rate=${LR:-3e-4}" \
   exec bash "$(dirname "$0")/run_cpu_medium.sh" "$@"
