@@ -74,8 +74,7 @@ def measure_preset(preset: str, pes: list[str], steps: int) -> dict[str, Any]:
         rows[pe] = {"seconds_per_step": seconds,
                     "flops_per_step": statistics.fmean(flops_at[length] for length in lengths),
                     "mean_length": statistics.fmean(lengths), "real_tokens_per_step": statistics.fmean(
-                        float(scored_lengths(task.train_batch(i, config.optim.batch_size)["weights"]).sum())
-                        for i in range(steps)),
+                        float(scored_lengths(batch["weights"]).sum()) for batch in batches),
                     "run_steps": config.run.steps, "batch_size": config.optim.batch_size,
                     "block": task.seq_len}
         print(f"{preset} {pe}: {seconds:.3f} s/step, {rows[pe]['flops_per_step'] / 1e9:.1f} GFLOP/step",
