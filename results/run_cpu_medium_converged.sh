@@ -4,7 +4,14 @@
 # RoPE, no positions and Co-RoPE x 3 and 5 variables x seeds 0, 1, 2, each 20000 steps at a constant learning rate
 # of 3e-4 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
 # run is also a learning curve. The budget and the rate were chosen from learning curves (docs/results.md, "Counting
-# trained until it stops improving"); LR=... STEPS=... change them (LR=3e-3 COPY=0 NAME=... gives those curves).
+# trained until it stops improving"), results/cpu_medium_converged/lr_curves/, which these commands reproduce:
+#   LR=3e-3 NAME=cpu_medium_lr3e-3 PES=cope,relative,learned SEEDS=0 COPY=0 bash results/run_cpu_medium_converged.sh
+#   for LR in 1e-2 1e-3 3e-4 1e-4; do LR=$LR NAME=cpu_medium_lr$LR STEPS=10000 PES=cope,relative SEEDS=0 COPY=0 \
+#     bash results/run_cpu_medium_converged.sh counting_5var; done      (1e-2 was stopped at step 4250)
+#   .venv/bin/python -m jaxpe.train.curves runs/cpu_medium_lr{3e-3,1e-2,1e-3,3e-4,1e-4} --window 5000:10000 \
+#     --out results/cpu_medium_converged/lr_curves
+# The 3e-4 probes are the sweep's seed-0 CoPE and relative runs at 5 variables: copied to runs/cpu_medium_converged/,
+# they resume from step 10000 (the rate is constant, so the run is the one an uninterrupted run would be).
 # results/run_cpu_medium.sh's runs with these overrides, in runs/$NAME/ (default cpu_medium_converged): the two
 # variable counts side by side, a core each. Every run resumes from its checkpoint (one each 1000 steps) and a
 # finished run is read back, so the sweep can be stopped and started again, in parts:
