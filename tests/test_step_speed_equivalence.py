@@ -53,8 +53,8 @@ def test_interpolate_table_rows_matches_take_along_axis_with_gradients(key, b, l
         return interpolate(lambda index: jnp.take_along_axis(zt, index, axis=-1), p, size).value
 
     np.testing.assert_allclose(interpolate_table_rows(z, p), reference(z, p), rtol=1e-6, atol=1e-6)
-    got = jax.vjp(interpolate_table_rows, z, p)[1](ct)
-    want = jax.vjp(reference, z, p)[1](ct)
+    cotangents = jax.jit(lambda f, z, p: jax.vjp(f, z, p)[1](ct), static_argnums=0)  # one compile, not one per op
+    got, want = cotangents(interpolate_table_rows, z, p), cotangents(reference, z, p)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -149,10 +149,16 @@ def test_gather_table_row_pairs_equals_two_gathers_with_gradients(key, b, lq, h,
 @pytest.mark.parametrize("length", [1, 7, 80, 300])
 def test_reverse_cumsum_keys_matches_the_scan(key, length):
     gates = jax.nn.sigmoid(jax.random.normal(key, (2, 3, 4, length)))
-    np.testing.assert_allclose(reverse_cumsum_keys(gates), reverse_cumsum(gates), rtol=1e-5, atol=1e-4)
     ct = jnp.ones_like(gates)
-    np.testing.assert_allclose(jax.vjp(reverse_cumsum_keys, gates)[1](ct)[0],
-                               jax.vjp(reverse_cumsum, gates)[1](ct)[0], rtol=1e-5, atol=1e-4)
+
+    # one program per side: op by op, each of the scan's many small ops would compile again at every length
+    @functools.partial(jax.jit, static_argnums=1)
+    def value_and_cotangent(gates, f):
+        out, vjp = jax.vjp(f, gates)
+        return out, vjp(ct)[0]
+
+    for got, want in zip(value_and_cotangent(gates, reverse_cumsum_keys), value_and_cotangent(gates, reverse_cumsum)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_relative_logits_match_take_along_axis(key):
@@ -231,8 +237,8 @@ def test_masked_softmax_attention_backward_matches_autodiff_of_the_formula(key, 
     out = masked_softmax_attention(logits, v, mask)
     np.testing.assert_allclose(out, _softmax_attention_by_formula(logits, v, mask), atol=1e-6)
     np.testing.assert_array_equal(out[0, 0], 0.0)
-    ours = jax.grad(loss(masked_softmax_attention), argnums=(0, 1))(logits, v)
-    theirs = jax.grad(loss(_softmax_attention_by_formula), argnums=(0, 1))(logits, v)
+    ours = jax.jit(jax.grad(loss(masked_softmax_attention), argnums=(0, 1)))(logits, v)  # jit: one compile, not
+    theirs = jax.jit(jax.grad(loss(_softmax_attention_by_formula), argnums=(0, 1)))(logits, v)  # one per op
     for a, b_ in zip(ours, theirs):
         np.testing.assert_allclose(a, b_, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(jnp.where(mask[:, None], 0.0, ours[0]), 0.0)  # hidden logits get no gradient
