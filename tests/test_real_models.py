@@ -199,18 +199,18 @@ SHARDED = textwrap.dedent("""
                                    pe=pe, dropout=0.0, mlp="swiglu")
         lm = jaxpe.TransformerLM(config)
         tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 16), 0, 32)
-        single = nn.meta.unbox(lm.init(jax.random.PRNGKey(1), tokens)["params"])
-        expected = lm.apply({"params": single}, tokens)
+        init = lambda: nn.meta.unbox(lm.init(jax.random.PRNGKey(1), tokens)["params"])
+        apply = jax.jit(lambda p, t: lm.apply({"params": p}, t))  # jit: one compile, not one per op
+        expected = apply(jax.jit(init)(), tokens)  # on one device
         mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "model"))
         abstract = jax.eval_shape(lm.init, jax.random.PRNGKey(1), tokens)["params"]
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, TENSOR_PARALLEL_RULES)
-        params = jax.jit(lambda: nn.meta.unbox(lm.init(jax.random.PRNGKey(1), tokens)["params"]),
-                         out_shardings=shardings)()
+        params = jax.jit(init, out_shardings=shardings)()
         assert params["block0"]["attn"]["query"]["kernel"].sharding.spec == P(None, "model", None)
         assert params["block0"]["mlp"]["up"]["kernel"].sharding.spec == P(None, "model")
         batch = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
         with mesh:
-            got = jax.jit(lambda p, t: lm.apply({"params": p}, t))(params, batch)
+            got = apply(params, batch)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
         print(pe, "ok")
 """)
