@@ -280,9 +280,10 @@ def test_nnx_layers_take_the_token_inputs():
     import jaxpe.nnx
     lm = jaxpe.nnx.TransformerLM(jaxpe.ModelConfig(vocab_size=VOCAB, d_model=16, num_layers=1, num_heads=2,
                                                    max_len=MAX_LEN, pe="cope", dropout=0.0), rngs=nnx.Rngs(0))
+    run = nnx.jit(lambda lm, toks, **masks: lm(toks, deterministic=True, **masks))  # a compile per shape, not per op
     toks = tokens(1, 9)
     segments = jnp.asarray([[0] * 4 + [1] * 5])
-    packed = lm(toks, segment_ids=segments, deterministic=True)
-    close(packed[:, 4:], lm(toks[:, 4:], deterministic=True))
-    padded = lm(jnp.concatenate([toks, toks[:, :2]], 1), padding_mask=jnp.arange(11)[None] < 9, deterministic=True)
-    close(padded[:, :9], lm(toks, deterministic=True))
+    packed = run(lm, toks, segment_ids=segments)
+    close(packed[:, 4:], run(lm, toks[:, 4:]))
+    padded = run(lm, jnp.concatenate([toks, toks[:, :2]], 1), padding_mask=jnp.arange(11)[None] < 9)
+    close(padded[:, :9], run(lm, toks))
