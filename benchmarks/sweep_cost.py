@@ -42,7 +42,8 @@ def _flops(compiled: Any) -> float:
 
 
 def measure_preset(preset: str, pes: list[str], steps: int) -> dict[str, Any]:
-    """{pe: {"seconds_per_step", "flops_per_step", "lengths"}} of `preset`'s counting step, in this process."""
+    """{pe: {"seconds_per_step", "flops_per_step", "mean_length", ...}} of `preset`'s counting step, in this
+    process."""
     import jax
 
     from jaxpe.train.config import build_config
@@ -58,21 +59,21 @@ def measure_preset(preset: str, pes: list[str], steps: int) -> dict[str, Any]:
         trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
         batches = [trainer.pad(task.train_batch(i, config.optim.batch_size)) for i in range(steps)]
         state = trainer.init_state()
-        flops_at: dict[int, float] = {}
-        for batch in batches:  # the first pass compiles each length; its FLOPs from the same compilation
+        compiled: dict[int, Any] = {}  # padded length -> the step compiled for it (timed and counted alike)
+        for batch in batches:  # the first pass compiles each length
             length = batch["inputs"].shape[1]
-            if length not in flops_at:
-                flops_at[length] = _flops(trainer.train_step.lower(state, trainer.put(batch)).compile())
-            state, _ = trainer.train_step(state, trainer.put(batch))
+            if length not in compiled:
+                compiled[length] = trainer.train_step.lower(state, trainer.put(batch)).compile()
+            state, _ = compiled[length](state, trainer.put(batch))
         jax.block_until_ready(state)
         start = time.perf_counter()
         for batch in batches:
-            state, _ = trainer.train_step(state, trainer.put(batch))
+            state, _ = compiled[batch["inputs"].shape[1]](state, trainer.put(batch))
         jax.block_until_ready(state)
         seconds = (time.perf_counter() - start) / steps
         lengths = [batch["inputs"].shape[1] for batch in batches]
         rows[pe] = {"seconds_per_step": seconds,
-                    "flops_per_step": statistics.fmean(flops_at[length] for length in lengths),
+                    "flops_per_step": statistics.fmean(_flops(compiled[length]) for length in lengths),
                     "mean_length": statistics.fmean(lengths), "real_tokens_per_step": statistics.fmean(
                         float(scored_lengths(batch["weights"]).sum()) for batch in batches),
                     "run_steps": config.run.steps, "batch_size": config.optim.batch_size,
