@@ -1,8 +1,21 @@
-"""Shared test settings: 8 simulated CPU devices, strict rank promotion, Triton's interpreter without a GPU, a `key`
-fixture."""
+"""Shared test settings: 8 simulated CPU devices (XLA's CPU backend at optimisation level 0), strict rank promotion,
+Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` (a sample of each test's parametrized
+cases, for the other jax versions' runs)."""
+import importlib.metadata
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+def _has_cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin is installed (a GPU machine, or the CUDA compile checks), without importing jax."""
+    names = ((d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions())
+    return any(name.startswith("jax-cuda") for name in names)
+
+
+# Compiling is most of this suite's time and its programs are tiny: XLA's CPU backend at optimisation level 0 (LLVM
+# without its optimisation passes) compiles them about 30 % faster. With jax's CUDA plugin XLA keeps its defaults
+# (its GPU compiler reads the same flag), and so does a run given its own XLA_FLAGS (the newest-jax CI leg).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
+                      + ("" if _has_cuda_plugin() else " --xla_backend_optimization_level=0"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -16,8 +29,41 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Skip tests marked `gpu` when no GPU backend is present."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--each-value-once", action="store_true",
+                     help="of each parametrized test, run only cases enough that every value of every parameter "
+                          "appears at least once (the newest-jax CI leg: every path and option, not every product)")
+
+
+def _each_value_once(cases: list[pytest.Item]) -> list[pytest.Item]:
+    """Greedy cover of one test's cases: repeatedly the case with the most (parameter, value) pairs not yet run, the
+    earliest on ties, until every pair has run. Values are compared by repr, so every xdist worker picks the same."""
+    pairs = [{(name, repr(value)) for name, value in case.callspec.params.items()} for case in cases]
+    uncovered, chosen = set().union(*pairs), []
+    while uncovered:
+        best = max(range(len(cases)), key=lambda i: (len(pairs[i] & uncovered), -i))
+        chosen.append(best)
+        uncovered -= pairs[best]
+    return [cases[i] for i in sorted(chosen)]
+
+
+def _select_each_value_once(config: pytest.Config, items: list[pytest.Item]) -> None:
+    by_test: dict[tuple[str, str], list[pytest.Item]] = {}
+    for item in items:
+        if getattr(item, "callspec", None) is not None:
+            by_test.setdefault((item.nodeid.split("[")[0], item.originalname), []).append(item)
+    kept = {id(item) for cases in by_test.values() for item in _each_value_once(cases)}
+    deselected = [item for item in items if getattr(item, "callspec", None) is not None and id(item) not in kept]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if getattr(item, "callspec", None) is None or id(item) in kept]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--each-value-once`: a cover of each test's cases (above). Skip tests marked `gpu` when no GPU backend is
+    present."""
+    if config.getoption("--each-value-once"):
+        _select_each_value_once(config, items)
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU")

@@ -95,6 +95,7 @@ def test_a_bucketed_batch_scores_and_trains_like_the_full_block(pe):
     assert trainer.batch_lengths == {"train": {16}, "eval": set()}
     params = trainer.init_state().params
 
+    @jax.jit
     def per_example(b):
         logits = trainer.model.apply({"params": params}, jnp.asarray(b["inputs"]), deterministic=True)  # [B, L, V]
         return jax.vmap(lambda lg, t, w: compute_metrics(lg[None], t[None], w[None]))(

@@ -48,13 +48,14 @@ def close(a, b, tol=2e-5):
 def test_packed_row_equals_documents_run_separately(pe, impl):
     lm = model(pe, impl)
     params = init(lm)
+    apply = jax.jit(lm.apply)
     toks = tokens(2, 12)
     lengths = (5, 4, 3)  # three documents per row, boundaries inside and across kernel blocks
     segments = jnp.asarray(np.repeat(np.arange(3), lengths))[None].repeat(2, axis=0)
-    packed = lm.apply({"params": params}, toks, segment_ids=segments)
+    packed = apply({"params": params}, toks, segment_ids=segments)
     start = 0
     for n in lengths:
-        alone = lm.apply({"params": params}, toks[:, start:start + n])
+        alone = apply({"params": params}, toks[:, start:start + n])
         close(packed[:, start:start + n], alone)
         start += n
 
@@ -63,14 +64,13 @@ def test_packed_row_equals_documents_run_separately(pe, impl):
 def test_padding_never_changes_real_tokens(pe, impl):
     lm = model(pe, impl)
     params = init(lm)
+    apply = jax.jit(lm.apply)
     toks = tokens(2, 9)
-    real = lm.apply({"params": params}, toks)
+    real = apply({"params": params}, toks)
     pad = jnp.full((2, 3), 7, jnp.int32)  # any token id: padding is marked by the mask, not the id
-    right = lm.apply({"params": params}, jnp.concatenate([toks, pad], 1),
-                     padding_mask=jnp.arange(12)[None].repeat(2, 0) < 9)
+    right = apply({"params": params}, jnp.concatenate([toks, pad], 1), padding_mask=jnp.arange(12)[None].repeat(2, 0) < 9)
     close(right[:, :9], real)
-    left = lm.apply({"params": params}, jnp.concatenate([pad, toks], 1),
-                    padding_mask=jnp.arange(12)[None].repeat(2, 0) >= 3)
+    left = apply({"params": params}, jnp.concatenate([pad, toks], 1), padding_mask=jnp.arange(12)[None].repeat(2, 0) >= 3)
     close(left[:, 3:], real)
 
 
@@ -85,8 +85,9 @@ def test_left_padded_generate_equals_each_prompt_alone(pe, impl):
     np.testing.assert_array_equal(together[0, 3:], jaxpe.generate(lm, params, short, max_new_tokens=4)[0])
     np.testing.assert_array_equal(together[1], jaxpe.generate(lm, params, long, max_new_tokens=4)[0])
     # and the logits of the generated sequence match an unpadded forward pass
-    full = lm.apply({"params": params}, together[:1, 3:])
-    padded = lm.apply({"params": params}, together[:1], padding_mask=jnp.arange(10)[None] >= 3)
+    apply = jax.jit(lm.apply)
+    full = apply({"params": params}, together[:1, 3:])
+    padded = apply({"params": params}, together[:1], padding_mask=jnp.arange(10)[None] >= 3)
     close(padded[:, 3:], full, tol=5e-5)
 
 
