@@ -68,9 +68,11 @@ def test_padding_never_changes_real_tokens(pe, impl):
     toks = tokens(2, 9)
     real = apply({"params": params}, toks)
     pad = jnp.full((2, 3), 7, jnp.int32)  # any token id: padding is marked by the mask, not the id
-    right = apply({"params": params}, jnp.concatenate([toks, pad], 1), padding_mask=jnp.arange(12)[None].repeat(2, 0) < 9)
+    right = apply({"params": params}, jnp.concatenate([toks, pad], 1),
+                  padding_mask=jnp.arange(12)[None].repeat(2, 0) < 9)
     close(right[:, :9], real)
-    left = apply({"params": params}, jnp.concatenate([pad, toks], 1), padding_mask=jnp.arange(12)[None].repeat(2, 0) >= 3)
+    left = apply({"params": params}, jnp.concatenate([pad, toks], 1),
+                 padding_mask=jnp.arange(12)[None].repeat(2, 0) >= 3)
     close(left[:, 3:], real)
 
 
