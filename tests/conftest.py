@@ -48,15 +48,14 @@ def _each_value_once(cases: list[pytest.Item]) -> list[pytest.Item]:
 
 
 def _select_each_value_once(config: pytest.Config, items: list[pytest.Item]) -> None:
-    by_test: dict[tuple[str, str], list[pytest.Item]] = {}
+    by_test: dict[str, list[pytest.Item]] = {}  # parametrized cases by test (node id without its case)
     for item in items:
         if getattr(item, "callspec", None) is not None:
-            by_test.setdefault((item.nodeid.split("[")[0], item.originalname), []).append(item)
-    kept = {id(item) for cases in by_test.values() for item in _each_value_once(cases)}
-    deselected = [item for item in items if getattr(item, "callspec", None) is not None and id(item) not in kept]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if getattr(item, "callspec", None) is None or id(item) in kept]
+            by_test.setdefault(item.nodeid.split("[")[0], []).append(item)
+    dropped = {id(item) for cases in by_test.values() for item in set(cases) - set(_each_value_once(cases))}
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
