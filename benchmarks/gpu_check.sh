@@ -6,7 +6,8 @@
 # the next; every stage's JSON and log land in DEST (default results/bench). Needs jax with CUDA, triton and the
 # jax-triton release of the installed jax (`pip install 'jaxpe[gpu,triton]'`).
 # Usage: bash benchmarks/gpu_check.sh [DEST]     (TESTS_S, TILES_S, BENCH_S: seconds per stage; STAGES=tests,tiles
-# or STAGES=bench runs some of them, e.g. to split the list over two calls of a machine with a time limit per call)
+# or STAGES=bench runs some of them, e.g. to split the list over two calls of a machine with a time limit per call;
+# IMPLS_4096=triton,anchor leaves Pallas out of the L 4096 benchmark; PYTEST_ARGS adds to the tests' pytest line)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=$(mkdir -p "${1:-results/bench}" && cd "${1:-results/bench}" && pwd)
@@ -25,8 +26,22 @@ STAGES=",${STAGES:-tests,tiles,bench},"
 if [[ $STAGES == *,tests,* ]]; then
   echo "== tests" | tee -a "$log"
   SECONDS=0
-  # -v with xdist names each test as it ends ("[gw1] PASSED tests/..."): a stage cut short still names failures.
-  timeout "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider tests/test_kernels_cope_triton.py \
+  # -v with xdist names each test as it ends ("[gw1] PASSED tests/..."), and a plugin writes each failure's report
+  # to gpu_failures.log as it comes: a stage cut short still names its failures and says why. SIGINT first, so that
+  # pytest prints its summary and slowest tests before it stops.
+  cat > "$WORK/gpu_failures_plugin.py" <<'PLUGIN'
+import os
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(os.environ["GPU_FAILURES_LOG"], "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+PLUGIN
+  : > "$DEST/gpu_failures.log"
+  GPU_FAILURES_LOG="$DEST/gpu_failures.log" PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout -s INT -k 30 "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider \
+    -p gpu_failures_plugin --durations=20 ${PYTEST_ARGS:-} tests/test_kernels_cope_triton.py \
     tests/test_kernels_corope_triton.py tests/test_gpu_long.py > "$DEST/gpu_tests.log" 2>&1
   echo "tests: exit $? in $SECONDS s" | tee -a "$log"
   grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 |
@@ -48,7 +63,7 @@ if [[ $STAGES == *,bench,* ]]; then
   SECONDS=0
   timeout "${BENCH_S:-300}" bash -c "
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_4096 --lengths 4096 --groups 4 \
-      --impls pallas,triton,anchor --repeats 5 &&
+      --impls ${IMPLS_4096:-pallas,triton,anchor} --repeats 5 &&
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_32768 --lengths 32768 --groups 4 \
       --impls triton,anchor --repeats 3" > "$WORK/bench.log" 2>&1
   echo "attention: exit $? in $SECONDS s" | tee -a "$log"
