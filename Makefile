@@ -48,10 +48,11 @@ $(COMPILE_VENV)/.installed: pyproject.toml Makefile
 
 # Every kernel of the report held to its budget, a TransformerLM lowered and exported for CUDA with each GPU path
 # (tests/test_cuda_lowering.py; TRITON_INTERPRET=0: jax-triton compiles, not Triton's interpreter), and the cost model's
-# report checked against kernels compiled again (tests/test_kernel_cost.py): about 5 minutes on 2 cores.
+# report checked against kernels compiled again (tests/test_kernel_cost.py), and the native backward kernels' in-place
+# adds held to values each thread owns (tests/test_triton_ownership.py): about 5 minutes on 2 cores.
 test-compile: $(COMPILE_VENV)/.installed
 	JAX_PLATFORMS=cpu TRITON_INTERPRET=0 $(COMPILE_VENV)/bin/python -m pytest -q tests/test_compile_report.py \
-	  tests/test_cuda_lowering.py tests/test_kernel_cost.py
+	  tests/test_cuda_lowering.py tests/test_kernel_cost.py tests/test_triton_ownership.py
 
 # The committed report (results/compile/sm90a.json and .md) from tools/compile_report.py, a tool outside the wheel.
 compile-report: $(COMPILE_VENV)/.installed

@@ -643,10 +643,13 @@ def tally_loop(fn: Function, blocks: Sequence[Block], loop: Loop) -> tuple[Tally
 
 # ----------------------------------------------------------------------------------------------- the kernels
 
-# The outermost loops of each kernel, in address order: (name, counted). Counted loops run once per key block each
-# (their costs add up); an uncounted one takes some key blocks instead of a counted one (CoPE's clamped tiles, once
-# every row's position has reached P − 1).
+# The outermost loops of each kernel, in address order: (name, counted), by (path, op, kernel) or else (op, kernel).
+# Counted loops run once per key block each (their costs add up); an uncounted one takes some key blocks instead of a
+# counted one (CoPE's clamped tiles, once every row's position has reached P − 1; the native forward's diagonal
+# tiles, the one or two per query block that the causal mask cuts, before the unmasked ones below it).
 LOOPS = {
+    ("triton", "cope", "forward"): (("diagonal", False), ("positions", True), ("clamped", False)),
+    ("triton", "cope", "forward_train"): (("diagonal", False), ("positions", True), ("clamped", False)),
     ("cope", "forward"): (("positions", True), ("clamped", False)),
     ("cope", "forward_train"): (("positions", True), ("clamped", False)),
     ("cope", "backward"): (("clamped", False), ("positions", True)),
@@ -908,7 +911,7 @@ def run_job(job: Job, tools: Tools, *, timeout: float) -> dict[str, Any]:
              "heads_per_program": h, "error": job.error}
     if job.error is not None:
         return entry
-    loops = LOOPS.get((job.meta["op"], job.meta["kernel"]))
+    loops = LOOPS.get((job.path, job.meta["op"], job.meta["kernel"]), LOOPS.get((job.meta["op"], job.meta["kernel"])))
     start = time.perf_counter()
     try:
         compiled = compile_sass(job, tools, timeout=timeout)

@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
         "default": {},
         "8 warps": {"num_warps": 8},
         "32-row tiles": {"blocks": {"block_q": 32, "block_q_bwd": 32}},
+        "32-row backward tiles": {"blocks": {"block_q_bwd": 32}},
         "64-row forward tiles": {"blocks": {"block_q": 64}},
     },
     "corope": {

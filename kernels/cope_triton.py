@@ -19,7 +19,9 @@ tensor-core dots with a 0/1 triangle, their float32 operands split exactly into 
 
 Compiled for a GPU (FAST; not in Triton's interpreter), z's gathers and ∂L/∂z's scattered adds are inline PTX
 (`ld.global.nc`, `red.global.add`) in the layout of the logits: as `tl.load`/`tl.atomic_add` they would get layouts of
-their own from Triton's coalescing pass, and every address and value would cross shared memory twice. The
+their own from Triton's coalescing pass, and every address and value would cross shared memory twice. The adds are
+in place only where the query block has 16 rows per warp (`_triton_memory.scatter_in_place`); a smaller one repeats
+logits across warps, and there Triton's atomics mask the copies (`default_blocks` gives 16 rows a warp). The
 interpreter runs the same kernels with `tl.load`/`tl.atomic_add` (and float32 running sums: its bfloat16 dots are
 wrong), so the GPU tests (tests/test_gpu_long.py) are what check the compiled forms.
 
@@ -46,9 +48,9 @@ import triton
 import triton.language as tl
 
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
-from jaxpe.kernels._common import MASK_VALUE, check_head_dim, output_struct, tile_extent
+from jaxpe.kernels._common import MASK_VALUE, check_head_dim, filled, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
-from jaxpe.kernels._triton_memory import gather, scatter_add
+from jaxpe.kernels._triton_memory import gather, gather_pair, scatter_add, scatter_in_place
 from jaxpe.kernels.cope_pallas import BlockSizes
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
@@ -77,6 +79,20 @@ def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int
     the forward's time and 1.5× the backward's at D 64 and 128, bfloat16: results/bench/tiles_gpu_h200.md); 8 for
     the float32 forward at Dp 256, which spills at 4."""
     return 8 if jnp.dtype(dtype) == jnp.float32 and tile_extent(head_dim) >= 256 and not backward else 4
+
+
+def default_blocks(head_dim: int, dtype: jnp.dtype, *, gate_k: bool, num_warps_bwd: int) -> BlockSizes:
+    """The native kernels' tiles: `cope_pallas.BlockSizes.default`'s, with two changes where D is tiled at Dp <= 128
+    without a separate gate_k. Forward tiles of 64 rows for 16-bit inputs at Dp <= 64 (an H100 ran the bfloat16
+    forward at L 4096 in 0.17 ms against 0.38 at 32 rows: results/bench/tiles_gpu_h100.md). Backward query blocks of
+    16 rows per warp (64 at 4 warps), so that ∂L/∂z's adds stay in place (`_triton_memory.scatter_in_place`); on
+    benchmarks/kernel_cost.py's model they cost 0.81–3.1 clk/logit against 1.8–7.6 for 32 rows with Triton's atomics,
+    at the price of 64–304 spilled bytes per thread (within the compile report's backward budget)."""
+    blocks = BlockSizes.default(head_dim, dtype, gate_k=gate_k)
+    if gate_k or tile_extent(head_dim) > 128:
+        return blocks
+    block_q = 64 if jnp.dtype(dtype).itemsize == 2 and tile_extent(head_dim) <= 64 else blocks.block_q
+    return dataclasses.replace(blocks, block_q=block_q, block_q_bwd=max(blocks.block_q_bwd, 16 * num_warps_bwd))
 
 
 # --- kernels ---------------------------------------------------------------------------------------------------------
@@ -216,20 +232,28 @@ def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, 
         s = _gate_logits(q, k, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql,
                          stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, GATE_CHUNK)
         logits = s
-    g = tl.where(mask, 1.0 / (1.0 + tl.exp2(-qk_scale * logits)), 0.0)
+    g = 1.0 / (1.0 + tl.exp2(-qk_scale * logits))
+    if mask is not None:
+        g = tl.where(mask, g, 0.0)
     return s, g, kg
 
 
 @triton.jit
-def _interpolation(z_rows, p, npos, FAST: tl.constexpr):
-    """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1], gathered from the rows of z
-    (pointers z_rows [block_q], every row a valid one; indices clamped into [0, P − 1])."""
+def _interpolation(z_rows, p, npos, PAIRED: tl.constexpr, FAST: tl.constexpr):
+    """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1] (z(p) = z_lo + w·(z_hi − z_lo)),
+    gathered from the rows of z (pointers z_rows [block_q], every row a valid one). PAIRED (P >= 2): lo in
+    [0, P − 2] and hi = lo + 1 (p = P − 1 is lo = P − 2 at w = 1), so both come from one address (`gather_pair`);
+    else lo, hi in [0, P − 1], hi = min(lo + 1, P − 1)."""
+    if PAIRED:
+        lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 2.0)
+        lo_index = lo.to(tl.int32)
+        z_lo, z_hi = gather_pair(z_rows[:, None] + lo_index, FAST)
+        return lo_index, lo_index + 1, p - lo, z_lo, z_hi
     lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 1.0)
-    w = p - lo
     lo_index = lo.to(tl.int32)
     hi_index = tl.minimum(lo_index + 1, npos - 1)
     z_lo = gather(z_rows[:, None] + lo_index, FAST)
-    return lo_index, hi_index, w, z_lo, gather(z_rows[:, None] + hi_index, FAST)
+    return lo_index, hi_index, p - lo, z_lo, gather(z_rows[:, None] + hi_index, FAST)
 
 
 @triton.jit
@@ -261,13 +285,56 @@ def _running_sums(x, init, tri, FAST: tl.constexpr):
 
 @triton.jit
 def _online_softmax(m, l, acc, s, mask, v, qk_scale):
-    """One tile of the online softmax in base 2: (m, l, acc) updated with logits qk_scale·s where visible."""
-    t = tl.where(mask, s * qk_scale, _MASK)
+    """One tile of the online softmax in base 2: (m, l, acc) updated with logits qk_scale·s where visible (mask
+    None: everywhere)."""
+    t = s * qk_scale
+    if mask is not None:
+        t = tl.where(mask, t, _MASK)
     m_new = tl.maximum(m, tl.max(t, 1))
     alpha = tl.exp2(m - m_new)
     probs = tl.exp2(t - m_new[:, None])
     acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
     return m_new, l * alpha + tl.sum(probs, 1), acc
+
+
+@triton.jit
+def _cut_by_mask(unclamped, index, row0, BLOCK_K: tl.constexpr, MASK_ALL: tl.constexpr):
+    """Whether the forward walks key block `index` next as a masked tile: it walks on (unclamped) and MASK_ALL or
+    the block reaches past the query block's first row."""
+    if MASK_ALL:
+        cut = unclamped
+    else:
+        cut = unclamped & (index * BLOCK_K + BLOCK_K - 1 > row0)
+    return cut
+
+
+@triton.jit
+def _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_rows, seg_ptr, later, z_rows, k_ptr,
+                    v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, length, npos, clamp, qk_scale, stride_ql,
+                    stride_kl, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+                    EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr, HAS_GATE_K: tl.constexpr,
+                    HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr, PAIRED: tl.constexpr, FAST: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """The forward's key block `index` with positions from its gates: (m, l, acc) of the online softmax and the
+    gates' suffix sum r, updated. MASKED: keys masked by `_visible`; else every key of the tile is visible (a tile
+    wholly below the diagonal, no window, no documents), and the two selects per logit go."""
+    cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
+    if MASKED:
+        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
+    else:
+        mask = None
+    k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+    if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
+        q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
+                                qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
+                                GATE_CHUNK, False)
+    total = tl.sum(g, 1)
+    p = tl.minimum(_gate_sums(g, r, later), clamp)
+    _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, PAIRED, FAST)
+    v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+    m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
+    return m, l, acc, r + total
 
 
 @triton.jit
@@ -278,12 +345,13 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
                     GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                     MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
                     HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
-                    FAST: tl.constexpr):
+                    PAIRED: tl.constexpr, FAST: tl.constexpr, MASK_ALL: tl.constexpr):
     """One query block of one (batch, query head). Q/O [B, L, Hq, D], K/V/KG [B, L, Hkv, D] (KG read only with
     HAS_GATE_K), SEG [B, L] int32 (read only with HAS_SEGMENTS), Z [B, Hq, L, P] float32; outputs LSE (lse₂), R
     float32 and E int32, each [B, Hq, L]. Constexprs: BLOCK_D = Dp; MASK_D = D when D < Dp (columns past it
     masked), else 0; EVEN_L: L a multiple of BLOCK_Q and BLOCK_K (no row masks); ALIGN a power of two dividing D
-    (<= 16); WINDOW 0: none; GATE_CHUNK as `_gate_logits` takes it."""
+    (<= 16); WINDOW 0: none; GATE_CHUNK as `_gate_logits` takes it; MASK_ALL (a window or documents): every tile
+    masked."""
     block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     row0 = block * BLOCK_Q
     rows = row0 + tl.arange(0, BLOCK_Q)
@@ -317,23 +385,24 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     first = _first_key_block(row0, WINDOW, BLOCK_K)
     index = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K)) - 1
     unclamped = index >= first
-    while unclamped:  # full tiles, from the diagonal back
-        cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
-        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
-            q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
-                                    qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
-                                    GATE_CHUNK, False)
-        total = tl.sum(g, 1)
-        p = tl.minimum(_gate_sums(g, r, later), clamp)
-        _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
-        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
-        r += total
+    # Full tiles, from the diagonal back: those the causal mask cuts (or all, with a window or documents) masked,
+    # then, wholly below the diagonal, the same tile without a mask (every key visible; rows past L are never stored).
+    while _cut_by_mask(unclamped, index, row0, BLOCK_K, MASK_ALL):
+        m, l, acc, r = _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_rows, seg_ptr, later,
+                                       z_rows, k_ptr, v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, length,
+                                       npos, clamp, qk_scale, stride_ql, stride_kl, BLOCK_K, BLOCK_D, MASK_D, EVEN_L,
+                                       ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, PAIRED, FAST, True)
         index -= 1
         unclamped = (index >= first) & (tl.min(tl.where(live, r, clamp)) < clamp)
+    if not MASK_ALL:
+        while unclamped:
+            m, l, acc, r = _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_rows, seg_ptr,
+                                           later, z_rows, k_ptr, v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr,
+                                           length, npos, clamp, qk_scale, stride_ql, stride_kl, BLOCK_K, BLOCK_D,
+                                           MASK_D, EVEN_L, ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, PAIRED,
+                                           FAST, False)
+            index -= 1
+            unclamped = (index >= first) & (tl.min(tl.where(live, r, clamp)) < clamp)
     z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
     for clamped in range(first, index + 1):  # every row's position is P − 1: no gates
         cols = clamped * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -358,7 +427,7 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
                      GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                      MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
                      HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
-                     FAST: tl.constexpr):
+                     PAIRED: tl.constexpr, FAST: tl.constexpr, SCATTER_IN_PLACE: tl.constexpr):
     """One query block of one (batch, query head): key blocks forward from the first visible one to the diagonal,
     clamped tiles first. Inputs as the forward's, plus DO [B, L, Hq, D] and LSE (lse₂), DELTA = rowsum(o·do), R, E
     [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DZ [B, Hq, L, P], DK, DV, DKG [B, L, Hkv, D] (atomic adds
@@ -432,12 +501,12 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
         g = tl.where(walked, g, 0.0)
         p = tl.minimum(tl.maximum(_gate_sums(g, r - c, before), 0.0), clamp)
         p = tl.where(walked, p, clamp)
-        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
+        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, p, npos, PAIRED, FAST)
         t = tl.where(mask, (s + z_lo + w * (z_hi - z_lo)) * qk_scale, _MASK)
         probs = tl.exp2(t - lse[:, None])
         ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        scatter_add(dz_rows[:, None] + lo, ds - ds * w, mask, FAST)
-        scatter_add(dz_rows[:, None] + hi, ds * w, mask & (w != 0.0), FAST)
+        scatter_add(dz_rows[:, None] + lo, ds - ds * w, mask, SCATTER_IN_PLACE)
+        scatter_add(dz_rows[:, None] + hi, ds * w, mask & (w != 0.0), SCATTER_IN_PLACE)
         dp = tl.where(p < clamp, ds * (z_hi - z_lo), 0.0)
         dgate = sm_scale * _running_sums(dp, dp_before, through, FAST) * (g - g * g)
         c += tl.sum(g, 1)
@@ -501,6 +570,7 @@ def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
                       ALIGN=min(dim & -dim, 16),
                       WINDOW=config.window or 0, HAS_GATE_K=kg is not None, HAS_SEGMENTS=seg is not None,
                       GATE_CHUNK=(block_d if block_d <= 64 else _ACCURATE_CHUNK) if q.dtype == jnp.float32 else 0,
+                      PAIRED=config.npos >= 2,
                       FAST=not interpreted())
     return scalars, constexprs
 
@@ -517,7 +587,7 @@ def _forward_call(config: _Config, q, k, v, kg, z, seg) -> list[jax.Array]:
                   out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
                   num_warps=config.num_warps, num_stages=config.num_stages or 2, name="cope_triton_forward",
                   BLOCK_Q=block_q, BLOCK_K=block_k, EVEN_L=length % block_q == 0 and length % block_k == 0,
-                  **constexprs)
+                  MASK_ALL=seg is not None or bool(config.window), **constexprs)
 
 
 def _backward_call(config: _Config, q, k, v, kg, z, seg, do, lse, delta, r, e) -> list[jax.Array]:
@@ -533,7 +603,8 @@ def _backward_call(config: _Config, q, k, v, kg, z, seg, do, lse, delta, r, e) -
                   out_shapes=out_shapes, grid=(triton.cdiv(length, block_q), batch, num_heads),
                   num_warps=config.num_warps_bwd, num_stages=config.num_stages or 1, name="cope_triton_backward",
                   zeroed=(1, 2, 3, 4) if kg is not None else (1, 2, 3), BLOCK_Q=block_q, BLOCK_K=block_k,
-                  EVEN_L=length % block_q == 0 and length % block_k == 0, **constexprs)
+                  EVEN_L=length % block_q == 0 and length % block_k == 0,
+                  SCATTER_IN_PLACE=scatter_in_place(block_q, config.num_warps_bwd), **constexprs)
 
 
 def _position_logits(q: jax.Array, pos_emb: jax.Array) -> jax.Array:
@@ -598,7 +669,7 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
     (gates from k) -> [B, L, Hq, D] in q's dtype (float32, bfloat16 or float16; D <= 256).
-    block_sizes: `cope_pallas.BlockSizes`, None fields (or None) taking its defaults for D, dtype and gate_k;
+    block_sizes: `cope_pallas.BlockSizes`, None fields (or None) taking `default_blocks` for D, dtype and gate_k;
     num_warps/num_stages tune Triton's compilation of both kernels (defaults: `default_num_warps`; 2 stages in the
     forward, 1 in the backward). Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set
     before triton is imported).
@@ -622,10 +693,11 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
         q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
         sm_scale = 1.0
-    blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
-                                                  gate_k=gate_k is not None)
+    num_warps_bwd = num_warps or default_num_warps(q.shape[3], q.dtype, backward=True)
+    defaults = default_blocks(q.shape[3], q.dtype, gate_k=gate_k is not None, num_warps_bwd=num_warps_bwd)
+    blocks = BlockSizes(**filled(block_sizes or BlockSizes(), defaults)).fitted(
+        length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype, gate_k=gate_k is not None)
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], blocks=blocks,
                      num_warps=num_warps or default_num_warps(q.shape[3], q.dtype, backward=False),
-                     num_warps_bwd=num_warps or default_num_warps(q.shape[3], q.dtype, backward=True),
-                     num_stages=num_stages, window=window)
+                     num_warps_bwd=num_warps_bwd, num_stages=num_stages, window=window)
     return _cope_triton_jit(q, k, v, gate_k, pos_emb, segment_ids, config)

@@ -63,7 +63,7 @@ from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _P
                                    check_block_sizes, check_head_dim, filled, next_power_of_two, output_struct,
                                    rotary_frequencies, tile_extent, vary_alike)
 from jaxpe.kernels._triton_launch import interpreted, launch, require
-from jaxpe.kernels._triton_memory import scatter_add
+from jaxpe.kernels._triton_memory import scatter_add, scatter_in_place
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what impl="triton" takes
@@ -288,7 +288,8 @@ def _add_key_sums(ds4, kc, ks, dq_base, lo, first_row, rows, length, stride_q, s
     """Adds sm_scale·Σ_j dS (kc, ks) ([BD, H, BQ] each; dS ds4 [1, H, BQ, BK], kc, ks [BD, BQ, BK]) to dq's pairs
     lo .. lo + BD − 1 at dq_base (the first head's column 0). MMA_SUMS: as products with 0/1 selectors
     [BD·H·BQ, BK] @ [BK, 16] (selector c puts Σ_j into column c), the sums over keys without the shuffles across
-    lanes that tl.sum needs (Triton puts the keys across a warp's lanes); else tl.sum."""
+    lanes that tl.sum needs (Triton puts the keys across a warp's lanes), added in place when compiled (FAST: the
+    launch sets MMA_SUMS only where `scatter_in_place` holds for those rows); else tl.sum."""
     if MMA_SUMS:
         kc, ks = _computed_once(kc, FAST), _computed_once(ks, FAST)
         m = tl.arange(0, BD * H * BQ)  # the sums' rows: pair, head, query row
@@ -495,8 +496,10 @@ def _kernel_settings(config: _Config, q: jax.Array, segment_ids: jax.Array | Non
                     G=config.groups, HAS_SEG=segment_ids is not None,
                     PRECISION="tf32x3" if q.dtype == jnp.float32 else "tf32", FAST=not interpreted())
     if backward:  # the key sums on the tensor cores where they fill a warpgroup's 64 rows (fewer: MHA, the shuffles
-        # cost less), but for float32 at Dp 256, where their operands spill a kilobyte
-        settings["MMA_SUMS"] = (h * bq * blocks.block_d_bwd >= 64
+        # cost less) and give each warp 16 rows (their adds in place count each sum once), but for float32 at Dp 256,
+        # where their operands spill a kilobyte
+        rows = h * bq * blocks.block_d_bwd
+        settings["MMA_SUMS"] = (rows >= 64 and scatter_in_place(rows, settings["num_warps"])
                                 and (q.dtype != jnp.float32 or tile_extent(d) <= 128))
     return settings
 

@@ -245,3 +245,53 @@ def test_jax_triton_is_imported_with_the_driver_name_triton_3_6_lacks(monkeypatc
     monkeypatch.setitem(sys.modules, "jax_triton", fake)
     assert _triton_launch._import_jax_triton() is fake
     assert driver.TMA_TF32 == (99 if present else 11)
+
+
+@pytest.mark.parametrize("rows, warps, want", [(64, 4, True), (128, 4, True), (32, 4, False), (16, 1, True),
+                                               (64, 8, False), (128, 8, True), (32, 2, True)])
+def test_adds_in_place_only_with_16_rows_a_warp(monkeypatch, rows: int, warps: int, want: bool) -> None:
+    """Compiled (not interpreted), ∂L/∂z's adds go in place exactly where the tile gives every warp 16 rows; in the
+    interpreter never (tl.atomic_add there). tests/test_triton_ownership.py checks the rule on compiled layouts."""
+    from jaxpe.kernels import _triton_memory
+
+    assert _triton_memory.scatter_in_place(rows, warps) is (want and not INTERPRETED)
+    monkeypatch.setattr(_triton_memory, "interpreted", lambda: False)
+    assert _triton_memory.scatter_in_place(rows, warps) is want
+
+
+@pytest.mark.parametrize("head_dim, dtype, gate_k, want", [
+    (64, "bfloat16", False, BlockSizes(64, 32, 64, 32)),  # 64-row forward tiles (16-bit, Dp 64), 64-row backward
+    (32, "float16", False, BlockSizes(64, 32, 64, 32)),
+    (128, "bfloat16", False, BlockSizes(64, 32, 64, 32)),
+    (64, "float32", False, BlockSizes(32, 32, 64, 32)),
+    (128, "float32", False, BlockSizes(32, 32, 64, 16)),
+    (256, "bfloat16", False, BlockSizes.default(256, jnp.bfloat16)),  # Dp 256 and gate_k: the Pallas defaults
+    (64, "bfloat16", True, BlockSizes.default(64, jnp.bfloat16, gate_k=True)),
+])
+def test_default_blocks(head_dim: int, dtype: str, gate_k: bool, want: BlockSizes) -> None:
+    from jaxpe.kernels.cope_triton import default_blocks
+
+    assert default_blocks(head_dim, jnp.dtype(dtype), gate_k=gate_k, num_warps_bwd=4) == want
+    assert default_blocks(64, jnp.dtype(jnp.bfloat16), gate_k=False, num_warps_bwd=8).block_q_bwd == 128
+
+
+def test_given_block_sizes_are_kept_and_capped_at_the_length() -> None:
+    """A user's sizes win over `default_blocks`; every size is capped at the padded length."""
+    from jaxpe.kernels import cope_triton
+
+    seen = []
+    launch = cope_triton.launch
+
+    def record(kernel, args, **kwargs):
+        seen.append((kwargs["name"], kwargs["BLOCK_Q"], kwargs["BLOCK_K"]))
+        return launch(kernel, args, **kwargs)
+
+    q = jnp.ones((1, 40, 2, 64), jnp.float32)
+    table = jnp.ones((8, 64), jnp.float32)
+    for blocks in (BlockSizes(block_q_bwd=16), None):
+        seen.clear()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cope_triton, "launch", record)
+            jax.grad(lambda q: cope_attention_triton(q, q, q, table, sm_scale=0.125, block_sizes=blocks).sum())(q)
+        want_bwd = 16 if blocks else 64  # 64 rows, the default for float32 at Dp 64, fit a length of 40
+        assert set(seen) == {("cope_triton_forward", 32, 32), ("cope_triton_backward", want_bwd, 32)}, seen
