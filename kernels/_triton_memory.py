@@ -18,22 +18,11 @@ from jaxpe.kernels._triton_launch import interpreted
 
 
 @triton.jit
-def gather(ptrs, FAST: tl.constexpr):
-    """Float32 values at ptrs (a tensor of pointers), every one a valid address. FAST (compiled for a GPU): one
-    `ld.global.nc` per element in the layout ptrs has, where a tl.load of scattered addresses would get a layout of
-    its own from Triton's coalescing pass, the pointers and the values crossing shared memory to it and back."""
-    if FAST:
-        values = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32,
-                                           is_pure=True, pack=1)
-    else:
-        values = tl.load(ptrs)
-    return values
-
-
-@triton.jit
 def gather_pair(ptrs, FAST: tl.constexpr):
-    """Float32 values at ptrs and at ptrs + 1 (tensors of pointers, both addresses valid). FAST: two `ld.global.nc`
-    from one address register (the second at +4 bytes), so the second address costs nothing; else two tl.load."""
+    """Float32 values at ptrs and at ptrs + 1 (tensors of pointers, both addresses valid). FAST (compiled for a
+    GPU): two `ld.global.nc` per element in the layout ptrs has, where a tl.load of scattered addresses would get a
+    layout of its own from Triton's coalescing pass (the pointers and the values crossing shared memory to it and
+    back), both from one address register (the second at +4 bytes); else two tl.load."""
     if FAST:
         first, second = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$2]; ld.global.nc.f32 $1, [$2+4];",
                                                   "=r,=r,l", [ptrs], dtype=(tl.float32, tl.float32), is_pure=True,
@@ -57,7 +46,7 @@ def scatter_in_place(rows: int, num_warps: int) -> bool:
 def scatter_add(ptrs, values, mask, IN_PLACE: tl.constexpr):
     """Relaxed atomic adds of float32 values at ptrs (pointers of their shape) where mask. IN_PLACE
     (`scatter_in_place`: compiled for a GPU, each element held by one thread): one predicated `red.global.add.f32` per
-    element in the layout the values have (as `gather`, no trip through shared memory); else tl.atomic_add, which
+    element in the layout the values have (as `gather_pair`, no trip through shared memory); else tl.atomic_add, which
     masks repeated copies itself."""
     if IN_PLACE:
         addresses = ptrs.to(tl.int64, bitcast=True)  # Triton 3.6 cannot broadcast pointers with floats here

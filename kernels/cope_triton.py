@@ -50,7 +50,7 @@ import triton.language as tl
 from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import MASK_VALUE, check_head_dim, filled, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
-from jaxpe.kernels._triton_memory import gather, gather_pair, scatter_add, scatter_in_place
+from jaxpe.kernels._triton_memory import gather_pair, scatter_add, scatter_in_place
 from jaxpe.kernels.cope_pallas import BlockSizes
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
@@ -239,21 +239,14 @@ def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, 
 
 
 @triton.jit
-def _interpolation(z_rows, p, npos, PAIRED: tl.constexpr, FAST: tl.constexpr):
+def _interpolation(z_rows, p, npos, FAST: tl.constexpr):
     """lo, hi (int32), w, z_lo, z_hi [block_q, block_k] for positions p in [0, P − 1] (z(p) = z_lo + w·(z_hi − z_lo)),
-    gathered from the rows of z (pointers z_rows [block_q], every row a valid one). PAIRED (P >= 2): lo in
-    [0, P − 2] and hi = lo + 1 (p = P − 1 is lo = P − 2 at w = 1), so both come from one address (`gather_pair`);
-    else lo, hi in [0, P − 1], hi = min(lo + 1, P − 1)."""
-    if PAIRED:
-        lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 2.0)
-        lo_index = lo.to(tl.int32)
-        z_lo, z_hi = gather_pair(z_rows[:, None] + lo_index, FAST)
-        return lo_index, lo_index + 1, p - lo, z_lo, z_hi
-    lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 1.0)
+    gathered from the rows of z (pointers z_rows [block_q], every row a valid one). lo in [0, P − 2] and hi = lo + 1
+    (P >= 2; p = P − 1 is lo = P − 2 at w = 1), so both come from one address (`gather_pair`)."""
+    lo = tl.minimum(tl.maximum(tl.floor(p), 0.0), npos - 2.0)
     lo_index = lo.to(tl.int32)
-    hi_index = tl.minimum(lo_index + 1, npos - 1)
-    z_lo = gather(z_rows[:, None] + lo_index, FAST)
-    return lo_index, hi_index, p - lo, z_lo, gather(z_rows[:, None] + hi_index, FAST)
+    z_lo, z_hi = gather_pair(z_rows[:, None] + lo_index, FAST)
+    return lo_index, lo_index + 1, p - lo, z_lo, z_hi
 
 
 @triton.jit
@@ -313,7 +306,7 @@ def _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_ro
                     v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, length, npos, clamp, qk_scale, stride_ql,
                     stride_kl, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
                     EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr, HAS_GATE_K: tl.constexpr,
-                    HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr, PAIRED: tl.constexpr, FAST: tl.constexpr,
+                    HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr, FAST: tl.constexpr,
                     MASKED: tl.constexpr):
     """The forward's key block `index` with positions from its gates: (m, l, acc) of the online softmax and the
     gates' suffix sum r, updated. MASKED: keys masked by `_visible`; else every key of the tile is visible (a tile
@@ -331,7 +324,7 @@ def _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_ro
                                 GATE_CHUNK, False)
     total = tl.sum(g, 1)
     p = tl.minimum(_gate_sums(g, r, later), clamp)
-    _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, PAIRED, FAST)
+    _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
     v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
     m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
     return m, l, acc, r + total
@@ -345,7 +338,7 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
                     GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                     MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
                     HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
-                    PAIRED: tl.constexpr, FAST: tl.constexpr, MASK_ALL: tl.constexpr):
+                    FAST: tl.constexpr, MASK_ALL: tl.constexpr):
     """One query block of one (batch, query head). Q/O [B, L, Hq, D], K/V/KG [B, L, Hkv, D] (KG read only with
     HAS_GATE_K), SEG [B, L] int32 (read only with HAS_SEGMENTS), Z [B, Hq, L, P] float32; outputs LSE (lse₂), R
     float32 and E int32, each [B, Hq, L]. Constexprs: BLOCK_D = Dp; MASK_D = D when D < Dp (columns past it
@@ -391,7 +384,7 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
         m, l, acc, r = _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_rows, seg_ptr, later,
                                        z_rows, k_ptr, v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, length,
                                        npos, clamp, qk_scale, stride_ql, stride_kl, BLOCK_K, BLOCK_D, MASK_D, EVEN_L,
-                                       ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, PAIRED, FAST, True)
+                                       ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, FAST, True)
         index -= 1
         unclamped = (index >= first) & (tl.min(tl.where(live, r, clamp)) < clamp)
     if not MASK_ALL:
@@ -399,8 +392,8 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
             m, l, acc, r = _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_rows, seg_ptr,
                                            later, z_rows, k_ptr, v_ptr, q_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr,
                                            length, npos, clamp, qk_scale, stride_ql, stride_kl, BLOCK_K, BLOCK_D,
-                                           MASK_D, EVEN_L, ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, PAIRED,
-                                           FAST, False)
+                                           MASK_D, EVEN_L, ALIGN, WINDOW, HAS_GATE_K, HAS_SEGMENTS, GATE_CHUNK, FAST,
+                                           False)
             index -= 1
             unclamped = (index >= first) & (tl.min(tl.where(live, r, clamp)) < clamp)
     z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
@@ -427,7 +420,7 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
                      GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                      MASK_D: tl.constexpr, EVEN_L: tl.constexpr, ALIGN: tl.constexpr, WINDOW: tl.constexpr,
                      HAS_GATE_K: tl.constexpr, HAS_SEGMENTS: tl.constexpr, GATE_CHUNK: tl.constexpr,
-                     PAIRED: tl.constexpr, FAST: tl.constexpr, SCATTER_IN_PLACE: tl.constexpr):
+                     FAST: tl.constexpr, SCATTER_IN_PLACE: tl.constexpr):
     """One query block of one (batch, query head): key blocks forward from the first visible one to the diagonal,
     clamped tiles first. Inputs as the forward's, plus DO [B, L, Hq, D] and LSE (lse₂), DELTA = rowsum(o·do), R, E
     [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DZ [B, Hq, L, P], DK, DV, DKG [B, L, Hkv, D] (atomic adds
@@ -501,7 +494,7 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
         g = tl.where(walked, g, 0.0)
         p = tl.minimum(tl.maximum(_gate_sums(g, r - c, before), 0.0), clamp)
         p = tl.where(walked, p, clamp)
-        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, p, npos, PAIRED, FAST)
+        lo, hi, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
         t = tl.where(mask, (s + z_lo + w * (z_hi - z_lo)) * qk_scale, _MASK)
         probs = tl.exp2(t - lse[:, None])
         ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -570,7 +563,6 @@ def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
                       ALIGN=min(dim & -dim, 16),
                       WINDOW=config.window or 0, HAS_GATE_K=kg is not None, HAS_SEGMENTS=seg is not None,
                       GATE_CHUNK=(block_d if block_d <= 64 else _ACCURATE_CHUNK) if q.dtype == jnp.float32 else 0,
-                      PAIRED=config.npos >= 2,
                       FAST=not interpreted())
     return scalars, constexprs
 
