@@ -5,20 +5,22 @@
 # of 3e-4 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
 # run is also a learning curve. The budget and the rate were chosen from learning curves (docs/results.md, "Counting
 # trained until it stops improving"), results/cpu_medium_converged/lr_curves/, which these commands reproduce:
-#   LR=3e-3 NAME=cpu_medium_lr3e-3 PES=cope,relative,learned SEEDS=0 COPY=0 bash results/run_cpu_medium_converged.sh
-#   for LR in 1e-2 1e-3 3e-4 1e-4; do LR=$LR NAME=cpu_medium_lr$LR STEPS=10000 PES=cope,relative SEEDS=0 COPY=0 \
+#   LR=3e-3 ROOT=runs NAME=cpu_medium_lr3e-3 PES=cope,relative,learned SEEDS=0 bash results/run_cpu_medium_converged.sh
+#   for LR in 1e-2 1e-3 3e-4 1e-4; do LR=$LR ROOT=runs NAME=cpu_medium_lr$LR STEPS=10000 PES=cope,relative SEEDS=0 \
 #     bash results/run_cpu_medium_converged.sh counting_5var; done      (1e-2 was stopped at step 4250)
 #   .venv/bin/python -m jaxpe.train.curves runs/cpu_medium_lr{3e-3,1e-2,1e-3,3e-4,1e-4} --window 5000:10000 \
 #     --out results/cpu_medium_converged/lr_curves
-# The 3e-4 probes are the sweep's seed-0 CoPE and relative runs at 5 variables: copied to runs/cpu_medium_converged/,
-# they resume from step 10000 (the rate is constant, so the run is the one an uninterrupted run would be).
-# results/run_cpu_medium.sh's runs with these overrides, in runs/$NAME/ (default cpu_medium_converged): the two
-# variable counts side by side, a core each. Every run resumes from its checkpoint (one each 1000 steps) and a
-# finished run is read back, so the sweep can be stopped and started again, in parts:
+# results/run_cpu_medium.sh's runs with these overrides, the two variable counts side by side, a core each, in
+# results/cpu_medium_converged/counting_<N>var/<pe>/seed<k>/ itself (ROOT=runs NAME=...: runs/NAME/ instead), so that
+# the committed tree carries the sweep from one machine to the next: each run's config.json, metrics.jsonl (its
+# learning curve) and, once it has finished, result.json are committed; checkpoints/ (one each 1000 steps) is ignored
+# by git, and an unfinished run's is committed by hand (`git add -f .../checkpoints`; about 1.4 MB) to carry it on.
+# A run resumes from its checkpoint and a finished run is read back, so the sweep can be stopped and started again,
+# in parts, on any machine:
 #   nohup bash results/run_cpu_medium_converged.sh &     (or: ... counting_5var, PES=..., SEEDS=...)
-# Then: .venv/bin/python -m jaxpe.train.curves runs/cpu_medium_converged --out results/cpu_medium_converged/curves
+# Then: .venv/bin/python -m jaxpe.train.curves results/cpu_medium_converged --out results/cpu_medium_converged/curves
 set -euo pipefail
-NAME=${NAME:-cpu_medium_converged} \
+ROOT=${ROOT:-results} NAME=${NAME:-cpu_medium_converged} COPY=0 \
   OVERRIDES="run.steps=${STEPS:-20000} run.eval_every=${EVAL:-250} run.checkpoint_every=1000 \
 run.eval_splits=valid,len_x2 optim.min_lr_ratio=1.0 optim.learning_rate=${LR:-3e-4}" \
   exec bash "$(dirname "$0")/run_cpu_medium.sh" "$@"

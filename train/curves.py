@@ -1,7 +1,7 @@
 """Learning curves of `jaxpe-compare` runs: the evaluation error against steps, where each run stopped improving,
 and one JSON + one figure for all of them.
 
-  python -m jaxpe.train.curves runs/cpu_medium_converged --out results/cpu_medium_converged/curves
+  python -m jaxpe.train.curves results/cpu_medium_converged --out results/cpu_medium_converged/curves
 
 reads <root>/<setting>/<pe>/seed<k>/metrics.jsonl (a `jaxpe-compare --workdir <root>/<setting>` layout, as
 results/run_cpu_medium_converged.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
