@@ -10,7 +10,6 @@ blocks of 16 and 32 rows at 4 warps, float32 and float16, 8 warps) beside the de
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -57,10 +56,6 @@ def in_place_adds(ttgir: str) -> list[tuple[tuple[int, ...], str]]:
 def backward_ttgir(op: str, dtype: str, head_dim: int, length: int, heads: tuple[int, int], *,
                    blocks: dict | None = None, num_warps: int | None = None, tmp_path) -> tuple[dict, str]:
     """(the constexprs, Triton's TTGIR for sm_90) of the backward launch of op's gradient at these settings."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     q = jax.ShapeDtypeStruct((1, length, heads[0], head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, length, heads[1], head_dim), dtype)
     if op == "cope":
@@ -88,14 +83,8 @@ def backward_ttgir(op: str, dtype: str, head_dim: int, length: int, heads: tuple
         jax.clear_caches()
     (launch,) = [launch for launch in launches if "backward" in launch["name"]]
     spec = json.loads(cr._triton_spec(launch["kernel"], launch["params"], launch["constexprs"]))
-    module, _, name = spec["kernel"].partition(":")
-    source = ASTSource(fn=getattr(importlib.import_module(module), name), signature=spec["signature"],
-                       constexprs=spec["constexprs"],
-                       attrs={(i,): [["tt.divisibility", 16]] for i in spec["aligned"]})
-    triton.knobs.cache.dir = str(tmp_path)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={
-        "num_warps": launch["num_warps"], "num_stages": launch["num_stages"], "num_ctas": 1,
-        "enable_fp_fusion": True})
+    compiled = cr.compile_triton_spec(spec, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+                                      cache_dir=tmp_path)
     return spec["constexprs"] | {"num_warps": launch["num_warps"]}, compiled.asm["ttgir"]
 
 

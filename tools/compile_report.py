@@ -64,7 +64,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -659,20 +659,27 @@ def _compile_one(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -
     print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(result.smem_bytes), "seconds": seconds}), flush=True)
 
 
-def _compile_triton_one(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
-    """Subprocess side: Triton's own compiler on one recorded launch (`_triton_spec`), with jax-triton's options."""
+def compile_triton_spec(spec: Mapping[str, Any], *, num_warps: int, num_stages: int, cache_dir: str | os.PathLike):
+    """Triton's own compiler, with jax-triton's options, on one recorded launch (`_triton_spec`, read back): the
+    CompiledKernel (its .asm holds the TTGIR and PTX). cache_dir should be empty, so that it compiles, not looks up."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    spec = json.loads(pathlib.Path(spec_path).read_text())
-    triton.knobs.cache.dir = str(pathlib.Path(ptx_path).parent / "triton-cache")  # empty: compiled, not looked up
+    triton.knobs.cache.dir = str(cache_dir)
     module, _, name = spec["kernel"].partition(":")
     source = ASTSource(fn=getattr(importlib.import_module(module), name), signature=spec["signature"],
                        constexprs=spec["constexprs"], attrs={(i,): [["tt.divisibility", 16]] for i in spec["aligned"]})
-    start = time.perf_counter()
-    compiled = triton.compile(source, target=GPUTarget(*TRITON_TARGET), options={
+    return triton.compile(source, target=GPUTarget(*TRITON_TARGET), options={
         "num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1, "enable_fp_fusion": True})
+
+
+def _compile_triton_one(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
+    """Subprocess side: `compile_triton_spec` on a spec file, its PTX written to ptx_path."""
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    start = time.perf_counter()
+    compiled = compile_triton_spec(spec, num_warps=num_warps, num_stages=num_stages,
+                                   cache_dir=pathlib.Path(ptx_path).parent / "triton-cache")
     seconds = time.perf_counter() - start
     pathlib.Path(ptx_path).write_text(compiled.asm["ptx"])
     print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(compiled.metadata.shared), "seconds": seconds}), flush=True)
