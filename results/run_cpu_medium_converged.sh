@@ -14,7 +14,7 @@
 # results/cpu_medium_converged/counting_<N>var/<pe>/seed<k>/ itself (ROOT=runs NAME=...: runs/NAME/ instead), so that
 # the committed tree carries the sweep from one machine to the next: each run's config.json, metrics.jsonl (its
 # learning curve) and, once it has finished, result.json are committed; checkpoints/ (one each 1000 steps) is ignored
-# by git, and an unfinished run's is committed by hand (`git add -f .../checkpoints`; about 1.4 MB) to carry it on.
+# by git, and an unfinished run's is committed by `bash results/stage_sweep.sh` (about 1.4 MB) to carry it on.
 # A run resumes from its checkpoint and a finished run is read back, so the sweep can be stopped and started again,
 # in parts, on any machine:
 #   nohup bash results/run_cpu_medium_converged.sh &     (or: ... counting_5var, PES=..., SEEDS=...)
