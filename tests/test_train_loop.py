@@ -18,7 +18,7 @@ from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.cli import compare_main, eval_main
 from jaxpe.train.config import OptimConfig, build_model, build_task, to_dict
 from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
-from jaxpe.train.experiments import check_same_run, train_and_evaluate
+from jaxpe.train.experiments import check_same_run, cpu_name, train_and_evaluate
 from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.trainer import Trainer
@@ -130,6 +130,20 @@ def test_fsdp_shards_large_arrays():
     assert any("data" in spec for spec in specs) and any("data" not in spec for spec in specs)
 
 
+def test_cpu_name_reads_the_model_and_the_vector_extensions(tmp_path):
+    """The environment names the CPU and the extensions XLA compiles for, in CPU_FEATURES' order; no cpuinfo falls
+    back to platform.processor()."""
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu fma sse4_2 avx512f avx2 ht\n\n"
+                    "processor\t: 1\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu fma sse4_2 avx512f avx2 ht\n")
+    assert cpu_name(info) == "Some CPU @ 2.0GHz (sse4_2 avx2 fma avx512f)"
+    info.write_text("flags : neon\n")
+    assert cpu_name(info) == f"{platform.processor()} ()"
+    assert cpu_name(tmp_path / "absent") == platform.processor()
+
+
 def test_a_tiny_run_writes_every_output_and_resumes_at_its_end(tmp_path):
     """A tiny run writes config, metrics, checkpoints, result JSON/Markdown/PNG and resumes when done."""
     config = tiny("run.steps=8", "run.checkpoint_every=4", "run.eval_every=4", "run.progress=true")
@@ -140,6 +154,7 @@ def test_a_tiny_run_writes_every_output_and_resumes_at_its_end(tmp_path):
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["splits"].keys() == {"valid", "ood_sparse", "ood_dense"}
     assert saved["splits"] == result["splits"] and saved["metric"] == "token_error"
+    assert saved["environment"]["cpu"] == cpu_name() and saved["environment"]["jax_version"] == jax.__version__
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 9))
     assert {r["step"] for r in records if r["split"] == "valid"} == {4, 8}

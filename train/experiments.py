@@ -152,13 +152,30 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
     return result
 
 
+# The vector extensions that decide which code XLA's CPU backend emits (from the host's /proc/cpuinfo flags).
+CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
+
+
+def cpu_name(cpuinfo: str | pathlib.Path = "/proc/cpuinfo") -> str:
+    """The host CPU's model name and its CPU_FEATURES, read from cpuinfo (else platform.processor()): XLA compiles
+    CPU code for the host's instruction set, so the last bits of a CPU run's numbers, and with them a long run's
+    trajectory, can differ between CPUs (a run resumed on another machine goes on as that machine computes)."""
+    try:
+        info = pathlib.Path(cpuinfo).read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    name = next((line.partition(":")[2].strip() for line in info if line.startswith("model name")), "")
+    flags = set(next((line.partition(":")[2].split() for line in info if line.startswith("flags")), []))
+    return f"{name or platform.processor()} ({' '.join(f for f in CPU_FEATURES if f in flags)})"
+
+
 def _environment() -> dict[str, Any]:
-    """Where and when a result was measured: device, process/device counts, jax/flax versions, UTC date."""
+    """Where and when a result was measured: device, host CPU, process/device counts, jax/flax versions, UTC date."""
     device = jax.devices()[0]
     return {
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "device_count": jax.device_count(),
         "process_count": jax.process_count(), "jax_version": jax.__version__, "flax_version": flax.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
+        "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
