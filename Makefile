@@ -22,10 +22,12 @@ demo: .venv
 test: .venv
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
-# The built wheel in a fresh venv outside the repository, on $(PY) and on Python 3.12 (the newest jax).
+# The built wheel in a fresh venv outside the repository, on $(PY), on Python 3.12 and on Python 3.13 (the newest jax
+# on both).
 test-wheel:
 	.ci/wheel_smoke $(PY)
 	.ci/newest_jax --wheel
+	.ci/wheel_smoke "$$(.ci/find_python 3.13)"
 
 # The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to
 # the installed jaxlib; jax 0.10 is the last whose plugin exposes it), ptxas and nvdisasm (its version), in their own
