@@ -17,7 +17,7 @@ import jax
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.tables import add_table_rows, sinusoidal_table
-from jaxpe.validation import check_fraction, check_positive, check_positive_number
+from jaxpe.validation import check_array, check_fraction, check_positive, check_positive_number
 
 
 def check_detail_level(detail_level: float | jax.Array) -> None:
@@ -38,6 +38,7 @@ class AMSPE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, detail_level: float = 0.5, *, positions: jax.Array | None = None) -> jax.Array:
+        check_array("x", x, f"B, L, d_model={self.d_model}")
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
         check_positive("amplitude", self.amplitude)

@@ -17,7 +17,8 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, as_pe_config
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import check_fraction, check_impl, check_int, check_padding_mask, check_segment_ids, check_window
+from jaxpe.validation import (check_array, check_fraction, check_impl, check_int, check_padding_mask,
+                              check_segment_ids, check_window)
 
 
 class Attention(nn.Module):
@@ -67,6 +68,7 @@ class Attention(nn.Module):
         0, 1, ... continuing the cache while decoding) feed the index-based encodings; segment_ids [B, L] int
         (packed documents: no attention across ids); padding_mask [B, L] bool (False: padding, a key no real token
         sees)."""
+        check_array("x", x, "B, L, d_model")
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
         b, length, d_model = x.shape

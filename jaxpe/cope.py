@@ -47,8 +47,9 @@ from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
-from jaxpe.validation import (FUSED_IMPLS, check_bool, check_choice, check_cope_inputs, check_impl, check_int,
-                              check_npos, check_padding_mask, check_positive, check_positive_number, check_qkv,
+from jaxpe.validation import (FUSED_IMPLS, check_array, check_attention_mask, check_bool, check_choice,
+                              check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask, check_positive,
+                              check_pos_emb, check_positive_number, check_qkv, check_sm_scale,
                               open_attention)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
@@ -58,6 +59,7 @@ def check_talking_heads(talking_heads: jax.Array | None, num_heads: int) -> None
     """The talking-heads mix is None or a float [Hq, Hq] matrix."""
     if talking_heads is None:
         return
+    check_array("talking_heads", talking_heads, "Hq Hq")
     if talking_heads.shape != (num_heads, num_heads) or not jnp.issubdtype(talking_heads.dtype, jnp.floating):
         raise ValueError(f"talking_heads must be a float [Hq={num_heads}, Hq={num_heads}] matrix, got "
                          f"talking_heads.shape={tuple(talking_heads.shape)} dtype={talking_heads.dtype}")
@@ -91,7 +93,8 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | j
     key when causal=False (positions then count gates both ways, see the module docstring); talking_heads [Hq, Hq]
     mixes the gate logits across heads before the sigmoid (x-transformers).
     """
-    _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads)
+    _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads, mask=mask, causal=causal,
+                           sm_scale=sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = _default_mask(q.shape[1], k.shape[1], causal)
@@ -118,13 +121,18 @@ def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, win
 
 
 def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None, *, npos: int,
-                           talking_heads: jax.Array | None) -> None:
-    """ValueError/TypeError naming the argument unless q, k (and gate_k), npos and talking_heads fit together."""
+                           talking_heads: jax.Array | None, mask: jax.Array | None, causal: bool,
+                           sm_scale: float | jax.Array | None) -> None:
+    """ValueError/TypeError naming the argument unless q, k (and gate_k), npos, talking_heads, the mask, causal and
+    sm_scale fit together."""
     check_qkv(q, k, k)
     check_npos(npos)
     if gate_k is not None:
         check_qkv(q, gate_k, gate_k)
     check_talking_heads(talking_heads, q.shape[2])
+    check_attention_mask(mask, q.shape[0], q.shape[1], k.shape[1])
+    check_bool("causal", causal)
+    check_sm_scale(sm_scale)
 
 
 def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int, talking_heads: jax.Array | None,
@@ -224,7 +232,9 @@ def cope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     [Hq, Hq] select x-transformers' variants (see the module docstring). sm_scale may be a traced scalar.
     """
     check_qkv(q, k, v)
-    _check_position_inputs(q, k, gate_k, npos=pos_emb.shape[-2], talking_heads=talking_heads)
+    check_pos_emb(pos_emb, q.shape[2], q.shape[3])
+    _check_position_inputs(q, k, gate_k, npos=pos_emb.shape[-2], talking_heads=talking_heads, mask=mask,
+                           causal=causal, sm_scale=sm_scale)
     return _cope_dense(q, k, v, pos_emb, sm_scale=sm_scale, gate_k=gate_k, mask=mask, extra_logits=extra_logits,
                        soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads, causal=causal)
 

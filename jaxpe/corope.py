@@ -39,8 +39,8 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
                                      visibility_mask)
-from jaxpe.validation import (check_corope_inputs, check_even_head_dim, check_padding_mask, check_positive_number,
-                              check_qkv, open_attention)
+from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inputs, check_even_head_dim,
+                              check_padding_mask, check_positive_number, check_qkv, check_sm_scale, open_attention)
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | None = None,
@@ -52,6 +52,12 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     self-attention (Lq = Lk, query i at key position i).
     """
     check_qkv(q, k, k)
+    check_sm_scale(sm_scale)
+    check_attention_mask(mask, q.shape[0], q.shape[1], k.shape[1])
+    check_bool("causal", causal)
+    if not causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal=False is self-attention: q and k must have the same length, got Lq={q.shape[1]}, "
+                         f"Lk={k.shape[1]}")
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if mask is None:
         mask = causal_mask(q.shape[1], k.shape[1])

@@ -19,6 +19,7 @@ import numpy as np
 from jaxpe.attention import check_token_inputs, default_positions
 from jaxpe.model import TransformerLM
 from jaxpe.softmax_attention import fold_padding
+from jaxpe.validation import check_array
 
 __all__ = ["generate", "init_cache", "sample_tokens"]
 
@@ -75,6 +76,7 @@ def sample_tokens(logits: jax.Array, rng: jax.Array | None, *, temperature: floa
     check_temperature(temperature)
     check_top_k(top_k)
     check_top_p(top_p)
+    check_array("logits", logits, "B, V")
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [B, V], got logits.shape={tuple(logits.shape)}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
@@ -158,6 +160,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     """
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a jaxpe.TransformerLM, got {type(model).__name__}")
+    check_array("prompt", prompt, "B, P")
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:

@@ -18,7 +18,7 @@ from jaxpe.dropout import Dropout
 from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding
-from jaxpe.validation import (check_bool, check_choice, check_fraction, check_impl, check_optional_int,
+from jaxpe.validation import (check_array, check_bool, check_choice, check_fraction, check_impl, check_optional_int,
                               check_window)
 
 NORMS = ("layernorm", "rmsnorm")
@@ -281,6 +281,7 @@ class TransformerLM(nn.Module):
                  padding_mask: jax.Array | None = None) -> jax.Array:
         c = self.config
         c.check_filled()
+        check_array("tokens", tokens, "B, L")
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be an int array [B, L], got shape={tuple(tokens.shape)} dtype={tokens.dtype}")
         b, length = tokens.shape

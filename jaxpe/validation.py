@@ -7,14 +7,16 @@ import math
 import numbers
 from typing import Any
 
-from jaxpe.kernels._checks import (check_cope_inputs, check_corope_inputs, check_even_head_dim, check_float,
-                                   check_npos, check_padding_mask, check_pos_emb, check_positive, check_qkv,
-                                   check_rank, check_segment_ids, check_window, open_attention)
+from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs,
+                                   check_even_head_dim, check_float, check_npos, check_padding_mask, check_pos_emb,
+                                   check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
+                                   check_window, open_attention)
 
-__all__ = ["FUSED_IMPLS", "IMPLS", "check_bool", "check_choice", "check_cope_inputs", "check_corope_inputs",
-           "check_even_head_dim", "check_float", "check_fraction", "check_impl", "check_int", "check_npos",
-           "check_optional_int", "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number",
-           "check_qkv", "check_rank", "check_segment_ids", "check_window", "open_attention"]
+__all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
+           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_fraction",
+           "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask", "check_pos_emb",
+           "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids", "check_sm_scale",
+           "check_window", "open_attention"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only

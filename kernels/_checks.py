@@ -22,7 +22,9 @@ def check_float(name: str, x: jax.Array) -> None:
 
 
 def check_rank(name: str, x: jax.Array, rank: int, dims: str) -> None:
-    """Raise ValueError unless `x` has `rank` axes (`dims` names them, e.g. "B L H D")."""
+    """Raise TypeError unless `x` is an array, ValueError unless it has `rank` axes (`dims` names them, e.g.
+    "B L H D")."""
+    check_array(name, x, dims)
     if x.ndim != rank:
         raise ValueError(f"{name} must have shape [{dims}], got {name}.shape={tuple(x.shape)}")
 
@@ -78,6 +80,7 @@ def check_same_length(q: jax.Array, k: jax.Array) -> None:
 
 def check_pos_emb(pos_emb: jax.Array, num_heads: int, head_dim: int) -> None:
     """pos_emb must be [npos, D] or [Hq, npos, D] with npos >= 2."""
+    check_array("pos_emb", pos_emb, "npos D")
     check_float("pos_emb", pos_emb)
     if pos_emb.ndim not in (2, 3) or pos_emb.shape[-1] != head_dim or (
             pos_emb.ndim == 3 and pos_emb.shape[0] != num_heads):
@@ -88,6 +91,7 @@ def check_pos_emb(pos_emb: jax.Array, num_heads: int, head_dim: int) -> None:
 
 def check_gate_k(gate_k: jax.Array, k: jax.Array) -> None:
     """Separate gate keys have k's shape and dtype."""
+    check_array("gate_k", gate_k, "B L Hkv D")
     if gate_k.shape != k.shape or gate_k.dtype != k.dtype:
         raise ValueError(f"gate_k must match k, got gate_k.shape={tuple(gate_k.shape)} dtype={gate_k.dtype}, "
                          f"k.shape={tuple(k.shape)} dtype={k.dtype}")
@@ -121,9 +125,10 @@ def check_sm_scale(sm_scale: float | jax.Array | None) -> None:
     under jit) is accepted: its value is checked only where it is concrete."""
     if sm_scale is None:
         return
-    if isinstance(sm_scale, bool) or jnp.ndim(sm_scale) != 0 or not (
-            jnp.issubdtype(jnp.result_type(sm_scale), jnp.floating)
-            or jnp.issubdtype(jnp.result_type(sm_scale), jnp.integer)):
+    scalar = (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)) or (
+        hasattr(sm_scale, "dtype") and hasattr(sm_scale, "ndim") and sm_scale.ndim == 0)
+    dtype = jnp.result_type(sm_scale) if scalar else None
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"sm_scale must be a real scalar, got sm_scale={sm_scale!r}")
     try:
         value = float(sm_scale)
@@ -143,16 +148,16 @@ def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | N
             raise ValueError(f"{name}={value!r} must be a positive int or None")
 
 
-def check_array(name: str, x: object) -> None:
-    """Raise TypeError unless `x` is an array (jax or NumPy), not a list or a scalar."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be a jax or NumPy array [B, L], got {type(x).__name__}")
+def check_array(name: str, x: object, dims: str) -> None:
+    """Raise TypeError unless `x` is an array (jax or NumPy), not a list or a scalar; `dims` names its axes."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+        raise TypeError(f"{name} must be a jax or NumPy array [{dims}], got {type(x).__name__}")
 
 
 def _check_per_token(name: str, x: jax.Array, batch: int, length: int, *, dtype_ok: bool, kind: str) -> None:
     """An array [B, L] with one entry per token: TypeError unless an array whose dtype is of `kind` (dtype_ok),
     ValueError unless its shape is [B, L]."""
-    check_array(name, x)
+    check_array(name, x, "B, L")
     if not dtype_ok(x.dtype):
         raise TypeError(f"{name} must be {kind} [B, L], got {name}.dtype={x.dtype}")
     if x.shape != (batch, length):
@@ -187,6 +192,18 @@ def open_attention(q: jax.Array, *, causal: bool, segment_ids: jax.Array | None,
         window = None
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return length == 0, segment_ids, window
+
+
+def check_attention_mask(mask: jax.Array | None, batch: int, lq: int, lk: int) -> None:
+    """An explicit attention mask: None, or a bool array [B|1, Lq, Lk], True where the key is visible."""
+    if mask is None:
+        return
+    check_array("mask", mask, "B|1 Lq Lk")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be a bool array [B|1, Lq, Lk] (True: visible), got mask.dtype={mask.dtype}")
+    if mask.ndim != 3 or mask.shape[0] not in (1, batch) or tuple(mask.shape[1:]) != (lq, lk):
+        raise ValueError(f"mask must have shape [B|1, Lq={lq}, Lk={lk}] with B={batch}, got mask.shape="
+                         f"{tuple(mask.shape)}")
 
 
 def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) -> None:

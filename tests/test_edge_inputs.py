@@ -93,3 +93,83 @@ def test_a_nan_row_of_the_position_table_reaches_only_the_queries_that_use_it(ro
         got = np.asarray(jaxpe.cope_attention(q, k, k, poisoned, impl=impl))[0, :, 0]
         np.testing.assert_array_equal(np.isnan(got).any(axis=-1), users, err_msg=impl)
         np.testing.assert_allclose(got[~users], clean[~users], rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+# Every encoding's layer, and a model, at length 0: an empty output (and gradient), like jax.nn.dot_product_attention.
+@pytest.mark.parametrize("pe", jaxpe.PE_NAMES)
+def test_attention_layer_at_length_zero_gives_an_empty_output_and_gradient(pe):
+    layer = jaxpe.Attention(num_heads=4, num_kv_heads=2, head_dim=8, pe=pe, max_len=16)
+    x = jnp.ones((2, 6, 32))
+    params = layer.init(jax.random.PRNGKey(0), x)
+    empty = x[:, :0]
+    out = layer.apply(params, empty)
+    grad = jax.grad(lambda x: layer.apply(params, x).sum())(empty)
+    assert out.shape == grad.shape == (2, 0, 32)
+
+
+def test_model_at_length_zero_gives_empty_logits():
+    model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1, pe="rope",
+                                                  max_len=16))
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    assert model.apply(params, tokens[:, :0]).shape == (2, 0, 10)
+
+
+def _lists(x: jax.Array) -> list:
+    return np.asarray(x).tolist()
+
+
+_Q = jnp.ones((2, 8, 4, 8))
+_TABLE = jnp.zeros((8, 8))
+_NOT_ARRAYS = {  # a list where an array belongs: a TypeError naming the argument, not an AttributeError
+    "q": lambda: jaxpe.cope_attention(_lists(_Q), _Q, _Q, _TABLE),
+    "k": lambda: jaxpe.corope_attention(_Q, _lists(_Q), _Q),
+    "pos_emb": lambda: jaxpe.cope_attention(_Q, _Q, _Q, _lists(_TABLE)),
+    "gate_k": lambda: jaxpe.cope_attention(_Q, _Q, _Q, _TABLE, gate_k=_lists(_Q)),
+    "talking_heads": lambda: jaxpe.cope_positions(_Q, _Q, npos=8, talking_heads=_lists(jnp.eye(4))),
+    "mask": lambda: jaxpe.corope_mileage(_Q, _Q, mask=_lists(jnp.ones((1, 8, 8), bool))),
+    "x": lambda: jaxpe.Attention(num_heads=4, num_kv_heads=4, head_dim=8, pe="cope").init(
+        jax.random.PRNGKey(0), [[[0.0] * 32] * 8]),
+    "tokens": lambda: jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1,
+                                                            pe="rope", max_len=16)).init(jax.random.PRNGKey(0),
+                                                                                         [[1, 2, 3]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NOT_ARRAYS))
+def test_a_list_where_an_array_belongs_is_a_type_error_naming_the_argument(name):
+    with pytest.raises(TypeError, match=f"^{name} must be a jax or NumPy array"):
+        _NOT_ARRAYS[name]()
+
+
+@pytest.mark.parametrize("op", ["positions", "mileage"])
+@pytest.mark.parametrize("mask, error, message", [
+    (jnp.ones((1, 8, 8), jnp.int32), TypeError, "mask must be a bool array"),
+    (jnp.ones((1, 8, 7), bool), ValueError, r"mask must have shape \[B\|1, Lq=8, Lk=8\] with B=2"),
+    (jnp.ones((3, 8, 8), bool), ValueError, "mask must have shape"),
+    (jnp.ones((2, 4, 8, 8), bool), ValueError, "mask must have shape"),
+])
+def test_an_explicit_mask_is_checked(op, mask, error, message):
+    with pytest.raises(error, match=message):
+        if op == "positions":
+            jaxpe.cope_positions(_Q, _Q, npos=8, mask=mask)
+        else:
+            jaxpe.corope_mileage(_Q, _Q, mask=mask)
+
+
+@pytest.mark.parametrize("op", ["positions", "mileage"])
+def test_position_functions_check_causal_and_sm_scale(op):
+    fn = (lambda **kw: jaxpe.cope_positions(_Q, _Q, npos=8, **kw)) if op == "positions" else (
+        lambda **kw: jaxpe.corope_mileage(_Q, _Q, **kw))
+    with pytest.raises(ValueError, match="causal=1 must be a bool"):
+        fn(causal=1)
+    for bad in ("a", [1.0], 1 + 2j, object()):
+        with pytest.raises(TypeError, match="sm_scale must be a real scalar"):
+            fn(sm_scale=bad)
+    with pytest.raises(ValueError, match="sm_scale=-1.0 must be > 0"):
+        fn(sm_scale=-1.0)
+
+
+def test_mileage_without_causality_needs_one_length():
+    with pytest.raises(ValueError, match="causal=False is self-attention: q and k must have the same length"):
+        jaxpe.corope_mileage(_Q[:, :4], _Q, causal=False, mask=jnp.ones((1, 4, 8), bool))
