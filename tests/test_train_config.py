@@ -264,3 +264,16 @@ def test_committed_run_configs_load_and_keep_every_saved_value(path):
         loaded = to_dict(from_dict(run["config"]))
         assert holds(run["config"], loaded)  # fields added since keep their defaults
         assert loaded["task"]["name"] == run["task"] and loaded["model"]["pe"] == run["pe"]
+
+
+@pytest.mark.parametrize("cls, field, value, message", [
+    (OptimConfig, "batch_size", "8", "optim.batch_size='8' must be an int"),
+    (OptimConfig, "batch_size", True, "optim.batch_size=True must be an int"),
+    (OptimConfig, "learning_rate", None, "optim.learning_rate=None must be a number"),
+    (OptimConfig, "b1", True, "optim.b1=True must be a number"),
+    (RunConfig, "steps", 1.5, "run.steps=1.5 must be an int"),
+    (RunConfig, "progress", 1, "run.progress=1 must be a bool"),
+])
+def test_configs_built_in_python_name_a_field_of_the_wrong_type(cls, field, value, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        cls(**{field: value})

@@ -91,6 +91,13 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     (cli.train_main, ["optim.eps=0"], "optim.eps=0.0 must be > 0"),
     (cli.train_main, ["optim.learning_rate=nan"], "optim.learning_rate=nan must be a finite number"),
     (cli.train_main, ["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
+    (cli.train_main, ["optim.learning_rate=-1"], "optim.learning_rate=-1.0 must be >= 0"),
+    (cli.train_main, ["optim.batch_size=0"], "optim.batch_size=0 must be >= 1"),
+    (cli.train_main, ["optim.grad_accum=3"], "optim.batch_size=16 must be a multiple of optim.grad_accum=3"),
+    (cli.train_main, ["optim.clip_norm=0"], "optim.clip_norm=0.0 must be > 0"),
+    (cli.train_main, ["optim.warmup_steps=-2"], "optim.warmup_steps=-2 must be >= 0"),
+    (cli.train_main, ["run.steps=0"], "run.steps=0 must be >= 1"),
+    (cli.train_main, ["run.eval_every=-1"], "run.eval_every=-1 must be >= 0"),
     (cli.train_main, ["run.eval_splits=valid,bogus"], "run.eval_splits: unknown split(s) ['bogus'] for task "
                                                       "'flipflop'; choose from valid, ood_sparse, ood_dense"),
     (cli.train_main, ["model.pe_options.theta=0"], "theta=0 must be > 0 and finite"),

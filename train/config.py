@@ -20,6 +20,7 @@ import inspect
 import io
 import json
 import math
+import numbers
 import os
 import pathlib
 import textwrap
@@ -42,6 +43,20 @@ class TaskConfig:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # make_task(name, **options)
 
 
+def _check_at_least(config: object, section: str, names: Sequence[str], minimum: int | None, *,
+                    integer: bool) -> None:
+    """TypeError unless each field `names` of `config` is an int (`integer`) or a finite real number (a bool is
+    neither), ValueError unless it is >= `minimum` (None: any); each error names `section`.field and its value."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+            raise TypeError(f"{section}.{name}={value!r} must be {'an int' if integer else 'a number'}")
+        if not math.isfinite(value):
+            raise ValueError(f"{section}.{name}={value!r} must be a finite number")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{section}.{name}={value!r} must be >= {minimum}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     batch_size: int = 32  # global batch (sequences per optimizer step, over all devices and hosts)
@@ -56,13 +71,15 @@ class OptimConfig:
     grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
-            raise ValueError(f"optim.{self.batch_size=} must be a positive multiple of optim.{self.grad_accum=}")
-        if self.warmup_steps < 0 or self.learning_rate < 0 or self.clip_norm <= 0:
-            raise ValueError(f"optim: {self.warmup_steps=}, {self.learning_rate=} must be >= 0, {self.clip_norm=} > 0")
-        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"optim.{name}={getattr(self, name)!r} must be a finite number")
+        _check_at_least(self, "optim", ("batch_size", "grad_accum"), 1, integer=True)
+        _check_at_least(self, "optim", ("warmup_steps",), 0, integer=True)
+        _check_at_least(self, "optim", ("learning_rate", "weight_decay", "eps", "clip_norm"), 0, integer=False)
+        _check_at_least(self, "optim", ("min_lr_ratio", "b1", "b2"), None, integer=False)  # ranges below
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"optim.batch_size={self.batch_size} must be a multiple of "
+                             f"optim.grad_accum={self.grad_accum}")
+        if self.clip_norm <= 0:
+            raise ValueError(f"optim.clip_norm={self.clip_norm!r} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1] "
                              "(a fraction of learning_rate)")
@@ -71,8 +88,6 @@ class OptimConfig:
                 raise ValueError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1)")
         if self.eps <= 0:
             raise ValueError(f"optim.eps={self.eps!r} must be > 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay={self.weight_decay!r} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +112,14 @@ class RunConfig:
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])
 
     def __post_init__(self):
-        if self.steps < 1 or self.log_every < 1 or self.keep < 1 or self.eval_batch_size < 1:
-            raise ValueError(f"run: {self.steps=}, {self.log_every=}, {self.keep=}, {self.eval_batch_size=} "
-                             "must be >= 1")
-        if self.eval_every < 0 or self.checkpoint_every < 0 or self.num_devices < 0:
-            raise ValueError(f"run: {self.eval_every=}, {self.checkpoint_every=}, {self.num_devices=} must be >= 0")
+        _check_at_least(self, "run", ("steps", "log_every", "keep", "eval_batch_size", "pad_multiple"), 1,
+                        integer=True)
+        _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices"), 0, integer=True)
+        for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")
         if self.pad_to not in PAD_TO:
             raise ValueError(f"run.pad_to={self.pad_to!r} must be one of {', '.join(PAD_TO)}")
-        if self.pad_multiple < 1:
-            raise ValueError(f"run.pad_multiple={self.pad_multiple!r} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
