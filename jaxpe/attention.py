@@ -17,8 +17,8 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, as_pe_config
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import (check_array, check_fraction, check_impl, check_int, check_padding_mask,
-                              check_segment_ids, check_window)
+from jaxpe.validation import (check_array, check_float_dtype, check_fraction, check_impl, check_int,
+                              check_padding_mask, check_segment_ids, check_window)
 
 
 class Attention(nn.Module):
@@ -58,6 +58,8 @@ class Attention(nn.Module):
         check_fraction("dropout", self.dropout, one=False)
         check_impl(self.impl)
         check_window(self.window)
+        check_float_dtype("dtype", self.dtype)
+        check_float_dtype("param_dtype", self.param_dtype)
         super().__post_init__()
 
     @nn.compact

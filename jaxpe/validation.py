@@ -7,13 +7,15 @@ import math
 import numbers
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs,
                                    check_even_head_dim, check_float, check_npos, check_padding_mask, check_pos_emb,
                                    check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
                                    check_window, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
-           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_fraction",
+           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype", "check_fraction",
            "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask", "check_pos_emb",
            "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids", "check_sm_scale",
            "check_window", "open_attention"]
@@ -66,6 +68,19 @@ def check_fraction(name: str, value: Any, *, one: bool) -> None:
     """Raise ValueError unless `value` is a number in [0, 1] (`one`) or in [0, 1)."""
     if not _is_number(value) or not (0 <= value <= 1 if one else 0 <= value < 1):
         raise ValueError(f"{name}={value!r} must be in [0, {'1]' if one else '1)'}")
+
+
+def check_float_dtype(name: str, value: Any) -> None:
+    """Raise TypeError unless `value` names a floating-point dtype (jnp.bfloat16, "float32", np.float16, ...) or is
+    None (flax's convention: the inputs' dtype)."""
+    if value is None:
+        return
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name}={value!r} must be a floating-point dtype (e.g. jnp.float32, jnp.bfloat16)")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -173,3 +173,10 @@ def test_position_functions_check_causal_and_sm_scale(op):
 def test_mileage_without_causality_needs_one_length():
     with pytest.raises(ValueError, match="causal=False is self-attention: q and k must have the same length"):
         jaxpe.corope_mileage(_Q[:, :4], _Q, causal=False, mask=jnp.ones((1, 4, 8), bool))
+
+
+@pytest.mark.parametrize("name", ["dtype", "param_dtype"])
+@pytest.mark.parametrize("value", [jnp.int32, "bogus", 3])
+def test_attention_dtypes_must_be_floating_point(name, value):
+    with pytest.raises(TypeError, match=f"{name}=.* must be a floating-point dtype"):
+        jaxpe.Attention(num_heads=2, num_kv_heads=2, head_dim=4, pe="rope", **{name: value})
