@@ -19,7 +19,7 @@ import numpy as np
 from jaxpe.attention import check_token_inputs, default_positions
 from jaxpe.model import TransformerLM
 from jaxpe.softmax_attention import fold_padding
-from jaxpe.validation import check_array
+from jaxpe.validation import check_array, check_token_ids
 
 __all__ = ["generate", "init_cache", "sample_tokens"]
 
@@ -182,12 +182,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     if p < 1:
         raise ValueError(f"prompt must hold at least one token per row, got shape={tuple(prompt.shape)}")
     check_token_inputs(b, p, padding_mask=padding_mask)
-    if not _is_traced(prompt):
-        ids = np.asarray(prompt)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab_size}), got ids from "
-                             f"{low} to {high} (inside jit an out-of-range id embeds as NaN)")
+    check_token_ids("prompt token", prompt, vocab_size)
     if padding_mask is not None and not _is_traced(padding_mask):
         if not np.all(np.asarray(padding_mask)[:, -1]):
             raise ValueError("padding_mask must mark left padding: the last prompt token of every row must be real "

@@ -19,7 +19,7 @@ from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding
 from jaxpe.validation import (check_array, check_bool, check_choice, check_fraction, check_impl, check_optional_int,
-                              check_window)
+                              check_token_ids, check_window)
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -284,6 +284,7 @@ class TransformerLM(nn.Module):
         check_array("tokens", tokens, "B, L")
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be an int array [B, L], got shape={tuple(tokens.shape)} dtype={tokens.dtype}")
+        check_token_ids("tokens", tokens, c.vocab_size)
         b, length = tokens.shape
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)

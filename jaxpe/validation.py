@@ -7,7 +7,9 @@ import math
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs,
                                    check_even_head_dim, check_float, check_npos, check_padding_mask, check_pos_emb,
@@ -15,10 +17,10 @@ from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope
                                    check_window, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
-           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype", "check_fraction",
-           "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask", "check_pos_emb",
-           "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids", "check_sm_scale",
-           "check_window", "open_attention"]
+           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype",
+           "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask",
+           "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids",
+           "check_sm_scale", "check_token_ids", "check_window", "open_attention"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only
@@ -81,6 +83,18 @@ def check_float_dtype(name: str, value: Any) -> None:
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name}={value!r} must be a floating-point dtype (e.g. jnp.float32, jnp.bfloat16)")
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
+    """Raise ValueError unless the ids of a concrete int array are in [0, vocab_size); a traced array (under jit) is
+    used as given: there an id >= vocab_size embeds as NaN and a negative one counts from the end (flax's Embed)."""
+    if isinstance(ids, jax.core.Tracer) or not ids.size:
+        return
+    values = np.asarray(ids)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} ids must be in [0, vocab_size={vocab_size}), got ids from {low} to {high} (under "
+                         "jit, unchecked, an id >= vocab_size embeds as NaN and a negative one counts from the end)")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -180,3 +180,20 @@ def test_mileage_without_causality_needs_one_length():
 def test_attention_dtypes_must_be_floating_point(name, value):
     with pytest.raises(TypeError, match=f"{name}=.* must be a floating-point dtype"):
         jaxpe.Attention(num_heads=2, num_kv_heads=2, head_dim=4, pe="rope", **{name: value})
+
+
+@pytest.mark.parametrize("offset", [-1, 10])
+def test_model_called_eagerly_with_token_ids_outside_the_vocabulary_is_an_error(offset):
+    model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1, pe="cope",
+                                                  max_len=16))
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    bad = tokens.at[1, 2].set(offset)
+    with pytest.raises(ValueError, match=rf"tokens ids must be in \[0, vocab_size=10\), got ids from {min(offset, 0)}"
+                                         rf" to {max(offset, 0)}"):
+        model.apply(params, bad)
+    traced = jax.jit(model.apply)(params, bad)  # unchecked: NaN past the vocabulary, a negative id from the end
+    if offset < 0:
+        np.testing.assert_array_equal(traced, jax.jit(model.apply)(params, bad.at[1, 2].set(10 + offset)))
+    else:
+        assert jnp.isnan(traced).any()
