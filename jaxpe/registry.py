@@ -78,9 +78,16 @@ def table_hint(name: str, rows: int) -> str:
 
 
 def register(name: str) -> Callable[[C], C]:
-    """Class decorator: register an encoding config under `name`."""
+    """Class decorator: register an encoding config (a dataclass subclassing PEConfig) under `name`, a Python
+    identifier (it is read back from `--pe a,b` lists and `model.pe=<name>` overrides)."""
+    if not isinstance(name, str):
+        raise TypeError(f"encoding name must be a str, got {name!r}")
+    if not name.isidentifier():
+        raise ValueError(f"encoding name={name!r} must be a Python identifier (letters, digits, underscores)")
 
     def wrap(cls: C) -> C:
+        if not (isinstance(cls, type) and issubclass(cls, PEConfig) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"register({name!r}) decorates a dataclass subclassing jaxpe.PEConfig, got {cls!r}")
         if name in _REGISTRY:
             raise ValueError(f"encoding {name=} is already registered")
         cls.name = name

@@ -212,3 +212,26 @@ def test_table_of_another_max_len_names_its_option(pe, options, option):
     fixed = dataclasses.replace(longer, pe_options={**options, option: 17})
     tokens = jnp.zeros((1, 24), jnp.int32)
     assert jaxpe.TransformerLM(fixed).apply({"params": params}, tokens).shape == (1, 24, 11)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnregisteredConfig(jaxpe.PEConfig):
+    """An encoding config no test registers."""
+
+
+@pytest.mark.parametrize("name, error, message", [
+    ("rope", ValueError, "encoding name='rope' is already registered"),
+    (3, TypeError, "encoding name must be a str, got 3"),
+    ("", ValueError, "encoding name='' must be a Python identifier"),
+    ("my,pe", ValueError, "encoding name='my,pe' must be a Python identifier"),
+])
+def test_register_rejects_names_the_command_line_could_not_read_back(name, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        jaxpe.register(name)(_UnregisteredConfig)
+    assert _UnregisteredConfig not in [type(jaxpe.pe_config(n)) for n in jaxpe.pe_names()]
+
+
+def test_register_decorates_encoding_configs_only():
+    with pytest.raises(TypeError, match="decorates a dataclass subclassing jaxpe.PEConfig, got <class 'int'>"):
+        jaxpe.register("never_registered")(int)
+    assert "never_registered" not in jaxpe.pe_names()
