@@ -24,6 +24,7 @@ from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise
 from test_kernels_corope import THETA, Case, make_inputs, reference  # noqa: E402
 
 import jaxpe  # noqa: E402
+from jaxpe.kernels import _triton_launch  # noqa: E402  (after the importorskip: it imports triton)
 from jaxpe.kernels._common import rotary_frequencies  # noqa: E402
 from jaxpe.kernels.corope_triton import BlockSizes, corope_attention_triton  # noqa: E402
 
@@ -38,13 +39,17 @@ TRITON_GPU_TOLERANCE = {**GPU_TOLERANCE, "float16": TRITON_TOLERANCE["float16"]}
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What a case changes beyond `Case`: the batch, documents (segment ids), a window, caller frequencies, kernel
-    blocks."""
+    blocks, and the blocks used where the kernels are compiled (a GPU) instead of interpreted. Large rotary chunks
+    keep the interpreter fast but take a compiler minutes: the [block_d, block_q, block_k] rotary temporaries
+    unroll (block_d 64 over 32×64 backward tiles: 10 MiB of PTX and 270 s in Triton alone, where these take a few
+    seconds)."""
 
     batch: int = 1
     documents: bool = False
     window: int | None = None
     inv_freq: bool = False
     blocks: BlockSizes | None = None
+    gpu_blocks: BlockSizes | None = None
 
     def __str__(self) -> str:
         parts = [f"B{self.batch}"] * (self.batch > 1) + ["docs"] * self.documents
@@ -80,7 +85,9 @@ def run(attention, case: Case, options: Options) -> list[jax.Array]:
 
 
 def triton_attention(options: Options):
-    return functools.partial(corope_attention_triton, block_sizes=options.blocks)
+    compiled = not _triton_launch.interpreted()
+    blocks = options.gpu_blocks if compiled and options.gpu_blocks is not None else options.blocks
+    return functools.partial(corope_attention_triton, block_sizes=blocks)
 
 
 @float32_products
@@ -89,7 +96,8 @@ def reference_attention(q, k, v, **given):
 
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16, block_d=16)
-# (case, options): each value of every axis appears; the blocks keep the interpreter fast and vary the tiling.
+# (case, options): each value of every axis appears; the blocks keep the interpreter fast and vary the tiling, and
+# the GPU blocks vary it as much in chunks a compiler unrolls in seconds.
 SWEEP = [
     (Case(1, 32, 1, 2, "float32"), Options()),
     (Case(7, 64, 2, 3, "float16"), Options(batch=2, documents=True)),  # G = 3: one head per program
@@ -97,15 +105,21 @@ SWEEP = [
     (Case(64, 64, 2, 2, "float32"), Options(inv_freq=True, window=24, blocks=SMALL)),
     (Case(130, 96, 1, 4, "float32", saturated=True),
      Options(blocks=BlockSizes(block_q=32, block_k=64, block_q_bwd=64, block_k_bwd=32, block_d=16, block_h=4,
-                               block_h_bwd=4))),
+                               block_h_bwd=4),
+             gpu_blocks=BlockSizes(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32, block_d=4, block_h=4,
+                                   block_h_bwd=4))),
     (Case(130, 128, 2, 1, "float16", saturated=True),
      Options(documents=True, blocks=BlockSizes(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=64,
-                                               block_d=64))),
+                                               block_d=64),
+             gpu_blocks=BlockSizes(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=16, block_d=8, block_d_bwd=2))),
     (Case(300, 32, 1, 2, "float32"),
      Options(documents=True, window=100, blocks=BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64,
-                                                           block_d=16))),
+                                                           block_d=16),
+             gpu_blocks=BlockSizes(block_q=64, block_k=16, block_q_bwd=16, block_k_bwd=64, block_d=2, block_d_bwd=1))),
     (Case(300, 64, 1, 4, "float16", saturated=True),
-     Options(window=40, blocks=BlockSizes(block_q=64, block_k=32, block_q_bwd=64, block_k_bwd=32, block_d=32))),
+     Options(window=40, blocks=BlockSizes(block_q=64, block_k=32, block_q_bwd=64, block_k_bwd=32, block_d=32),
+             gpu_blocks=BlockSizes(block_q=16, block_k=64, block_q_bwd=32, block_k_bwd=32, block_d=8, block_h=2,
+                                   block_d_bwd=2, block_h_bwd=2))),
 ]
 IDS = [f"{case}-{options}" for case, options in SWEEP]
 
