@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -97,9 +98,56 @@ def test_window_mean_column(tmp_path):
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
     table = (tmp_path / "out" / "curves.md").read_text()
     assert "mean error % over steps 200–300 |" in table
-    assert table.rstrip().endswith("| 15.0 |")  # (0.2 + 0.1) / 2
+    assert table.rstrip().endswith("| 15.0 | — |")  # (0.2 + 0.1) / 2; no event files, no wall time
     data = curves.collect(tmp_path)
     assert curves.window_mean(data["settings"]["counting_5var"]["cope"]["seed0"], 500, 600) is None
     for bad in ("300:200", "1:2:3", "a:b"):
         with pytest.raises(SystemExit):
             curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", bad])
+
+
+def _write_events(run, scalars_after: tuple[float, ...], suffix: str) -> tuple[float, float]:
+    """One start of a run: a tensorboardX writer in <run>/tb (its first event, the file version, at the time it opens)
+    and scalars at `scalars_after` seconds after the moment just before it opened. Returns (before, after) it opened."""
+    tensorboardX = pytest.importorskip("tensorboardX")
+    before = time.time()
+    writer = tensorboardX.SummaryWriter(str(run / "tb"), filename_suffix=suffix)
+    after = time.time()
+    for step, seconds in enumerate(scalars_after):
+        writer.add_scalar("train/loss", 1.0, global_step=step, walltime=before + seconds)
+    writer.close()
+    return before, after
+
+
+def test_wall_time_is_the_sum_of_each_start_of_the_run(tmp_path):
+    """Two starts (a run resumed): 0 -> 90 s and 0 -> 20 s of writer time; the sum is 110 s, less the moments each
+    writer took to open (its first event is stamped as it opens). An empty event file and a record cut short by a
+    kill add nothing."""
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5)])
+    run = tmp_path / "counting_3var" / "cope" / "seed0"
+    b1, a1 = _write_events(run, (30.0, 90.0), ".a")
+    b2, a2 = _write_events(run, (5.0, 20.0), ".b")
+    (run / "tb" / "events.out.tfevents.0.empty").write_bytes(b"")
+    assert 110.0 - (a1 - b1) - (a2 - b2) <= curves.wall_seconds(run) <= 110.0
+    b3, a3 = _write_events(run, (40.0, 600.0), ".c")
+    third = next(p for p in (run / "tb").iterdir() if p.name.endswith(".c"))
+    third.write_bytes(third.read_bytes()[:-5])  # the 600 s record is cut short: the span ends at 40 s
+    assert 150.0 - (a1 - b1) - (a2 - b2) - (a3 - b3) <= curves.wall_seconds(run) <= 150.0
+    assert curves.wall_seconds(tmp_path / "nowhere") is None
+
+
+def test_table_has_each_runs_wall_time_and_each_settings_total(tmp_path):
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5)])
+    _write_run(tmp_path, "counting_3var", "relative", 0, [(100, 0.6)])
+    _write_run(tmp_path, "counting_5var", "cope", 0, [(100, 0.7)])
+    _write_events(tmp_path / "counting_3var" / "cope" / "seed0", (1800.0, 3600.0), ".a")
+    _write_events(tmp_path / "counting_3var" / "relative" / "seed0", (5400.0,), ".a")
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    assert data["settings"]["counting_3var"]["cope"]["seed0"]["wall_seconds"] == pytest.approx(3600.0, abs=1.0)
+    assert data["settings"]["counting_5var"]["cope"]["seed0"]["wall_seconds"] is None
+    table = (tmp_path / "out" / "curves.md").read_text()
+    assert "| counting_3var | relative | seed0 | 100 | 60.0 (100) | 100 (60.0, 9.6) | 90.0 |" in table
+    assert "| counting_5var | cope | seed0 | 100 | 70.0 (100) | 100 (70.0, 9.0) | — |" in table
+    assert "Wall time, counting_3var: 2.50 h over 2 runs" in table
+    assert "counting_5var:" not in table

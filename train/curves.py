@@ -8,7 +8,8 @@ results/run_cpu_medium_converged.sh writes it; unfinished runs too) and writes c
 each run, the runs' configs and environments) and curves.png; several roots side by side name each setting by its
 root (`python -m jaxpe.train.curves runs/lr_a runs/lr_b --out ...`). A run's plateau is the first evaluation whose error
 lies within the 95 % binomial interval of its best (`plateau`): later evaluations improve on it by less than the
-evaluation set can tell.
+evaluation set can tell. Where a run kept TensorBoard event files (<run>/tb/, `jaxpe[tensorboard]`), its wall time is
+read from them too (`wall_seconds`), and each setting's total.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import pathlib
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +43,34 @@ def plateau(steps: Sequence[int], errors: Sequence[float], sequences: int) -> di
     first = next(i for i, error in enumerate(errors) if error <= best + within)
     return {"best_step": steps[best_index], "best": best, "step": steps[first], "error": errors[first],
             "within": within}
+
+
+def event_file_span(path: pathlib.Path) -> float | None:
+    """Seconds from the first to the last event of one TensorBoard event file, None with fewer than two events.
+
+    The file is TFRecord: each record is a little-endian uint64 length, a 4-byte CRC, the data, a 4-byte CRC; the data
+    is an `Event` protobuf whose field 1, wall_time (a double, tag byte 0x09), comes first. A record cut short (a
+    killed writer) ends the file.
+    """
+    data, offset, times = path.read_bytes(), 0, []
+    while offset + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        record = data[offset + 12:offset + 12 + length]
+        if len(record) < length:
+            break
+        if record[:1] == b"\x09" and len(record) >= 9:
+            times.append(struct.unpack_from("<d", record, 1)[0])
+        offset += 12 + length + 4
+    return max(times) - min(times) if len(times) > 1 else None
+
+
+def wall_seconds(run: pathlib.Path) -> float | None:
+    """A run's wall time from its TensorBoard event files (<run>/tb/events.out.tfevents.*): the sum of each file's
+    span, one file per start of the run (a resumed run adds the time it lost to its interruption, as it was spent);
+    None without event files. The writer opens its file as the run starts, so compile time is inside."""
+    spans = [span for path in sorted((run / "tb").glob("events.out.tfevents.*"))
+             if (span := event_file_span(path)) is not None]
+    return sum(spans) if spans else None
 
 
 def run_curve(metrics_path: pathlib.Path) -> dict[str, Any]:
@@ -71,9 +101,9 @@ def run_curve(metrics_path: pathlib.Path) -> dict[str, Any]:
 def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Sequence[str] = (),
             seeds: Sequence[int] = ()) -> dict[str, Any]:
     """{"settings": {setting: {pe: {"seed<k>": curve}}}, "configs": {...}, "environments": {...}} of every run under
-    the root(s) (<setting>/<pe>/seed<k>/metrics.jsonl), or of those of `pes` and `seeds` (empty: all). With several
-    roots a setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). ValueError when there is
-    no run."""
+    the root(s) (<setting>/<pe>/seed<k>/metrics.jsonl), or of those of `pes` and `seeds` (empty: all). Each curve is
+    `run_curve`'s with the run's `wall_seconds`. With several roots a setting is named "<root's name>/<setting>"
+    (e.g. sweeps at two learning rates). ValueError when there is no run."""
     roots = [pathlib.Path(roots)] if isinstance(roots, (str, pathlib.Path)) else [pathlib.Path(r) for r in roots]
     found = [(root, path) for root in roots for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))
              if (not pes or path.parent.parent.name in pes) and (not seeds or path.parent.name[4:] in map(str, seeds))]
@@ -87,7 +117,9 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
         run = path.parent
         setting, pe, seed = run.parent.parent.name, run.parent.name, run.name
         setting = f"{root.name}/{setting}" if len(roots) > 1 else setting
-        settings.setdefault(setting, {}).setdefault(pe, {})[seed] = run_curve(path)
+        curve = run_curve(path)
+        curve["wall_seconds"] = wall_seconds(run)
+        settings.setdefault(setting, {}).setdefault(pe, {})[seed] = curve
         name = f"{setting}/{pe}/{seed}"
         if (run / "config.json").exists():
             configs[name] = json.loads((run / "config.json").read_text())
@@ -109,11 +141,14 @@ def window_mean(curve: Mapping[str, Any], first: int, last: int) -> float | None
 
 
 def summary(data: Mapping[str, Any], window: tuple[int, int] | None = None) -> str:
-    """A Markdown table: per setting and encoding, the steps run, the best error and its step, the plateau, and with
-    `window` (first, last) the mean error of the evaluations in those steps (`window_mean`)."""
+    """A Markdown table: per setting and encoding, the steps run, the best error and its step, the plateau, with
+    `window` (first, last) the mean error of the evaluations in those steps (`window_mean`), and the run's wall time;
+    then each setting's total wall time over the runs that have one."""
     extra = "" if window is None else f" mean error % over steps {window[0]}–{window[1]} |"
-    lines = [f"| setting | pe | seed | steps run | best {data['split']} error % (step) | plateau step "
-             f"(error %, within ± %) |{extra}", "|---|---|---|---|---|---|" + ("---|" if window else "")]
+    header = (f"| setting | pe | seed | steps run | best {data['split']} error % (step) | plateau step "
+              f"(error %, within ± %) |{extra} wall time (min) |")
+    lines = [header, "|---" * header.count(" | ") + "|---|"]
+    totals: dict[str, tuple[float, int]] = {}
     for setting, pes in data["settings"].items():
         for pe, seeds in pes.items():
             for seed, curve in seeds.items():
@@ -125,7 +160,16 @@ def summary(data: Mapping[str, Any], window: tuple[int, int] | None = None) -> s
                 if window is not None:
                     mean = window_mean(curve, *window)
                     cells.append("—" if mean is None else f"{100 * mean:.1f}")
+                wall = curve.get("wall_seconds")
+                cells.append("—" if wall is None else f"{wall / 60:.1f}")
+                if wall is not None:
+                    seconds, runs = totals.get(setting, (0.0, 0))
+                    totals[setting] = (seconds + wall, runs + 1)
                 lines.append(f"| {setting} | {pe} | {seed} | {ran} | {' | '.join(cells)} |")
+    if totals:
+        lines.append("")
+        lines += [f"Wall time, {setting}: {seconds / 3600:.2f} h over {runs} runs" for setting, (seconds, runs)
+                  in totals.items()]
     return "\n".join(lines) + "\n"
 
 
