@@ -39,6 +39,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, ro
     if not isinstance(interleaved, bool):
         raise ValueError(f"{interleaved=} must be a bool")
     positions = jnp.asarray(positions)
+    if not (jnp.issubdtype(positions.dtype, jnp.integer) or jnp.issubdtype(positions.dtype, jnp.floating)):
+        raise TypeError(f"positions must be an integer or floating-point array, got positions.dtype={positions.dtype}")
     if positions.ndim not in (1, 2) or positions.shape[-1] != x.shape[1]:
         raise ValueError(f"positions must have shape [B, L] or [L] with L={x.shape[1]}, got {positions.shape=}")
     if positions.ndim == 1:

@@ -186,7 +186,7 @@ def hf_rope_options(config: Mapping) -> dict[str, Any]:
     if head_dim is None:
         hidden = _first(config.get("hidden_size"), config.get("n_embd"), None)  # GPT-J and CodeGen: n_embd, n_head
         heads = _first(config.get("num_attention_heads"), config.get("n_head"), None)
-        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (hidden, heads)) or heads < 1:
             raise ValueError(f"config needs head_dim, or hidden_size and num_attention_heads; got {hidden=}, {heads=}")
         head_dim = hidden // heads
     rotary_dim = config.get("rotary_dim") or int(head_dim * partial)

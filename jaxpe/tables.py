@@ -20,10 +20,9 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
 
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
-    if not isinstance(length, (int, np.integer)) or length < 1:
-        raise ValueError(f"{length=} must be a positive int")
-    if not isinstance(dim, (int, np.integer)) or dim < 1:
-        raise ValueError(f"{dim=} must be a positive int")
+    for name, value in (("length", length), ("dim", dim)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
     check_positive("theta", theta)
     length, dim = int(length), int(dim)
     half = (dim + 1) // 2

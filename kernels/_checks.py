@@ -30,14 +30,22 @@ def check_rank(name: str, x: jax.Array, rank: int, dims: str) -> None:
 
 
 def check_positive(name: str, value: float) -> None:
-    """Raise ValueError unless `value` > 0 and finite."""
-    if not 0 < value < float("inf"):
+    """Raise ValueError unless `value` is a real number > 0 and finite: a Python or NumPy number or a concrete 0-d real
+    array, not a bool, a string or None (a static setting such as theta; a traced value is refused by name)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real and getattr(value, "ndim", None) == 0 and (jnp.issubdtype(value.dtype, jnp.floating)
+                                                           or jnp.issubdtype(value.dtype, jnp.integer)):
+        try:
+            value, real = float(value), True
+        except jax.errors.ConcretizationTypeError:
+            raise ValueError(f"{name} must be a concrete number (a static setting), got a traced value") from None
+    if not real or not 0 < value < float("inf"):
         raise ValueError(f"{name}={value!r} must be > 0 and finite")
 
 
 def check_positive_int(name: str, value: int) -> None:
-    """Raise ValueError unless `value` is an int >= 1 (a block size of the blockwise paths)."""
-    if not isinstance(value, int) or value < 1:
+    """Raise ValueError unless `value` is an int >= 1, not a bool (a block size of the blockwise paths)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 

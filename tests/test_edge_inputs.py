@@ -197,3 +197,66 @@ def test_model_called_eagerly_with_token_ids_outside_the_vocabulary_is_an_error(
         np.testing.assert_array_equal(traced, jax.jit(model.apply)(params, bad.at[1, 2].set(10 + offset)))
     else:
         assert jnp.isnan(traced).any()
+
+
+_X = jnp.ones((1, 8, 2, 4))
+_STATIC_NUMBERS = {  # a static setting given as a bool, a string or None: named in the error, never taken as 1 or 0
+    "corope_attention theta": lambda value: jaxpe.corope_attention(_X, _X, _X, theta=value),
+    "sinusoidal_table theta": lambda value: jaxpe.sinusoidal_table(8, 8, theta=value),
+    "rope_frequencies theta": lambda value: jaxpe.rope_frequencies(8, theta=value),
+    "apply_rope theta": lambda value: jaxpe.apply_rope(_X, jnp.arange(8), theta=value),
+}
+
+
+@pytest.mark.parametrize("value", [True, False, "10000", None, 0, -2.0, float("nan")])
+@pytest.mark.parametrize("where", sorted(_STATIC_NUMBERS))
+def test_a_static_number_that_is_not_one_is_an_error_naming_it(where, value):
+    name = where.split()[1]
+    with pytest.raises(ValueError, match=f"{name}={value!r} must be > 0 and finite".replace("(", "\\(")):
+        _STATIC_NUMBERS[where](value)
+
+
+@pytest.mark.parametrize("theta", [500, 500.0, np.float32(500.0), np.int64(500), jnp.float32(500.0), np.asarray(500.0)])
+def test_theta_as_a_numpy_or_jax_scalar_is_the_python_number(theta):
+    """RoPE's frequencies θ^(−2k/D), D = 4: [1, 500^(−1/2)], whatever scalar type carries θ."""
+    freqs, factor = jaxpe.rope_frequencies(4, theta=theta)
+    np.testing.assert_allclose(freqs, [1.0, 500.0 ** -0.5], rtol=1e-6)
+    assert factor == 1.0
+    want = jaxpe.corope_attention(_X, _X, _X, theta=500.0, impl="reference")
+    np.testing.assert_array_equal(jaxpe.corope_attention(_X, _X, _X, theta=theta, impl="reference"), want)
+
+
+def test_a_traced_theta_is_refused_by_name():
+    with pytest.raises(ValueError, match="theta must be a concrete number"):
+        jax.jit(lambda theta: jaxpe.rope_frequencies(8, theta=theta))(500.0)
+
+
+@pytest.mark.parametrize("args", [(True, 8), (8, True), (False, 8), (8.0, 8)])
+def test_sinusoidal_table_sizes_are_ints_not_bools(args):
+    with pytest.raises(ValueError, match="(length|dim)=.* must be a positive int"):
+        jaxpe.sinusoidal_table(*args)
+
+
+@pytest.mark.parametrize("block", [True, 0, 2.0])
+def test_blockwise_block_sizes_are_ints_not_bools(block):
+    with pytest.raises(ValueError, match="block_k=.* must be a positive int"):
+        jaxpe.kernels.cope_blockwise.cope_attention_blockwise(_X, _X, _X, jnp.zeros((4, 4)), sm_scale=0.5,
+                                                               block_k=block)
+
+
+@pytest.mark.parametrize("positions", [jnp.ones(8, bool), jnp.ones(8, jnp.complex64)])
+def test_rope_positions_must_be_numbers(positions):
+    with pytest.raises(TypeError, match="positions must be an integer or floating-point array"):
+        jaxpe.apply_rope(_X, positions)
+
+
+@pytest.mark.parametrize("theta", [True, "10000", 0, float("inf")])
+def test_a_hf_config_rope_theta_that_is_not_a_number_is_an_error(theta):
+    """(A null rope_theta is an absent one: the default 10000, as transformers reads it.)"""
+    with pytest.raises(ValueError, match=f"rope_theta={theta!r} must be > 0 and finite"):
+        jaxpe.hf_rope_options({"rope_theta": theta, "hidden_size": 8, "num_attention_heads": 2})
+
+
+def test_hf_config_sizes_are_ints_not_bools():
+    with pytest.raises(ValueError, match="hidden_size and num_attention_heads"):
+        jaxpe.hf_rope_options({"hidden_size": 8, "num_attention_heads": True})
