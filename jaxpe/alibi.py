@@ -17,12 +17,13 @@ import numpy as np
 from jaxpe.attention_core import AttentionContext
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
+from jaxpe.validation import is_int
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
     """[H] float32: 2^(−8h/H) for H a power of two; else the slopes of H' = 2^⌊log2 H⌋ heads followed by the
     H − H' first odd-indexed slopes 2^(−8h/(2H')), h = 1, 3, 5, ... of 2H' heads (see the module docstring)."""
-    if not isinstance(num_heads, (int, np.integer)) or isinstance(num_heads, bool) or num_heads < 1:
+    if not is_int(num_heads, 1):
         raise ValueError(f"{num_heads=} must be a positive int")
     low = 1 << (int(num_heads).bit_length() - 1)  # H', the largest power of two <= H
     base = 2.0 ** (-8.0 * np.arange(1, low + 1) / low)

@@ -9,7 +9,6 @@ B batch, P prompt length, N max_new_tokens, V vocabulary, S cache length (the P 
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, Iterable
 
 import jax
@@ -19,7 +18,7 @@ import numpy as np
 from jaxpe.attention import check_token_inputs, default_positions
 from jaxpe.model import TransformerLM
 from jaxpe.softmax_attention import fold_padding
-from jaxpe.validation import check_array, check_token_ids
+from jaxpe.validation import check_array, check_token_ids, is_int
 
 __all__ = ["generate", "init_cache", "sample_tokens"]
 
@@ -52,7 +51,7 @@ def check_top_k(top_k: int | None) -> None:
     """ValueError unless `top_k` is None or an int >= 1."""
     if top_k is None:
         return
-    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1:
+    if not is_int(top_k, 1):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
 
 
@@ -163,7 +162,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     check_array("prompt", prompt, "B, P")
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_int(max_new_tokens, 1):
         raise ValueError(f"{max_new_tokens=} must be a positive int")
     check_temperature(temperature)
     check_top_k(top_k)
@@ -174,7 +173,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     _check_rng(rng)
     vocab_size = model.config.vocab_size
     stop_ids = _stop_ids(eos_id, vocab_size)
-    if not isinstance(pad_id, numbers.Integral) or isinstance(pad_id, bool) or not 0 <= pad_id < vocab_size:
+    if not is_int(pad_id, 0) or pad_id >= vocab_size:
         raise ValueError(f"pad_id={pad_id!r} must be a token id in [0, vocab_size={vocab_size})")
     if not isinstance(return_lengths, bool):
         raise TypeError(f"return_lengths={return_lengths!r} must be a bool")

@@ -19,7 +19,7 @@ from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding
 from jaxpe.validation import (check_array, check_bool, check_choice, check_fraction, check_impl, check_optional_int,
-                              check_token_ids, check_window)
+                              check_token_ids, check_window, is_int)
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -70,10 +70,14 @@ class ModelConfig:
             value = getattr(self, name)
             if value is None and name in UNFILLED:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value, 1):
                 raise ValueError(f"{name}={value!r} must be a positive int")
+            object.__setattr__(self, name, int(value))  # NumPy ints too, kept JSON-serialisable
         for name in ("num_kv_heads", "mlp_dim"):
-            check_optional_int(name, getattr(self, name), 1)
+            value = getattr(self, name)
+            check_optional_int(name, value, 1)
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}")
         if self.num_heads % self.kv_heads:

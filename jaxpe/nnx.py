@@ -38,6 +38,7 @@ from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
 from jaxpe.registry import PEConfig, as_pe_config, position_tables, table_hint
 from jaxpe.sharding import unbox_params
+from jaxpe.validation import is_int
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
            "embedding", "generate"]
@@ -171,7 +172,7 @@ class _DropoutLayer(LinenLayer):
 
 def _check_cache_size(batch_size: int, length: int) -> None:
     for name, value in (("batch_size", batch_size), ("length", length)):
-        if not isinstance(value, int) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"{name}={value!r} must be a positive int")
 
 
@@ -218,13 +219,13 @@ class Attention(_DropoutLayer):
                  max_len: int = 512, dropout: float = 0.0, impl: str = "auto", dtype: Any = jnp.float32,
                  window: int | None = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs,
                  deterministic: bool = False) -> None:
-        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
+        if not is_int(d_model, 1):
             raise ValueError(f"{d_model=} must be a positive int")
         pe = as_pe_config(pe)
         module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
                                 max_len=max_len, dropout=dropout, impl=impl, dtype=dtype, window=window,
                                 param_dtype=param_dtype)
-        self.d_model = d_model
+        self.d_model = int(d_model)
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)
         super().__init__(module, x, rngs=rngs, deterministic=deterministic, **kwargs)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.kernels._common import rotary_frequencies
-from jaxpe.validation import check_positive
+from jaxpe.validation import check_positive, is_int
 
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _REQUIRED = {  # keys each type needs besides its type
@@ -83,7 +83,7 @@ def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] 
     if not _is_number(factor) or factor < 1:
         raise ValueError(f"rope_scaling factor={factor!r} must be a number >= 1")
     length = entries.get("original_max_position_embeddings")
-    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+    if length is not None and not is_int(length, 1):
         raise ValueError(f"rope_scaling original_max_position_embeddings={length!r} must be a positive int")
     for key in ("low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow"):
         if key in entries and (not _is_number(entries[key]) or entries[key] <= 0):
@@ -104,7 +104,7 @@ def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] 
 
 def check_rotary_dim(rotary_dim: int, head_dim: int | None = None) -> None:
     """Raise ValueError unless rotary_dim is an even int >= 2 (and <= head_dim when given)."""
-    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim < 2 or rotary_dim % 2:
+    if not is_int(rotary_dim, 2) or rotary_dim % 2:
         raise ValueError(f"{rotary_dim=} must be an even int >= 2")
     if head_dim is not None and rotary_dim > head_dim:
         raise ValueError(f"{rotary_dim=} must be <= the head dim D={head_dim}")
@@ -186,9 +186,9 @@ def hf_rope_options(config: Mapping) -> dict[str, Any]:
     if head_dim is None:
         hidden = _first(config.get("hidden_size"), config.get("n_embd"), None)  # GPT-J and CodeGen: n_embd, n_head
         heads = _first(config.get("num_attention_heads"), config.get("n_head"), None)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (hidden, heads)) or heads < 1:
+        if not (is_int(hidden, 0) and is_int(heads, 1)):
             raise ValueError(f"config needs head_dim, or hidden_size and num_attention_heads; got {hidden=}, {heads=}")
-        head_dim = hidden // heads
+        head_dim = int(hidden) // int(heads)
     rotary_dim = config.get("rotary_dim") or int(head_dim * partial)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     max_positions = config.get("max_position_embeddings")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.validation import check_positive
+from jaxpe.validation import check_positive, is_int
 
 
 def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0) -> jax.Array:
@@ -21,7 +20,7 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
     for name, value in (("length", length), ("dim", dim)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"{name}={value!r} must be a positive int")
     check_positive("theta", theta)
     length, dim = int(length), int(dim)

@@ -14,13 +14,13 @@ import numpy as np
 from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs,
                                    check_even_head_dim, check_float, check_npos, check_padding_mask, check_pos_emb,
                                    check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
-                                   check_window, open_attention)
+                                   check_window, is_int, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype",
            "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask",
            "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids",
-           "check_sm_scale", "check_token_ids", "check_window", "open_attention"]
+           "check_sm_scale", "check_token_ids", "check_window", "is_int", "open_attention"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only
@@ -38,20 +38,15 @@ def check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be a bool")
 
 
-def _is_int(value: Any, minimum: int) -> bool:
-    """An int (NumPy's too, not a bool) >= minimum."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
-
-
 def check_int(name: str, value: Any, minimum: int) -> None:
     """Raise ValueError unless `value` is an int >= `minimum` (a bool is not an int here)."""
-    if not _is_int(value, minimum):
+    if not is_int(value, minimum):
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
 def check_optional_int(name: str, value: Any, minimum: int) -> None:
     """Raise ValueError unless `value` is None or an int >= `minimum`."""
-    if value is not None and not _is_int(value, minimum):
+    if value is not None and not is_int(value, minimum):
         raise ValueError(f"{name}={value!r} must be None or an int >= {minimum}")
 
 

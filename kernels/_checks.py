@@ -43,15 +43,21 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name}={value!r} must be > 0 and finite")
 
 
+def is_int(value: object, minimum: int) -> bool:
+    """An int (NumPy's too, not a bool) >= minimum: a size or a count given as a static setting."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
 def check_positive_int(name: str, value: int) -> None:
-    """Raise ValueError unless `value` is an int >= 1, not a bool (a block size of the blockwise paths)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    """Raise ValueError unless `value` is an int >= 1 (NumPy's too), not a bool (a block size of the blockwise
+    paths)."""
+    if not is_int(value, 1):
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 def check_npos(npos: int, name: str = "npos") -> None:
-    """A position table needs at least two rows."""
-    if not isinstance(npos, int) or npos < 2:
+    """A position table needs at least two rows: an int (NumPy's too, not a bool) >= 2."""
+    if not is_int(npos, 2):
         raise ValueError(f"{name}={npos!r} must be an int >= 2")
 
 
@@ -181,7 +187,7 @@ def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) ->
 
 def check_window(window: int | None) -> None:
     """Sliding window: None (the whole causal prefix) or an int >= 1, the query itself and window − 1 keys before."""
-    if window is not None and (not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1):
+    if window is not None and not is_int(window, 1):
         raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
 
 

@@ -457,4 +457,4 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
         return jnp.zeros(q.shape, q.dtype)
     kg = k if gate_k is None else gate_k
     operands = vary_alike(q, k, v, kg, pos_emb, jnp.asarray(sm_scale, jnp.float32), segment_ids)
-    return _attention(*operands, _Config(block_k, block_q, window), causal)
+    return _attention(*operands, _Config(int(block_k), int(block_q), window), causal)

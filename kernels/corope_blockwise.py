@@ -446,7 +446,7 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     length = q.shape[1]
-    block = min(block_k, length) if isinstance(length, int) else block_k
+    block = min(int(block_k), length) if isinstance(length, int) else int(block_k)
     config = _Config(float(theta), block, window)
     q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(sm_scale, jnp.float32))
     omega = caller_frequencies(inv_freq)

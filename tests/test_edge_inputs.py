@@ -2,6 +2,9 @@
 detail level, and a NaN row of the CoPE position table reaching only the queries that use it."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +263,60 @@ def test_a_hf_config_rope_theta_that_is_not_a_number_is_an_error(theta):
 def test_hf_config_sizes_are_ints_not_bools():
     with pytest.raises(ValueError, match="hidden_size and num_attention_heads"):
         jaxpe.hf_rope_options({"hidden_size": 8, "num_attention_heads": True})
+
+
+def _attention(npos: object, pe: str) -> jax.Array:
+    layer = jaxpe.Attention(num_heads=2, num_kv_heads=1, head_dim=4, pe=jaxpe.pe_config(pe, npos=npos))
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 6))
+    return layer.apply(layer.init(jax.random.PRNGKey(1), x), x)
+
+
+_QN = jax.random.normal(jax.random.PRNGKey(2), (1, 8, 2, 4))
+_SIZES = {  # a size given as a NumPy integer computes what its Python int does
+    "cope blockwise block_k, block_q": lambda n: jaxpe.kernels.cope_blockwise.cope_attention_blockwise(
+        _QN, _QN[::-1], _QN, jnp.ones((5, 4)), sm_scale=0.5, block_k=n, block_q=n + 1),
+    "corope blockwise block_k": lambda n: jaxpe.kernels.corope_blockwise.corope_attention_blockwise(
+        _QN, _QN[::-1], _QN, theta=100.0, sm_scale=0.5, block_k=n),
+    "CoPE npos": lambda n: _attention(n, "cope"),
+    "relative npos": lambda n: _attention(n, "relative"),
+    "rope_frequencies rotary_dim": lambda n: jaxpe.rope_frequencies(2 * n)[0],
+}
+
+
+@pytest.mark.parametrize("where", sorted(_SIZES))
+@pytest.mark.parametrize("cast", [np.int32, np.int64, np.uint8])
+def test_a_size_as_a_numpy_integer_is_that_int(where, cast):
+    np.testing.assert_array_equal(_SIZES[where](cast(3)), _SIZES[where](3))
+
+
+def test_model_config_sizes_as_numpy_integers_are_stored_as_ints():
+    """A config built from NumPy values (a sweep's grid) holds Python ints: it compares equal and serialises to JSON."""
+    sizes = dict(vocab_size=16, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=16, max_len=12)
+    config = jaxpe.ModelConfig(**{name: np.int64(value) for name, value in sizes.items()}, pe="cope")
+    assert all(type(getattr(config, name)) is int for name in sizes)
+    assert config == jaxpe.ModelConfig(**sizes, pe="cope")
+    assert json.loads(json.dumps(dataclasses.asdict(config)))["d_model"] == 8
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxpe.ModelConfig(d_model=True, num_heads=1),
+    lambda: jaxpe.ModelConfig(d_model=np.float64(8.0), num_heads=1),
+    lambda: jaxpe.kernels.corope_blockwise.corope_attention_blockwise(_QN, _QN, _QN, theta=1.0, sm_scale=1.0,
+                                                                   block_k=np.float32(4)),
+    lambda: _attention(np.bool_(True), "cope"),
+], ids=["config bool", "config float", "block float", "npos numpy bool"])
+def test_a_size_that_is_not_an_integer_is_still_refused(make):
+    with pytest.raises(ValueError, match="must be a(n)? (positive )?int"):
+        make()
+
+
+def test_nnx_sizes_as_numpy_integers_and_bools():
+    from flax import nnx
+    import jaxpe.nnx
+    config = jaxpe.ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2, max_len=8, dropout=0.0)
+    model = jaxpe.nnx.TransformerLM(config, rngs=nnx.Rngs(0))
+    model.init_cache(np.int64(2), np.int32(8))
+    with pytest.raises(ValueError, match="batch_size=True must be a positive int"):
+        model.init_cache(True, 8)
+    layer = jaxpe.nnx.Attention(np.int64(6), num_heads=2, num_kv_heads=1, head_dim=4, pe="cope", rngs=nnx.Rngs(0))
+    assert type(layer.d_model) is int
