@@ -326,7 +326,7 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     """`cope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
     everything folded in) and extra_logits [B, Hq, Lq, Lk] ("cope+rel") run densely. The impl is chosen here, once."""
     length = q.shape[1]
-    if length == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    if length == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = _concrete_or_traced(sm_scale, q.shape[-1])
     dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None

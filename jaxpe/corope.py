@@ -179,7 +179,7 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
                       impl: str, mask: jax.Array | None = None) -> jax.Array:
     """`corope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
     everything folded in) runs densely. The impl is chosen here, once."""
-    if q.shape[1] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    if q.shape[1] == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
 

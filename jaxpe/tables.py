@@ -7,6 +7,8 @@ B batch, L length (Lq queries, Lk keys), H heads, P table rows, d the table's wi
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -64,7 +66,7 @@ def _flat_row_index(z_shape: tuple[int, ...], index: jax.Array) -> jax.Array:
     b, lq, h, size = z_shape
     start = (jnp.arange(lq, dtype=jnp.int32)[None, None, :, None] * h
              + jnp.arange(h, dtype=jnp.int32)[None, :, None, None]) * size  # [1, H, Lq, 1]: where z[b, i, h] starts
-    return (start + index).reshape(b, -1)
+    return (start + index).reshape(b, h * lq * index.shape[-1])  # not -1: B may be 0
 
 
 def _fits_int32(z_shape: tuple[int, ...]) -> bool:
@@ -84,7 +86,8 @@ def gather_table_rows(z: jax.Array, index: jax.Array) -> jax.Array:
     if not _fits_int32(z.shape):  # int32 flat indices
         return jnp.take_along_axis(jnp.transpose(z, (0, 2, 1, 3)), index, axis=-1)
     flat = _flat_row_index(z.shape, index)
-    return jnp.take_along_axis(z.reshape(z.shape[0], -1), flat, axis=1, mode="clip").reshape(index.shape)
+    rows = z.reshape(z.shape[0], math.prod(z.shape[1:]))  # [B, Lq·H·P]; not -1: B may be 0
+    return jnp.take_along_axis(rows, flat, axis=1, mode="clip").reshape(index.shape)
 
 
 def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -94,7 +97,7 @@ def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tupl
     same gather of the tangents, and JAX's transpose of it is one complex scatter-add."""
     if not _fits_int32(z.shape):
         return gather_table_rows(z, index), gather_table_rows(y, index)
-    rows = lambda t: t.astype(jnp.float32).reshape(t.shape[0], -1)  # noqa: E731  [B, Lq·H·P]
+    rows = lambda t: t.astype(jnp.float32).reshape(t.shape[0], math.prod(t.shape[1:]))  # noqa: E731  [B, Lq·H·P]
     flat = _flat_row_index(z.shape, index)  # [B, H·Lq·Lk]
     got = jnp.take_along_axis(jax.lax.complex(rows(z), rows(y)), flat, axis=1, mode="clip")
     return jnp.real(got).reshape(index.shape), jnp.imag(got).reshape(index.shape)

@@ -205,7 +205,7 @@ def open_attention(q: jax.Array, *, causal: bool, segment_ids: jax.Array | None,
     if window is not None and isinstance(length, int) and window >= length:
         window = None
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return length == 0, segment_ids, window
+    return length == 0 or q.shape[0] == 0, segment_ids, window
 
 
 def check_attention_mask(mask: jax.Array | None, batch: int, lq: int, lk: int) -> None:

@@ -17,15 +17,17 @@ IMPLS = ("reference", "blockwise", "pallas")
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", ["cope", "corope"])
-def test_empty_sequence_gives_an_empty_output_like_dot_product_attention(op, impl):
-    q = jnp.zeros((2, 0, 4, 16))
-    k = jnp.zeros((2, 0, 2, 16))
+@pytest.mark.parametrize("batch, length", [(2, 0), (0, 8)], ids=["no tokens", "no sequences"])
+def test_empty_sequence_gives_an_empty_output_like_dot_product_attention(op, impl, batch, length):
+    q = jnp.zeros((batch, length, 4, 16))
+    k = jnp.zeros((batch, length, 2, 16))
     want = jax.nn.dot_product_attention(q, k, k, is_causal=True)
     if op == "cope":
-        got = jaxpe.cope_attention(q, k, k, jnp.zeros((8, 16)), impl=impl)
+        attend = lambda q: jaxpe.cope_attention(q, k, k, jnp.zeros((8, 16)), impl=impl)  # noqa: E731
     else:
-        got = jaxpe.corope_attention(q, k, k, impl=impl)
-    assert got.shape == want.shape == (2, 0, 4, 16) and got.dtype == q.dtype
+        attend = lambda q: jaxpe.corope_attention(q, k, k, impl=impl)  # noqa: E731
+    got, grad = jax.jit(attend)(q), jax.grad(lambda q: attend(q).sum())(q)
+    assert got.shape == want.shape == grad.shape == q.shape and got.dtype == q.dtype
 
 
 @pytest.mark.parametrize("op", ["cope", "corope"])
@@ -98,24 +100,27 @@ def test_a_nan_row_of_the_position_table_reaches_only_the_queries_that_use_it(ro
         np.testing.assert_allclose(got[~users], clean[~users], rtol=1e-5, atol=1e-6, err_msg=impl)
 
 
-# Every encoding's layer, and a model, at length 0: an empty output (and gradient), like jax.nn.dot_product_attention.
+# Every encoding's layer, and a model, at length 0 or batch 0: an empty output (and gradient), like
+# jax.nn.dot_product_attention.
 @pytest.mark.parametrize("pe", jaxpe.PE_NAMES)
-def test_attention_layer_at_length_zero_gives_an_empty_output_and_gradient(pe):
+@pytest.mark.parametrize("empty", [np.s_[:, :0], np.s_[:0]], ids=["no tokens", "no sequences"])
+def test_attention_layer_at_length_zero_gives_an_empty_output_and_gradient(pe, empty):
     layer = jaxpe.Attention(num_heads=4, num_kv_heads=2, head_dim=8, pe=pe, max_len=16)
     x = jnp.ones((2, 6, 32))
     params = layer.init(jax.random.PRNGKey(0), x)
-    empty = x[:, :0]
-    out = layer.apply(params, empty)
-    grad = jax.grad(lambda x: layer.apply(params, x).sum())(empty)
-    assert out.shape == grad.shape == (2, 0, 32)
+    out = layer.apply(params, x[empty])
+    grad = jax.grad(lambda x: layer.apply(params, x).sum())(x[empty])
+    assert out.shape == grad.shape == x[empty].shape
 
 
-def test_model_at_length_zero_gives_empty_logits():
-    model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1, pe="rope",
+@pytest.mark.parametrize("pe", ["rope", "cope", "corope"])
+@pytest.mark.parametrize("empty", [np.s_[:, :0], np.s_[:0]], ids=["no tokens", "no sequences"])
+def test_model_at_length_zero_gives_empty_logits(pe, empty):
+    model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1, pe=pe,
                                                   max_len=16))
     tokens = jnp.zeros((2, 4), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)
-    assert model.apply(params, tokens[:, :0]).shape == (2, 0, 10)
+    assert model.apply(params, tokens[empty]).shape == tokens[empty].shape + (10,)
 
 
 def _lists(x: jax.Array) -> list:
