@@ -40,7 +40,8 @@ class AttentionContext:
                 jnp.arange(self.mask.shape[-1], dtype=jnp.int32), (b, self.mask.shape[-1]))
             object.__setattr__(self, "k_pos", k_pos)
         if self.decode and self.cache_index is None and self.q_pos is not None:  # positions 0, 1, ... index the cache
-            object.__setattr__(self, "cache_index", self.q_pos[0, 0])
+            first = self.q_pos[0, 0] if self.q_pos.size else jnp.zeros((), jnp.int32)  # an empty batch writes nothing
+            object.__setattr__(self, "cache_index", first)
 
     @property
     def plain_causal(self) -> bool:

@@ -123,6 +123,24 @@ def test_model_at_length_zero_gives_empty_logits(pe, empty):
     assert model.apply(params, tokens[empty]).shape == tokens[empty].shape + (10,)
 
 
+@pytest.mark.parametrize("pe", ["rope", "cope", "corope"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_k=3, top_p=0.9, eos_id=2)],
+                         ids=["greedy", "sampled"])
+def test_generate_from_no_prompts_gives_no_rows(pe, sampling):
+    """An empty batch of prompts [0, P]: tokens [0, P + N] and lengths [0], as a batch of one gives [1, P + N]."""
+    model = jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=10, d_model=16, num_heads=2, num_layers=1, pe=pe,
+                                                  max_len=16, dropout=0.0))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 3), jnp.int32))["params"]
+    def run(prompt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jaxpe.generate(model, params, prompt, max_new_tokens=4, rng=jax.random.PRNGKey(1),
+                              return_lengths=True, **sampling)
+
+    tokens, lengths = run(jnp.ones((0, 3), jnp.int32))
+    one, one_length = run(jnp.ones((1, 3), jnp.int32))
+    assert tokens.shape == (0, 7) and lengths.shape == (0,) and one.shape == (1, 7) and one_length.shape == (1,)
+    assert tokens.dtype == one.dtype and lengths.dtype == one_length.dtype
+
+
 def _lists(x: jax.Array) -> list:
     return np.asarray(x).tolist()
 
