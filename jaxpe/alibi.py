@@ -8,6 +8,7 @@ next power of two 2H', 2^(−8h/(2H')) for odd h = 1, 3, 5, ..., until there are
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,24 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.attention_core import AttentionContext
+from jaxpe.kernels._common import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
 from jaxpe.validation import is_int
 
 
-def alibi_slopes(num_heads: int) -> jax.Array:
-    """[H] float32: 2^(−8h/H) for H a power of two; else the slopes of H' = 2^⌊log2 H⌋ heads followed by the
+def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
+    """[H] in `dtype`: 2^(−8h/H) for H a power of two; else the slopes of H' = 2^⌊log2 H⌋ heads followed by the
     H − H' first odd-indexed slopes 2^(−8h/(2H')), h = 1, 3, 5, ... of 2H' heads (see the module docstring)."""
     if not is_int(num_heads, 1):
         raise ValueError(f"{num_heads=} must be a positive int")
     low = 1 << (int(num_heads).bit_length() - 1)  # H', the largest power of two <= H
     base = 2.0 ** (-8.0 * np.arange(1, low + 1) / low)
     extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - low), 2) / (2 * low))
-    return jnp.asarray(np.concatenate([base, extra]), jnp.float32)
+    return jnp.asarray(np.concatenate([base, extra]), dtype)
 
 
-def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array | None = None) -> jax.Array:
-    """q_pos [B, Lq] or [Lq] -> bias [B|1, H, Lq, Lk] = −slope_h·(i − j), keys at k_pos [B, Lk] (default
+def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array | None = None,
+               dtype: Any = jnp.float32) -> jax.Array:
+    """q_pos [B, Lq] or [Lq] -> bias [B|1, H, Lq, Lk] in `dtype` = −slope_h·(i − j), keys at k_pos [B, Lk] (default
     0..Lk−1)."""
     q_pos = jnp.asarray(q_pos)
     if q_pos.ndim == 1:
@@ -40,15 +43,15 @@ def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array
     if q_pos.ndim != 2:
         raise ValueError(f"q_pos must have shape [B, Lq] or [Lq], got q_pos.shape={tuple(q_pos.shape)}")
     k_pos = jnp.arange(k_len)[None] if k_pos is None else k_pos
-    dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(jnp.float32)  # [B, Lq, Lk]
-    return -alibi_slopes(num_heads)[None, :, None, None] * dist[:, None]
+    dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(dtype)  # [B, Lq, Lk]
+    return -alibi_slopes(num_heads, dtype)[None, :, None, None] * dist[:, None]
 
 
 class ALiBiCore(nn.Module):
     """Causal softmax attention with the ALiBi bias."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        bias = alibi_bias(ctx.q_pos, k.shape[1], q.shape[2], k_pos=ctx.k_pos)
+        bias = alibi_bias(ctx.q_pos, k.shape[1], q.shape[2], k_pos=ctx.k_pos, dtype=compute_dtype(q, k))
         return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
                       window=ctx.window)
 

@@ -13,7 +13,9 @@ from typing import ClassVar
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
+from jaxpe.kernels._common import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.tables import add_table_rows, sinusoidal_table
@@ -43,9 +45,10 @@ class AMSPE(nn.Module):
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
         check_positive("amplitude", self.amplitude)
         check_detail_level(detail_level)
-        alpha = jax.nn.sigmoid(self.param("alpha", partitioned(nn.initializers.zeros, None), (1,)))[0]
-        coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale)
-        detail = sinusoidal_table(self.max_len, self.d_model)
+        alpha_param = self.param("alpha", partitioned(nn.initializers.zeros, None), (1,), jnp.float32)
+        alpha = jax.nn.sigmoid(alpha_param)[0]
+        coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale, dtype=compute_dtype(x))
+        detail = sinusoidal_table(self.max_len, self.d_model, dtype=compute_dtype(x))
         pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]
         return add_table_rows(x, pe, positions)
 

@@ -46,7 +46,7 @@ class Attention(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
-    param_dtype: Any = jnp.float32  # dtype of the projections' weights (position tables stay float32)
+    param_dtype: Any = jnp.float32  # the projections' weights; position tables stay float32 (float64 if this is)
     check_inputs: bool = True  # False where the caller has checked inputs and parameters once (TransformerLM)
 
     def __post_init__(self) -> None:
@@ -90,7 +90,9 @@ class Attention(nn.Module):
         segments = fold_padding(segment_ids, padding_mask)
         q_pos = default_positions(positions, segments, b)
         ctx = AttentionContext(x=x, q_pos=q_pos, k_pos=q_pos, segment_ids=segments, window=self.window,
-                               decode=decode, pos_emb=pos_emb)
+                               decode=decode, pos_emb=pos_emb,
+                               table_dtype=jax.dtypes.canonicalize_dtype(jnp.promote_types(jnp.float32,
+                                                                                           self.param_dtype)))
         if decode:
             k, v, ctx = self._with_cache(k, v, ctx)
         elif q_pos is None:

@@ -7,7 +7,7 @@ builds one `AttentionContext` and calls `core(q, k, v, ctx)`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -32,6 +32,8 @@ class AttentionContext:
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
     # True when q_pos and k_pos are known to be 0..L−1 in every row (no caller positions, documents or cache)
     indexed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # the dtype of the position tables a core owns: float32, float64 when the layer's param_dtype is float64
+    table_dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         if self.k_pos is None and self.q_pos is not None:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl, run_for_platform
+from jaxpe.kernels._common import compute_dtype
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
@@ -87,7 +88,8 @@ def check_dense_impl(impl: str) -> None:
 def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | jax.Array | None = None,
                    gate_k: jax.Array | None = None, mask: jax.Array | None = None,
                    talking_heads: jax.Array | None = None, causal: bool = True) -> jax.Array:
-    """Contextual positions p [B, Hq, Lq, Lk] float32, clamped to npos − 1 (0 where j > i when causal).
+    """Contextual positions p [B, Hq, Lq, Lk] (float32; float64 from float64 inputs), clamped to npos − 1 (0 where
+    j > i when causal).
 
     q [B, Lq, Hq, D]; k or gate_k [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, None: causal (queries last), or every
     key when causal=False (positions then count gates both ways, see the module docstring); talking_heads [Hq, Hq]
@@ -139,7 +141,7 @@ def _positions_from_logits(logits: jax.Array, mask: jax.Array, *, npos: int, tal
                            causal: bool = True) -> jax.Array:
     """`cope_positions` from the scaled gate logits [B, Hq, Lq, Lk] and mask [B|1, Lq, Lk]."""
     if talking_heads is not None:
-        logits = jnp.einsum("hg,bgqk->bhqk", talking_heads.astype(jnp.float32), jnp.where(mask[:, None], logits, 0.0))
+        logits = jnp.einsum("hg,bgqk->bhqk", talking_heads.astype(logits.dtype), jnp.where(mask[:, None], logits, 0.0))
     gates = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hq, Lq, Lk]
     if causal:
         positions = reverse_cumsum_keys(gates)
@@ -160,9 +162,10 @@ CUMSUM_MATMUL_MAX_LENGTH = 256  # up to this many keys the gate sums are a trian
 
 
 def reverse_cumsum_keys(gates: jax.Array) -> jax.Array:
-    """Suffix sums over keys, gates [..., Lk] -> float32 [..., Lk], out[..., j] = Σ_{t≥j} gates[..., t].
+    """Suffix sums over keys, gates [..., Lk] -> [..., Lk] (float32, float64 for float64 gates),
+    out[..., j] = Σ_{t≥j} gates[..., t].
 
-    Up to CUMSUM_MATMUL_MAX_LENGTH keys a product with the triangular [Lk, Lk] matrix [t ≥ j] (float32 products,
+    Up to CUMSUM_MATMUL_MAX_LENGTH keys a product with the triangular [Lk, Lk] matrix [t ≥ j] (exact products,
     2·Lk flops per sum, one matmul forward and one backward), which on CPU costs a fraction of the associative
     scan's ~2·log2(Lk) passes of pads and slices; beyond it the scan (O(Lk) per row).
     """
@@ -170,26 +173,26 @@ def reverse_cumsum_keys(gates: jax.Array) -> jax.Array:
 
 
 def _cumsum_keys(gates: jax.Array, *, reverse: bool) -> jax.Array:
-    """Sums over keys, gates [..., Lk] -> float32 [..., Lk]: Σ_{t≥j} (reverse) or Σ_{t≤j} gates[..., t], as
+    """Sums over keys, gates [..., Lk] -> [..., Lk] in `compute_dtype`: Σ_{t≥j} (reverse) or Σ_{t≤j} gates[..., t], as
     `reverse_cumsum_keys` computes them; at a symbolic length (jax.export), where neither the size test nor the
     associative scan can run, lax.cumsum."""
     lk = gates.shape[-1]
-    gates = gates.astype(jnp.float32)
+    gates = gates.astype(compute_dtype(gates))
     if not isinstance(lk, int):
         return jax.lax.cumsum(gates, axis=gates.ndim - 1, reverse=reverse)
     if lk > CUMSUM_MATMUL_MAX_LENGTH:
         return reverse_cumsum(gates) if reverse else jax.lax.cumsum(gates, axis=gates.ndim - 1)
     t, j = jnp.arange(lk)[:, None], jnp.arange(lk)[None, :]
-    triangle = (t >= j if reverse else t <= j).astype(jnp.float32)  # [t, j]
+    triangle = (t >= j if reverse else t <= j).astype(gates.dtype)  # [t, j]
     return jnp.matmul(gates, triangle, precision=jax.lax.Precision.HIGHEST)
 
 
 def interpolate_table_rows(z: jax.Array, positions: jax.Array) -> jax.Array:
-    """z [B, Lq, Hq, P] (query i's logit for each table row), positions [B, Hq, Lq, Lk] in [0, P − 1] -> float32
-    [B, Hq, Lq, Lk], position p of query i in head h read as `interpolate` of z[b, i, h] does (gradient through w
-    and z), in the form z[lo] + w·(z[hi] − z[lo]) so that one gather reads both terms (`gather_table_row_pairs`);
-    at w = 0 the step to a non-finite next row adds nothing. Symbolic shapes (jax.export), whose flat indices
-    cannot be sized when tracing, read each table by take_along_axis."""
+    """z [B, Lq, Hq, P] (query i's logit for each table row), positions [B, Hq, Lq, Lk] in [0, P − 1] ->
+    [B, Hq, Lq, Lk] in z's dtype, position p of query i in head h read as `interpolate` of z[b, i, h] does
+    (gradient through w and z), in the form z[lo] + w·(z[hi] − z[lo]) so that one gather reads both terms
+    (`gather_table_row_pairs`); at w = 0 the step to a non-finite next row adds nothing. Symbolic shapes
+    (jax.export), whose flat indices cannot be sized when tracing, read each table by take_along_axis."""
     lo = jax.lax.stop_gradient(jnp.floor(positions))
     w = positions - lo
     step = jnp.concatenate([z[..., 1:], z[..., -1:]], axis=-1) - z  # z[min(k + 1, P − 1)] − z[k]
@@ -203,17 +206,17 @@ def interpolate_table_rows(z: jax.Array, positions: jax.Array) -> jax.Array:
 
 def cope_position_logits(q: jax.Array, pos_emb: jax.Array, positions: jax.Array, *,
                          soft_onehot_temp: float | None = None) -> jax.Array:
-    """Position logits [B, Hq, Lq, Lk] float32 from q [B, Lq, Hq, D], pos_emb [npos, D] or [Hq, npos, D],
-    positions [B, Hq, Lq, Lk] in [0, npos − 1]: interpolated, or with soft_onehot_temp the soft one-hot readout
-    Σ_p softmax_p(−|positions − p| / temp)·z_p (x-transformers; builds [B, Hq, Lq, Lk, npos])."""
+    """Position logits [B, Hq, Lq, Lk] (in q's `compute_dtype`) from q [B, Lq, Hq, D], pos_emb [npos, D] or
+    [Hq, npos, D], positions [B, Hq, Lq, Lk] in [0, npos − 1]: interpolated, or with soft_onehot_temp the soft
+    one-hot readout Σ_p softmax_p(−|positions − p| / temp)·z_p (x-transformers; builds [B, Hq, Lq, Lk, npos])."""
     npos = pos_emb.shape[-2]
     if soft_onehot_temp is None:
         spec = "bqhd,pd->bqhp" if pos_emb.ndim == 2 else "bqhd,hpd->bqhp"
-        z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, Lq, Hq, npos]
+        z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=compute_dtype(q))  # [B, Lq, Hq, P]
         return interpolate_table_rows(z, positions)
     spec = "bqhd,pd->bhqp" if pos_emb.ndim == 2 else "bqhd,hpd->bhqp"
-    z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)  # [B, Hq, Lq, npos]
-    table_rows = jnp.arange(npos, dtype=jnp.float32).reshape((1,) * positions.ndim + (npos,))
+    z = jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=compute_dtype(q))  # [B, Hq, Lq, P]
+    table_rows = jnp.arange(npos, dtype=z.dtype).reshape((1,) * positions.ndim + (npos,))
     distance = jnp.abs(positions[..., None] - table_rows)  # [B, Hq, Lq, Lk, npos]
     weights = jax.nn.softmax(-distance / soft_onehot_temp, axis=-1)
     return jnp.einsum("bhqkp,bhqp->bhqk", weights, z)
@@ -328,7 +331,7 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     length = q.shape[1]
     if length == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    sm_scale = _concrete_or_traced(sm_scale, q.shape[-1])
+    sm_scale = _concrete_or_traced(sm_scale, q)
     dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None
              or extra_logits is not None)
     choice = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
@@ -373,15 +376,15 @@ def _kernel_refusal(q: jax.Array, fused: str) -> TypeError | None:
     return None
 
 
-def _concrete_or_traced(sm_scale: float | jax.Array | None, head_dim: int) -> float | jax.Array:
-    """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar as float32 (so that the
-    float32 maths stays float32 under jax_enable_x64)."""
+def _concrete_or_traced(sm_scale: float | jax.Array | None, q: jax.Array) -> float | jax.Array:
+    """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar in q's `compute_dtype`
+    (so that float32 maths stays float32 under jax_enable_x64, and float64 inputs keep float64 maths)."""
     if sm_scale is None:
-        return head_dim ** -0.5
+        return q.shape[-1] ** -0.5
     try:
         return float(sm_scale)
     except jax.errors.ConcretizationTypeError:
-        return jnp.asarray(sm_scale, jnp.float32)
+        return jnp.asarray(sm_scale, compute_dtype(q))
 
 
 
@@ -405,7 +408,8 @@ class CoPECore(nn.Module):
         if pos_emb is None:
             shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
                 (self.npos, d), ("positions", "head_dim"))
-            pos_emb = self.param("pos_emb", partitioned(nn.initializers.normal(0.02), *names), shape)
+            pos_emb = self.param("pos_emb", partitioned(nn.initializers.normal(0.02), *names), shape,
+                                 ctx.table_dtype)
         gate_k = None
         if self.gates == "values":
             gate_k = v
@@ -419,11 +423,12 @@ class CoPECore(nn.Module):
         talking = None
         if self.talking_heads:  # starts as plain CoPE
             identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], dtype=dtype)  # noqa: E731
-            talking = self.param("talking_heads", partitioned(identity, None, None), (hq, hq))  # couples all heads
+            talking = self.param("talking_heads", partitioned(identity, None, None), (hq, hq),  # couples all heads
+                                 ctx.table_dtype)
         extra = None
         if self.add_relative:
             table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
-                               (self.npos, d))
+                               (self.npos, d), ctx.table_dtype)
             extra = context_relative_logits(q, table, ctx)
         return _cope_attention(q, k, v, pos_emb, sm_scale=d ** -0.5, causal=True, gate_k=gate_k,
                                segment_ids=ctx.segment_ids, window=ctx.window, impl=self.impl,

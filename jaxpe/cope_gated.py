@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.kernels._common import interpolate
+from jaxpe.kernels._common import compute_dtype, interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope
@@ -26,18 +26,19 @@ from jaxpe.validation import check_even_head_dim, check_npos, check_positive_num
 
 
 def interpolate_table(table: jax.Array, positions: jax.Array) -> jax.Array:
-    """table [max_pos, D], positions [B, L, H] (clamped to [0, max_pos − 1]) -> [B, L, H, D] float32, linear between
-    rows ⌊p⌋ and ⌈p⌉ (gradient through the fraction, not the indices)."""
+    """table [max_pos, D], positions [B, L, H] (clamped to [0, max_pos − 1]) -> [B, L, H, D] in `compute_dtype`,
+    linear between rows ⌊p⌋ and ⌈p⌉ (gradient through the fraction, not the indices)."""
     max_pos = table.shape[0]
     positions = jnp.clip(positions, 0.0, max_pos - 1)[..., None]  # [B, L, H, 1]: w broadcasts over D
-    table = table.astype(jnp.float32)
+    table = table.astype(compute_dtype(table, positions))
     return interpolate(lambda index: table[index[..., 0]], positions, max_pos).value
 
 
 def gated_cope_bias(q_pos_proj: jax.Array, key_emb: jax.Array) -> jax.Array:
-    """q_pos_proj [B, Lq, H, D] (= W_q q), key_emb [B, Lk, H, D] (= e(p_j)) -> [B, H, Lq, Lk] float32 / √D."""
+    """q_pos_proj [B, Lq, H, D] (= W_q q), key_emb [B, Lk, H, D] (= e(p_j)) -> [B, H, Lq, Lk] / √D in
+    `compute_dtype`."""
     d = q_pos_proj.shape[-1]
-    return jnp.einsum("bqhd,bkhd->bhqk", q_pos_proj.astype(jnp.float32), key_emb) * d ** -0.5
+    return jnp.einsum("bqhd,bkhd->bhqk", q_pos_proj.astype(compute_dtype(q_pos_proj, key_emb)), key_emb) * d ** -0.5
 
 
 def _soft_positions(gates: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -61,7 +62,8 @@ class GatedCoPECore(nn.Module):
         hq, d = q.shape[2], q.shape[3]
         gate = nn.Dense(hq, kernel_init=partitioned(nn.initializers.normal(0.02), "embed", "gates"),
                         bias_init=partitioned(nn.initializers.zeros, "gates"), name="gate")
-        gates = jax.nn.sigmoid(gate(ctx.x).astype(jnp.float32))  # [B, Lq, H]
+        gate_logits = gate(ctx.x)  # [B, Lq, H]
+        gates = jax.nn.sigmoid(gate_logits.astype(compute_dtype(gate_logits)))
         steps = _soft_positions(gates, ctx.segment_ids)
         index = ctx.cache_index
         if ctx.decode and self.has_variable("cache", "gate_positions"):
@@ -70,7 +72,7 @@ class GatedCoPECore(nn.Module):
             steps = steps + jnp.where(index > 0, prev, 0.0)[:, None]
         key_positions = update_cache(self, "gate_positions", steps, index) if ctx.decode else steps
         table = self.param("pos_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
-                           (self.max_pos, d))
+                           (self.max_pos, d), ctx.table_dtype)
         q_proj = nn.DenseGeneral(d, use_bias=False,
                                  kernel_init=partitioned(nn.initializers.normal(0.02), "head_dim", None),
                                  dtype=q.dtype, name="pos_query")(q)

@@ -33,7 +33,7 @@ from jax import lax
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_impl, run_for_platform
-from jaxpe.kernels._common import carry_init, sincos
+from jaxpe.kernels._common import carry_init, compute_dtype, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
@@ -45,8 +45,9 @@ from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inp
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | None = None,
                    mask: jax.Array | None = None, causal: bool = True) -> jax.Array:
-    """Δ [B, Hkv, Lq, Lk] float32 = a_ii − a_ij, a_ij = Σ_{t≤j} z_it over the keys `mask` shows, z from the leader
-    heads q[:, :, ::G]: Σ_{t=j+1..i} z_it for j < i; when causal, 0 for j ≥ i, else −Σ_{t=i+1..j} z_it for j > i.
+    """Δ [B, Hkv, Lq, Lk] (float32; float64 from float64 inputs) = a_ii − a_ij, a_ij = Σ_{t≤j} z_it over the keys
+    `mask` shows, z from the leader heads q[:, :, ::G]: Σ_{t=j+1..i} z_it for j < i; when causal, 0 for j ≥ i, else
+    −Σ_{t=i+1..j} z_it for j > i.
 
     q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last); causal=False is
     self-attention (Lq = Lk, query i at key position i).
@@ -71,11 +72,11 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
 
 
 def _suffix_sums(z: jax.Array) -> jax.Array:
-    """Σ_{t≥j} z[..., t] along the last axis, float32: the associative scan at a static length; lax.cumsum at a
-    symbolic one (jax.export), which the scan cannot split."""
+    """Σ_{t≥j} z[..., t] along the last axis, in `compute_dtype`: the associative scan at a static length;
+    lax.cumsum at a symbolic one (jax.export), which the scan cannot split."""
     if isinstance(z.shape[-1], int):
         return reverse_cumsum(z)
-    return lax.cumsum(z.astype(jnp.float32), axis=z.ndim - 1, reverse=True)
+    return lax.cumsum(z.astype(compute_dtype(z)), axis=z.ndim - 1, reverse=True)
 
 
 def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, window: int | None = None
@@ -91,7 +92,8 @@ def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, win
 
 def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: float = 10000.0,
                   sm_scale: float | None = None, inv_freq: jax.Array | None = None) -> jax.Array:
-    """Scores [B, Hq, Lq, Lk] float32 = sm_scale·Σ_d (E_A cos φ − E_B sin φ), φ = mileage·ω_d.
+    """Scores [B, Hq, Lq, Lk] = sm_scale·Σ_d (E_A cos φ − E_B sin φ), φ = mileage·ω_d, in `compute_dtype` (float32;
+    float64 from float64 inputs).
 
     mileage [B, Hkv, Lq, Lk] is shared by the G heads of each group; ω = inv_freq [D/2] (a constant) or θ^(−2d/D).
     One frequency at a time (a rematerialised scan) so that memory stays O(L²), not O(L²·D); the sin and cos of each
@@ -101,8 +103,9 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    q1, q2 = jnp.split(q.astype(jnp.float32).reshape(b, lq, hkv, hq // hkv, d), 2, axis=-1)  # [B, Lq, Hkv, G, D/2]
-    k1, k2 = jnp.split(k.astype(jnp.float32), 2, axis=-1)  # [B, Lk, Hkv, D/2]
+    dtype = compute_dtype(q, k)
+    q1, q2 = jnp.split(q.astype(dtype).reshape(b, lq, hkv, hq // hkv, d), 2, axis=-1)  # [B, Lq, Hkv, G, D/2]
+    k1, k2 = jnp.split(k.astype(dtype), 2, axis=-1)  # [B, Lk, Hkv, D/2]
 
     @jax.checkpoint
     def one_frequency(acc: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
@@ -113,10 +116,10 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
         return acc + e_a * cos[:, :, None] - e_b * sin[:, :, None], None
 
     last_first = lambda x: jnp.moveaxis(x, -1, 0)
-    omega = rope_frequencies(d, theta=theta)[0] if inv_freq is None else lax.stop_gradient(
-        jnp.asarray(inv_freq, jnp.float32))  # [D/2], the caller's a constant
+    omega = rope_frequencies(d, theta=theta, dtype=dtype)[0] if inv_freq is None else lax.stop_gradient(
+        jnp.asarray(inv_freq, dtype))  # [D/2], the caller's a constant
     xs = (omega, last_first(q1), last_first(q2), last_first(k1), last_first(k2))
-    acc0 = carry_init(0.0, (b, hkv, hq // hkv, lq, lk), jnp.float32, q, k, mileage)
+    acc0 = carry_init(0.0, (b, hkv, hq // hkv, lq, lk), dtype, q, k, mileage)
     scores, _ = jax.lax.scan(one_frequency, acc0, xs)
     return sm_scale * scores.reshape(b, hq, lq, lk)
 
@@ -222,7 +225,7 @@ class CoRoPECore(nn.Module):
     inv_freq: tuple[float, ...] | None = None  # ω_d for d < D/2 replacing θ^(−2d/D) (scaled / partial rotary)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
+        inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, compute_dtype(q))
         return _corope_attention(q, k, v, theta=self.theta, sm_scale=None, causal=True, segment_ids=ctx.segment_ids,
                                  window=ctx.window, inv_freq=inv_freq, impl=self.impl, mask=ctx.mask)
 

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
@@ -23,7 +24,7 @@ class LearnedPE(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         table = self.param("table", partitioned(nn.initializers.normal(self.init_std), "positions", "embed"),
-                           (self.max_len, x.shape[-1]))
+                           (self.max_len, x.shape[-1]), jnp.float32)
         return add_table_rows(x, table, positions)
 
 

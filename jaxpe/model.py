@@ -316,7 +316,7 @@ class TransformerLM(nn.Module):
         shape = pe.shared_table_shape(head_dim=c.head_dim, num_heads=c.num_heads, max_len=c.max_len)
         table_axes = ("heads", "positions", "head_dim")[-len(shape):] if shape else ()
         shared = None if shape is None else self.param(
-            "shared_pos_emb", partitioned(nn.initializers.normal(0.02), *table_axes), shape)
+            "shared_pos_emb", partitioned(nn.initializers.normal(0.02), *table_axes), shape, jnp.float32)
         for i in range(c.num_layers):
             x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared,
                                               tokens=TokenInfo(positions, segment_ids, padding_mask))

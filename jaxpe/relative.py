@@ -29,7 +29,7 @@ class RelativeCore(nn.Module):
     @nn.compact
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
-                           (self.npos, q.shape[-1]))
+                           (self.npos, q.shape[-1]), ctx.table_dtype)
         sm_scale = q.shape[-1] ** -0.5
         bias = sm_scale * context_relative_logits(q, table, ctx)
         return attend(q, k, v, sm_scale=sm_scale, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
+from jaxpe.kernels._common import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import attend
@@ -50,15 +51,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, ro
     spec = rope_scaling_dict(scaling)
     if length is None and spec is not None and spec["rope_type"] == "dynamic":
         length = jnp.max(positions) + 1
-    freqs, attention_factor = rope_frequencies(rotary_dim or x.shape[-1], theta=theta, scaling=spec, length=length)
+    freqs, attention_factor = rope_frequencies(rotary_dim or x.shape[-1], theta=theta, scaling=spec, length=length,
+                                               dtype=compute_dtype(x))
     cos, sin = rope_angles(positions, freqs, attention_factor)
     return rotate(x, cos, sin, interleaved=interleaved)
 
 
 def rope_angles(positions: jax.Array, freqs: jax.Array, attention_factor: float = 1.0
                 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B|1, L, R/2] float32 of positions [B|1, L] times freqs [R/2], both times attention_factor."""
-    angles = positions.astype(jnp.float32)[:, :, None] * freqs[None, None, :]  # [B|1, L, R/2]
+    """cos and sin [B|1, L, R/2] in freqs' dtype of positions [B|1, L] times freqs [R/2], both times
+    attention_factor."""
+    angles = positions.astype(freqs.dtype)[:, :, None] * freqs[None, None, :]  # [B|1, L, R/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
@@ -68,7 +71,7 @@ def rope_angles(positions: jax.Array, freqs: jax.Array, attention_factor: float 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = False) -> jax.Array:
     """Turn the first R = 2·cos.shape[-1] dims of x [B, L, H, D] by cos, sin [B|1, L, R/2]; the rest pass through."""
     r = 2 * cos.shape[-1]
-    xf = x.astype(jnp.float32)
+    xf = x.astype(compute_dtype(x, cos))
     rot, rest = xf[..., :r], xf[..., r:]  # [B, L, H, R], [B, L, H, D − R]
     cos, sin = cos[:, :, None], sin[:, :, None]  # [B|1, L, 1, R/2]
     if interleaved:

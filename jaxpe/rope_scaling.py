@@ -111,8 +111,9 @@ def check_rotary_dim(rotary_dim: int, head_dim: int | None = None) -> None:
 
 
 def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mapping | tuple | None = None,
-                     length: jax.Array | int | None = None) -> tuple[jax.Array, float]:
-    """The rotary frequencies ω [rotary_dim/2] float32 and the factor that multiplies cos and sin (1.0 except YaRN).
+                     length: jax.Array | int | None = None, dtype: Any = jnp.float32) -> tuple[jax.Array, float]:
+    """The rotary frequencies ω [rotary_dim/2] in `dtype` (float32, or float64 for float64 inputs) and the factor
+    that multiplies cos and sin (1.0 except YaRN).
 
     `scaling` is a Hugging Face `rope_scaling` dict (see the module docstring). `length` is the current sequence
     length (max position + 1), read only by "dynamic"; it may be traced. None: the original length (unscaled)."""
@@ -120,20 +121,20 @@ def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mappin
     check_positive("theta", theta)
     spec = rope_scaling_dict(scaling)
     if spec is None:
-        return rotary_frequencies(rotary_dim, theta), 1.0
+        return rotary_frequencies(rotary_dim, theta, dtype=dtype), 1.0
     rope_type, factor = spec["rope_type"], float(spec["factor"])
     if rope_type == "dynamic" and rotary_dim == 2:
         raise ValueError(f"{rotary_dim=} must be > 2 for dynamic NTK scaling (its exponent is R/(R − 2))")
-    freqs = rotary_frequencies(rotary_dim, theta)  # [R/2]
+    freqs = rotary_frequencies(rotary_dim, theta, dtype=dtype)  # [R/2]
     if rope_type == "linear":
         return freqs / factor, 1.0
     original = spec["original_max_position_embeddings"]
     if rope_type == "dynamic":
         if length is None:
             return freqs, 1.0
-        seq_len = jnp.maximum(jnp.asarray(length, jnp.float32), float(original))  # scaled only past the original
+        seq_len = jnp.maximum(jnp.asarray(length, dtype), float(original))  # scaled only past the original
         base = theta * (factor * seq_len / original - (factor - 1.0)) ** (rotary_dim / (rotary_dim - 2))
-        return rotary_frequencies(rotary_dim, base), 1.0
+        return rotary_frequencies(rotary_dim, base, dtype=dtype), 1.0
     if rope_type == "llama3":
         low, high = float(spec["low_freq_factor"]), float(spec["high_freq_factor"])
         wavelength = 2 * math.pi / freqs
@@ -150,7 +151,7 @@ def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mappin
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
-    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0).astype(np.float32)  # 1: interpolate
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0).astype(dtype)  # 1: interpolate
     freqs = freqs / factor * ramp + freqs * (1 - ramp)
     attention_factor = spec.get("attention_factor")
     if attention_factor is None:

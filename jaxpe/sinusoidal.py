@@ -10,6 +10,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 
+from jaxpe.kernels._common import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.tables import add_table_rows, sinusoidal_table
 from jaxpe.validation import check_positive, check_positive_number
@@ -24,8 +25,8 @@ class SinusoidalPE(nn.Module):
 
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         check_positive("amplitude", self.amplitude)
-        return add_table_rows(x, self.amplitude * sinusoidal_table(self.max_len, x.shape[-1], theta=self.theta),
-                              positions)
+        table = sinusoidal_table(self.max_len, x.shape[-1], theta=self.theta, dtype=compute_dtype(x))
+        return add_table_rows(x, self.amplitude * table, positions)
 
 
 @register("sinusoidal")

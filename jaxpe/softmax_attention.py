@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxpe.kernels._common import GATE_PRECISION
+from jaxpe.kernels._common import GATE_PRECISION, compute_dtype
 from jaxpe.validation import check_qkv
 
 
@@ -71,10 +71,10 @@ def causal_query_blocks(length: int) -> list[tuple[int, int]]:
 
 
 def qk_logits(q: jax.Array, k: jax.Array, *, gates: bool = False) -> jax.Array:
-    """q [B, Lq, Hq, D], k [B, Lk, Hkv, D] -> float32 q·k [B, Hq, Lq, Lk]; `gates`: logits of gates, float32-accurate
-    (`GATE_PRECISION`: not TF32 on a GPU)."""
+    """q [B, Lq, Hq, D], k [B, Lk, Hkv, D] -> q·k [B, Hq, Lq, Lk] in `compute_dtype` (float32; float64 from float64
+    inputs); `gates`: logits of gates, float32-accurate at least (`GATE_PRECISION`: not TF32 on a GPU)."""
     k = repeat_kv(k, q.shape[2] // k.shape[2])
-    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32,
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=compute_dtype(q, k),
                       precision=GATE_PRECISION if gates else None)
 
 
@@ -90,9 +90,9 @@ def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array,
 
 
 def _weighted_values(e: jax.Array, inverse_sum: jax.Array, v: jax.Array) -> jax.Array:
-    """Σ_k e[b, h, q, k] v[b, k, h // G] / Σ_k e: [B, Lq, Hq, D] float32. The normalisation is applied to the D
-    outputs of a row, not to its Lk weights."""
-    v = repeat_kv(v, e.shape[1] // v.shape[2]).astype(jnp.float32)
+    """Σ_k e[b, h, q, k] v[b, k, h // G] / Σ_k e: [B, Lq, Hq, D] in e's dtype. The normalisation is applied to the
+    D outputs of a row, not to its Lk weights."""
+    v = repeat_kv(v, e.shape[1] // v.shape[2]).astype(e.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", e, v) * _swap_heads_and_queries(inverse_sum)
 
 
@@ -103,7 +103,8 @@ def _swap_heads_and_queries(x: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def masked_softmax_attention(logits: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """logits [B, Hq, Lq, Lk] (float32), v [B, Lk, Hkv, D], mask [B|1, Lq, Lk] -> [B, Lq, Hq, D] in v's dtype.
+    """logits [B, Hq, Lq, Lk] (float32, or float64), v [B, Lk, Hkv, D], mask [B|1, Lq, Lk] -> [B, Lq, Hq, D] in v's
+    dtype.
 
     Rows with no visible key give zeros (and zero derivatives). Differentiated through a tangent rule
     (`_masked_softmax_attention_jvp`) that is linear in the tangents and made of plain jnp ops, so forward mode,
@@ -126,10 +127,10 @@ def _masked_softmax_attention_jvp(primals: tuple[jax.Array, jax.Array, jax.Array
     nothing."""
     (logits, v, mask), (d_logits, d_v, _) = primals, tangents
     e, inverse_sum = _exp_and_inverse_sum(logits, mask)
-    out = _weighted_values(e, inverse_sum, v)  # [B, Lq, Hq, D] float32
+    out = _weighted_values(e, inverse_sum, v)  # [B, Lq, Hq, D] in the logits' dtype
     terms = []  # at least one: JAX calls the rule only when logits or v has a tangent
     if not isinstance(d_logits, SymbolicZero):
-        d_e = e * d_logits.astype(jnp.float32)
+        d_e = e * d_logits.astype(e.dtype)
         terms.append(_weighted_values(d_e, inverse_sum, v)
                      - out * _swap_heads_and_queries(jnp.sum(d_e, axis=-1, keepdims=True) * inverse_sum))
     if not isinstance(d_v, SymbolicZero):
@@ -141,8 +142,8 @@ masked_softmax_attention.defjvp(_masked_softmax_attention_jvp, symbolic_zeros=Tr
 
 
 def reverse_cumsum(x: jax.Array) -> jax.Array:
-    """Suffix sums along the last axis: out[..., j] = Σ_{t≥j} x[..., t] (float32, associative scan)."""
-    return jax.lax.associative_scan(jnp.add, x.astype(jnp.float32), axis=x.ndim - 1, reverse=True)
+    """Suffix sums along the last axis: out[..., j] = Σ_{t≥j} x[..., t] (in `compute_dtype`, associative scan)."""
+    return jax.lax.associative_scan(jnp.add, x.astype(compute_dtype(x)), axis=x.ndim - 1, reverse=True)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: jax.Array | None,
@@ -159,5 +160,5 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: j
         mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
     logits = sm_scale * qk_logits(q, k)
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
+        logits = logits + bias.astype(logits.dtype)
     return masked_softmax_attention(logits, v, mask)

@@ -8,16 +8,20 @@ B batch, L length (Lq queries, Lk keys), H heads, P table rows, d the table's wi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
+from jaxpe.kernels._common import compute_dtype, rotary_frequencies
 from jaxpe.validation import check_positive, is_int
 
 
-def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0) -> jax.Array:
-    """[length, dim] float32: PE[i, 2k] = sin(scale·i·θ^(−2k/dim)), PE[i, 2k+1] = cos(same angle).
+def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0,
+                     dtype: Any = jnp.float32) -> jax.Array:
+    """[length, dim] in `dtype` (float32; float64 for float64 inputs): PE[i, 2k] = sin(scale·i·θ^(−2k/dim)),
+    PE[i, 2k+1] = cos(same angle).
 
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
@@ -27,8 +31,8 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
     check_positive("theta", theta)
     length, dim = int(length), int(dim)
     half = (dim + 1) // 2
-    freqs = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / dim)  # [half]
-    angles = scale * jnp.arange(length, dtype=jnp.float32)[:, None] * freqs[None, :]  # [L, half]
+    freqs = rotary_frequencies(dim, theta, pairs=jnp.arange(half), dtype=dtype)  # [half]: θ^(−2k/dim)
+    angles = scale * jnp.arange(length, dtype=dtype)[:, None] * freqs[None, :]  # [L, half]
     table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
     return table[:, :dim]
 
@@ -91,13 +95,14 @@ def gather_table_rows(z: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`gather_table_rows` of two tables at the same index, (z[..index..], y[..index..]) float32, in one gather:
-    the pair travels as one complex64 (real z, imaginary y), so the per-entry cost of XLA's CPU gather, which does
-    not depend on the entry's width, is paid once instead of twice. Plain ops, linear in (z, y): forward mode is the
-    same gather of the tangents, and JAX's transpose of it is one complex scatter-add."""
+    """`gather_table_rows` of two tables at the same index, (z[..index..], y[..index..]) in `compute_dtype`, in one
+    gather: the pair travels as one complex64 (complex128 in float64; real z, imaginary y), so the per-entry cost of
+    XLA's CPU gather, which does not depend on the entry's width, is paid once instead of twice. Plain ops, linear in
+    (z, y): forward mode is the same gather of the tangents, and JAX's transpose of it is one complex scatter-add."""
     if not _fits_int32(z.shape):
         return gather_table_rows(z, index), gather_table_rows(y, index)
-    rows = lambda t: t.astype(jnp.float32).reshape(t.shape[0], math.prod(t.shape[1:]))  # noqa: E731  [B, Lq·H·P]
+    dtype = compute_dtype(z, y)
+    rows = lambda t: t.astype(dtype).reshape(t.shape[0], math.prod(t.shape[1:]))  # noqa: E731  [B, Lq·H·P]
     flat = _flat_row_index(z.shape, index)  # [B, H·Lq·Lk]
     got = jnp.take_along_axis(jax.lax.complex(rows(z), rows(y)), flat, axis=1, mode="clip")
     return jnp.real(got).reshape(index.shape), jnp.imag(got).reshape(index.shape)
@@ -105,18 +110,18 @@ def gather_table_row_pairs(z: jax.Array, y: jax.Array, index: jax.Array) -> tupl
 
 def relative_logits(q: jax.Array, table: jax.Array, q_pos: jax.Array, k_pos: jax.Array | int) -> jax.Array:
     """q [B, Lq, H, D], table [npos, D], q_pos [B, Lq], k_pos [B, Lk] (or an int Lk: keys at 0..Lk−1)
-    -> [B, H, Lq, Lk] float32 q_i·r[clip(i − j, 0, npos − 1)]."""
+    -> [B, H, Lq, Lk] q_i·r[clip(i − j, 0, npos − 1)] in `compute_dtype`."""
     npos = table.shape[0]
     k_pos = jnp.arange(k_pos)[None] if isinstance(k_pos, int) else k_pos
     b, lq, h = q.shape[:3]
     rel = jnp.clip(q_pos[:, :, None] - k_pos[:, None, :], 0, npos - 1)  # [B, Lq, Lk]
-    z = jnp.einsum("bqhd,pd->bqhp", q, table.astype(q.dtype), preferred_element_type=jnp.float32)
+    z = jnp.einsum("bqhd,pd->bqhp", q, table.astype(q.dtype), preferred_element_type=compute_dtype(q))
     return gather_table_rows(z, jnp.broadcast_to(rel[:, None], (b, h) + rel.shape[1:]).astype(jnp.int32))
 
 
 def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
-    """q [B, L, H, D], table [npos, D] -> [B, H, L, L] float32, `relative_logits` with queries and keys at 0..L − 1
-    (q_i·r[clip(i − j, 0, npos − 1)]) without a gather: Music Transformer's skew (Huang et al., 2018).
+    """q [B, L, H, D], table [npos, D] -> [B, H, L, L] in `compute_dtype`, `relative_logits` with queries and keys
+    at 0..L − 1 (q_i·r[clip(i − j, 0, npos − 1)]) without a gather: Music Transformer's skew (Huang et al., 2018).
 
     x[b, h, i, c] = q_i·r[clip(L − c, 0, npos − 1)] for c = 0..L, [B, H, L, L + 1]; read flat, row i's entries
     start i·(L + 1) apart, so the L·L window starting at L puts x[i, j + L − i] (distance i − j) at (i, j) for j ≤ i.
@@ -127,7 +132,8 @@ def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
     b, length, h, _ = q.shape
     distance = jnp.clip(length - jnp.arange(length + 1), 0, table.shape[0] - 1)  # [L + 1]
     heads_first = jnp.swapaxes(q, 1, 2)  # [B, H, L, D]: the [B, H, L, L + 1] product and its cotangent stay in place
-    x = jnp.einsum("bhqd,cd->bhqc", heads_first, table[distance].astype(q.dtype), preferred_element_type=jnp.float32)
+    x = jnp.einsum("bhqd,cd->bhqc", heads_first, table[distance].astype(q.dtype),
+                   preferred_element_type=compute_dtype(q))
     flat = x.reshape(b, h, length * (length + 1))
     skewed = flat[..., length:length + length * length].reshape(b, h, length, length)
     causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [L, L]
@@ -135,8 +141,9 @@ def relative_logits_indexed(q: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def context_relative_logits(q: jax.Array, table: jax.Array, ctx: AttentionContext) -> jax.Array:
-    """q [B, Lq, H, D], table [npos, D] -> [B, H, Lq, Lk] float32 relative logits at the context's positions: the
-    skew (`relative_logits_indexed`) when they are 0..L − 1 on both sides, else the gather (`relative_logits`)."""
+    """q [B, Lq, H, D], table [npos, D] -> [B, H, Lq, Lk] relative logits (`compute_dtype`) at the context's
+    positions: the skew (`relative_logits_indexed`) when they are 0..L − 1 on both sides, else the gather
+    (`relative_logits`)."""
     if ctx.indexed and ctx.k_pos is not None and ctx.k_pos.shape[1] == q.shape[1]:
         return relative_logits_indexed(q, table)
     return relative_logits(q, table, ctx.q_pos, ctx.k_pos)

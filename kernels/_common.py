@@ -103,6 +103,13 @@ def resolve_interpret(interpret: bool | None) -> bool:
 GATE_PRECISION = lax.Precision.HIGHEST
 
 
+def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
+    """The dtype the XLA paths (reference and blockwise) keep softmax statistics, CoPE's gates and positions and
+    rotary angles in, for floating inputs `arrays`: float64 where one is float64 (x64 mode), else float32 (bfloat16
+    and float16 inputs included). The Pallas and Triton kernels compute in float32 whatever the inputs."""
+    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
+
+
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, accurate: bool = False,
         interpret: bool = True) -> jax.Array:
     """2-D a @ b (aᵀ with trans_a, bᵀ with trans_b) accumulated in float32.
@@ -152,11 +159,12 @@ def output_struct(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> 
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
 
 
-def rotary_frequencies(head_dim: int, theta: float, pairs: jax.Array | None = None) -> jax.Array:
-    """ω_d = θ^(−2d/D) float32 for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
+def rotary_frequencies(head_dim: int, theta: float | jax.Array, pairs: jax.Array | None = None,
+                       dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """ω_d = θ^(−2d/D) in `dtype` for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
     if pairs is None:
-        pairs = jnp.arange(head_dim // 2, dtype=jnp.float32)
-    return theta ** (-2.0 * pairs.astype(jnp.float32) / head_dim)
+        pairs = jnp.arange(head_dim // 2, dtype=dtype)
+    return jnp.asarray(theta, dtype) ** (-2.0 * pairs.astype(dtype) / head_dim)
 
 
 class Interpolation(NamedTuple):
@@ -204,8 +212,11 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     vectorises it (on CPU it is ~20× faster than jnp.sin and jnp.cos in Co-RoPE's loops) and Triton lowers it inside
     the Co-RoPE kernels without libdevice. Max abs error ≤ 2e-7 for |x| ≤ SINCOS_MAX_ARG (Co-RoPE's angles Δ·ω are
     at most L); meant for those angles, not for huge |x|. Differentiable: d sin = cos·dx, d cos = −sin·dx (not the
-    polynomials' own derivatives)."""
-    x = jnp.asarray(x, jnp.float32)
+    polynomials' own derivatives). float64 x (x64 mode) gets jnp.sin and jnp.cos, accurate to float64."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.float64:
+        return jnp.sin(x), jnp.cos(x)
+    x = x.astype(jnp.float32)
     f32 = lambda c: jnp.float32(c)
     k = jnp.floor(x * f32(_TWO_OVER_PI) + f32(0.5))  # the quadrant, x = k·π/2 + r (Triton has no round-half-even)
     r = ((x - k * f32(_PIO2_1)) - k * f32(_PIO2_2)) - k * f32(_PIO2_3)  # r in [−π/4, π/4]
@@ -225,5 +236,5 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _sincos_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[tuple, tuple]:
     (x,), (dx,) = primals, tangents
     sin_x, cos_x = sincos(x)
-    dx = jnp.asarray(dx, jnp.float32)
+    dx = jnp.asarray(dx, sin_x.dtype)
     return (sin_x, cos_x), (cos_x * dx, -sin_x * dx)

@@ -5,12 +5,12 @@ Letters (as in jaxpe/): B batch, L length (Lp padded), Hq query heads, Hkv key/v
 size, D head dim, P = npos table rows, BK keys per block, C query rows per chunk (a multiple of BK). Einsum
 subscripts: b batch, k kv head (Hkv), g head of its group (G), t query and s key positions, d head dim, p table row.
 Inside, heads are grouped: q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], z [B, Hkv, G, Lp, P]; everything is
-computed in float32.
+computed in float32 (in float64 for float64 inputs: `compute_dtype`).
 
 The maths (arXiv 2405.18719): g_ij = sigmoid(sm_scale·q_i·kg_j) for j ≤ i, p_ij = min(Σ_{t=j..i} g_it, P − 1),
 z_ip = q_i·e_p, pos_ij = (1 − w)·z_i,lo + w·z_i,hi with lo = ⌊p⌋, hi = min(lo + 1, P − 1), w = p − lo,
 logits_ij = sm_scale·(q_i·k_j + pos_ij), causal softmax, times v. Every term is linear in sm_scale·q, so the
-kernels take q already multiplied by sm_scale (float32) and sm_scale appears nowhere else: it is an operand
+kernels take q already multiplied by sm_scale (in the compute dtype) and sm_scale appears nowhere else: it is an operand
 (a traced scalar, a learned temperature) whose gradient is Σ q·∂L/∂(sm_scale·q).
 
 Bidirectional (causal=False; as x-transformers' data-dependent ALiBi counts both ways): every visible key counts,
@@ -22,8 +22,9 @@ two key sets are disjoint and their outputs merge by their row log-sum-exps, wit
 Forward: query chunks (lax.map, one compiled body); for each, key blocks walked in reverse from the diagonal, carrying
 the suffix sum R_i of the gates seen so far, so that inside a block p = R + (rowtotal − cumsum + g). Once every row
 of the chunk has R ≥ P − 1, every earlier key sits at the clamped position: those blocks are plain attention
-plus the per-row constant z_i,P−1 (no gates, no gathers) and R stops changing. The output is float32 and comes with
-the rows' log-sum-exps lse, both differentiable: lse's cotangent only shifts the softmax's row term, δ_i − dlse_i.
+plus the per-row constant z_i,P−1 (no gates, no gathers) and R stops changing. The output is in the compute dtype and
+comes with the rows' log-sum-exps lse, both differentiable: lse's cotangent only shifts the softmax's row term,
+δ_i − dlse_i.
 
 Backward: the gate gradient dg_it = Σ_{j≤t} ∂L/∂p_ij is a prefix sum over keys, so the backward walks key
 blocks forward, carrying prefix sums of g and of ∂L/∂p. Then p_ij = R_i − (gates before j), R_i being the
@@ -52,7 +53,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import GATE_PRECISION, MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
+from jaxpe.kernels._common import (GATE_PRECISION, MASK_VALUE, Interpolation, carry_init, compute_dtype, interpolate,
+                                   vary_alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +158,8 @@ def _chunk_forward(q: jax.Array, z: jax.Array, k: jax.Array, v: jax.Array, kg: j
         return lax.cond(index >= 0, functools.partial(block, index), lambda c: c, carry), None
 
     rowshape = q.shape[:-1]
-    init = (carry_init(MASK_VALUE, rowshape, jnp.float32, q), carry_init(0.0, rowshape, jnp.float32, q),
-            carry_init(0.0, q.shape, jnp.float32, q), carry_init(0.0, rowshape, jnp.float32, q),
+    init = (carry_init(MASK_VALUE, rowshape, q.dtype, q), carry_init(0.0, rowshape, q.dtype, q),
+            carry_init(0.0, q.shape, q.dtype, q), carry_init(0.0, rowshape, q.dtype, q),
             carry_init(0, (), jnp.int32, q))
     (m, l, acc, r, clamped_blocks), _ = lax.scan(step, init, jnp.arange(walked, dtype=jnp.int32))
     first = jnp.maximum(num_blocks - walked, 0)
@@ -229,8 +231,8 @@ def _chunk_backward(q: jax.Array, z: jax.Array, do: jax.Array, lse: jax.Array, d
         return lax.cond(index >= 0, functools.partial(block, index), lambda c: c, carry), None
 
     rowshape = q.shape[:-1]
-    init = (carry_init(0.0, q.shape, jnp.float32, q), carry_init(0.0, z.shape, jnp.float32, z),
-            carry_init(0.0, rowshape, jnp.float32, q), carry_init(0.0, rowshape, jnp.float32, q), dkv)
+    init = (carry_init(0.0, q.shape, q.dtype, q), carry_init(0.0, z.shape, z.dtype, z),
+            carry_init(0.0, rowshape, q.dtype, q), carry_init(0.0, rowshape, q.dtype, q), dkv)
     (dq, dz, _, _, dkv), _ = lax.scan(step, init, jnp.arange(walked, dtype=jnp.int32))
     return dq, dz, *dkv
 
@@ -244,14 +246,14 @@ def _add_block(total: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array
 
 def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array, padded: int
              ) -> tuple[jax.Array, ...]:
-    """[B, L, Hq|Hkv, D] inputs -> float32 q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], e [P, D] or [Hkv, G, P, D],
-    with L zero-padded to Lp = `padded`."""
-    num_kv = k.shape[2]
-    e = pos_emb.astype(q.dtype).astype(jnp.float32)  # the table at the inputs' precision, as the reference uses it
+    """[B, L, Hq|Hkv, D] inputs -> q [B, Hkv, G, Lp, D], k/v/kg [B, Hkv, Lp, D], e [P, D] or [Hkv, G, P, D] in
+    `compute_dtype`, with L zero-padded to Lp = `padded`."""
+    num_kv, dtype = k.shape[2], compute_dtype(q, k, v, kg)
+    e = pos_emb.astype(q.dtype).astype(dtype)  # the table at the inputs' precision, as the reference uses it
     if pos_emb.ndim == 3:
         e = e.reshape(num_kv, q.shape[2] // num_kv, *pos_emb.shape[1:])
-    k, v, kg = (_padded(x, padded).astype(jnp.float32).transpose(0, 2, 1, 3) for x in (k, v, kg))
-    return _grouped_rows(q.astype(jnp.float32), padded, num_kv), k, v, kg, e
+    k, v, kg = (_padded(x, padded).astype(dtype).transpose(0, 2, 1, 3) for x in (k, v, kg))
+    return _grouped_rows(q.astype(dtype), padded, num_kv), k, v, kg, e
 
 
 def _padded(x: jax.Array, padded: int) -> jax.Array:
@@ -327,12 +329,12 @@ class _Operands(NamedTuple):
     chunk: int  # C
     padded: int  # Lp
     walked: int  # key blocks each chunk walks
-    q: jax.Array  # [B, Hkv, G, Lp, D] float32, before sm_scale
+    q: jax.Array  # [B, Hkv, G, Lp, D] in `compute_dtype`, before sm_scale
     scaled: jax.Array  # sm_scale·q
-    k: jax.Array  # [B, Hkv, Lp, D] float32, as v and kg
+    k: jax.Array  # [B, Hkv, Lp, D] in `compute_dtype`, as v and kg
     v: jax.Array
     kg: jax.Array
-    e: jax.Array  # the table [P, D] or [Hkv, G, P, D] float32
+    e: jax.Array  # the table [P, D] or [Hkv, G, P, D] in `compute_dtype`
     z: jax.Array  # [B, Hkv, G, Lp, P] = (sm_scale·q)·e
     seg: jax.Array | None  # every key's document id [B, Lp]
     seg_chunks: jax.Array | None  # the rows' per chunk [Lp / C, B, C]
@@ -369,8 +371,8 @@ def _cope_blockwise_bwd(config: _Config, residuals, cotangents):
     length, num_kv = q.shape[1], k.shape[2]
     ops = _operands(q, k, v, kg, pos_emb, sm_scale, segment_ids, config)
     qg, scaled, e = ops.q, ops.scaled, ops.e
-    do = _grouped_rows(dout.astype(jnp.float32), ops.padded, num_kv)
-    delta = jnp.sum(out * do, axis=-1) - _grouped_rows(dlse.astype(jnp.float32), ops.padded, num_kv)
+    do = _grouped_rows(dout.astype(qg.dtype), ops.padded, num_kv)
+    delta = jnp.sum(out * do, axis=-1) - _grouped_rows(dlse.astype(qg.dtype), ops.padded, num_kv)
     per_chunk = tuple(_chunked(x, ops.chunk) for x in (scaled, ops.z, do, lse, delta, r))
 
     def one_chunk(dkv, xs):
@@ -380,7 +382,7 @@ def _cope_blockwise_bwd(config: _Config, residuals, cotangents):
                                            strict=config.strict)
         return tuple(dkv), (dq_c, dz_c)
 
-    init = tuple(carry_init(0.0, ops.k.shape, jnp.float32, ops.k) for _ in range(3))
+    init = tuple(carry_init(0.0, ops.k.shape, ops.k.dtype, ops.k) for _ in range(3))
     dkv, (dq, dz) = lax.scan(one_chunk, init, (*per_chunk, first_full, _chunk_starts(ops.padded, ops.chunk),
                                                ops.seg_chunks))
     dq, dz = _unchunked(dq), _unchunked(dz)  # with respect to sm_scale·q
@@ -400,7 +402,8 @@ def _cope_blockwise_bwd(config: _Config, residuals, cotangents):
 def _cope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb: jax.Array,
                     sm_scale: jax.Array, segment_ids: jax.Array | None, config: _Config
                     ) -> tuple[jax.Array, jax.Array]:
-    """float32 out [B, L, Hq, D] and lse [B, L, Hq] of the causal (or with config.strict, strictly causal) walk."""
+    """out [B, L, Hq, D] and lse [B, L, Hq] (in `compute_dtype`) of the causal (or with config.strict, strictly
+    causal) walk."""
     return _cope_blockwise_fwd(q, k, v, kg, pos_emb, sm_scale, segment_ids, config)[0]
 
 
@@ -440,7 +443,7 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     """CoPE attention in O(L·block) memory, differentiable (custom VJP), twice as well (jax.grad of jax.grad).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
-    (gates from k) -> [B, L, Hq, D] in q's dtype (any floating dtype; float32 inside).
+    (gates from k) -> [B, L, Hq, D] in q's dtype (any floating dtype; float32 inside, float64 for float64 inputs).
     sm_scale: a number > 0 or a traced scalar (a learned temperature; differentiable).
     causal=False: bidirectional, positions count gates both ways from the query (module docstring).
     block_k: keys per scan step; block_q: query rows per chunk (rounded to a multiple of block_k). A symbolic length
@@ -456,5 +459,5 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     kg = k if gate_k is None else gate_k
-    operands = vary_alike(q, k, v, kg, pos_emb, jnp.asarray(sm_scale, jnp.float32), segment_ids)
+    operands = vary_alike(q, k, v, kg, pos_emb, jnp.asarray(sm_scale, compute_dtype(q, k, v, kg)), segment_ids)
     return _attention(*operands, _Config(int(block_k), int(block_q), window), causal)

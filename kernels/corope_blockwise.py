@@ -10,8 +10,9 @@ The maths (as jaxpe/corope.py states it): z_ij = sigmoid(sm_scale·q^leader_i·k
 Δ_ij = a_ii − a_ij, φ_ijd = Δ_ij·ω_d, score_ij = sm_scale·Σ_d (E_A cos φ − E_B sin φ) = sm_scale·Σ_d q1 (k1 cos φ + k2 sin φ)
 + q2 (k2 cos φ − k1 sin φ). Causal: Δ_ij = Σ_{t=j+1..i} z_it for the keys j ≤ i. Bidirectional (causal=False): every
 visible key counts, and Δ is signed: Σ_{t=j+1..i} z_it for j ≤ i, −Σ_{t=i+1..j} z_it for j > i; with constant gates
-it is bidirectional RoPE with scaled frequencies. The scores take q already multiplied by sm_scale (float32), so
-sm_scale appears nowhere else: it is an operand (traceable, a learned temperature) and its gradient is Σ dq'·q.
+it is bidirectional RoPE with scaled frequencies. The scores take q already multiplied by sm_scale (in the compute
+dtype), so sm_scale appears nowhere else: it is an operand (traceable, a learned temperature) and its gradient is
+Σ dq'·q.
 
 Tiles are frequency-major: a scan over the Dh frequencies computes one [BK, BK] plane of sin/cos per step with
 `sincos` (a polynomial, vectorised by XLA; jnp.sin/cos are ~20× slower on CPU), shared by the G heads of a group, and
@@ -58,7 +59,8 @@ import numpy as np
 from jax import lax
 
 from jaxpe.kernels._checks import check_corope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import GATE_PRECISION, MASK_VALUE, carry_init, rotary_frequencies, sincos, vary_alike
+from jaxpe.kernels._common import (GATE_PRECISION, MASK_VALUE, carry_init, compute_dtype, rotary_frequencies, sincos,
+                                   vary_alike)
 
 
 def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
@@ -79,16 +81,9 @@ def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:
         raise ValueError(f"inv_freq must be finite, got inv_freq={values.tolist()}")
 
 
-def corope_frequencies(head_dim: int, theta: float, inv_freq: jax.Array | None = None) -> jax.Array:
-    """ω [D/2] float32: θ^(−2d/D), or the caller's `inv_freq` (a constant: no gradient flows into it)."""
-    if inv_freq is None:
-        return rotary_frequencies(head_dim, theta)
-    return caller_frequencies(inv_freq)
-
-
-def caller_frequencies(inv_freq: jax.Array | None) -> jax.Array | None:
-    """The caller's ω as float32 with no gradient (None stays None: the kernels then use θ^(−2d/D))."""
-    return None if inv_freq is None else lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
+def caller_frequencies(inv_freq: jax.Array | None, dtype: jnp.dtype = jnp.float32) -> jax.Array | None:
+    """The caller's ω in `dtype` with no gradient (None stays None: the kernels then use θ^(−2d/D))."""
+    return None if inv_freq is None else lax.stop_gradient(jnp.asarray(inv_freq, dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +177,7 @@ def _scores(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array) -> j
         sin_g, cos_g = sin[:, :, None], cos[:, :, None]
         return acc + a1 * (b1 * cos_g + b2 * sin_g) + a2 * (b2 * cos_g - b1 * sin_g), None
 
-    init = carry_init(0.0, q.shape[:-1] + (k.shape[2],), jnp.float32, q, k)
+    init = carry_init(0.0, q.shape[:-1] + (k.shape[2],), q.dtype, q, k)
     return lax.scan(one_frequency, init, (omega, q1, q2, k1, k2))[0]
 
 
@@ -217,7 +212,7 @@ def _score_grads(q: jax.Array, k: jax.Array, delta: jax.Array, omega: jax.Array,
         d_delta = d_delta + w * jnp.sum(x * (a1 * b2 - a2 * b1) - y * (a1 * b1 + a2 * b2), axis=2)
         return d_delta, (dq1, dq2, dk1, dk2)
 
-    init = carry_init(0.0, delta.shape, jnp.float32, delta, ds)
+    init = carry_init(0.0, delta.shape, delta.dtype, delta, ds)
     d_delta, (dq1, dq2, dk1, dk2) = lax.scan(one_frequency, init, (omega, q1, q2, k1, k2))
     last = lambda *parts: jnp.moveaxis(jnp.concatenate(parts, axis=0), 0, -1)
     return last(dq1, dq2), last(dk1, dk2), d_delta
@@ -245,18 +240,18 @@ def _padded_segments(segment_ids: jax.Array | None, block: int) -> jax.Array | N
     return jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, _padded_length(length, block) - length)])
 
 
-def _group_queries(x: jax.Array, num_kv: int, block: int) -> jax.Array:
-    """[B, L, Hq, D] -> float32 [B, Hkv, G, Lp, D] (zero rows appended)."""
+def _group_queries(x: jax.Array, num_kv: int, block: int, dtype: jnp.dtype) -> jax.Array:
+    """[B, L, Hq, D] -> [B, Hkv, G, Lp, D] in `dtype` (zero rows appended)."""
     b, length, n, d = x.shape
     padded = _padded_length(length, block)
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    x = jnp.pad(x.astype(dtype), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
     return x.reshape(b, padded, num_kv, n // num_kv, d).transpose(0, 2, 3, 1, 4)
 
 
-def _group_keys(x: jax.Array, block: int) -> jax.Array:
-    """[B, L, Hkv, D] -> float32 [B, Hkv, Lp, D] (zero rows appended)."""
+def _group_keys(x: jax.Array, block: int, dtype: jnp.dtype) -> jax.Array:
+    """[B, L, Hkv, D] -> [B, Hkv, Lp, D] in `dtype` (zero rows appended)."""
     length = x.shape[1]
-    return jnp.pad(x.astype(jnp.float32), [(0, 0), (0, _padded_length(length, block) - length), (0, 0), (0, 0)]
+    return jnp.pad(x.astype(dtype), [(0, 0), (0, _padded_length(length, block) - length), (0, 0), (0, 0)]
                    ).transpose(0, 2, 1, 3)
 
 
@@ -271,14 +266,14 @@ def _ungroup_keys(x: jax.Array, length: int) -> jax.Array:
     return lax.slice_in_dim(x.transpose(0, 2, 1, 3), 0, length, axis=1)
 
 
-def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config) -> jax.Array:
-    """ω [Dh] float32: the caller's, else θ^(−2d/D)."""
-    return rotary_frequencies(head_dim, config.theta) if omega is None else omega
+def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config, dtype: jnp.dtype) -> jax.Array:
+    """ω [Dh]: the caller's (already in `dtype`, `caller_frequencies`), else θ^(−2d/D) in `dtype`."""
+    return rotary_frequencies(head_dim, config.theta, dtype=dtype) if omega is None else omega
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, config: _Config
              ) -> tuple[jax.Array, jax.Array]:
-    """Grouped float32 q (times sm_scale), k, v, segment ids [B, Lp] or None, ω [Dh] -> o [B, Hkv, G, Lp, D],
+    """Grouped q (times sm_scale), k, v in `compute_dtype`, segment ids [B, Lp] or None, ω [Dh] -> o [B, Hkv, G, Lp, D],
     lse [B, Hkv, G, Lp] (−inf, and o 0, for a row that sees no key: the first rows of a strict walk)."""
     b, num_kv, g, length, d = q.shape
     block = config.block
@@ -306,10 +301,10 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
         lse = lax.dynamic_update_slice_in_dim(lse, row_lse, qb * block, axis=3)
         return o, lse, z_suffix + z.sum(-1), m_new, l, acc
 
-    zeros = lambda shape: carry_init(0.0, shape, jnp.float32, q, k, v)
+    zeros = lambda shape: carry_init(0.0, shape, q.dtype, q, k, v)
     rows = (b, num_kv, g, block)
     init = (zeros(q.shape), zeros(q.shape[:-1]), zeros((b, num_kv, block)),
-            carry_init(-jnp.inf, rows, jnp.float32, q, k, v), zeros(rows), zeros(rows + (d,)))
+            carry_init(-jnp.inf, rows, q.dtype, q, k, v), zeros(rows), zeros(rows + (d,)))
     o, lse = _walk(visit, init, length // block, config)[:2]
     return o, lse
 
@@ -317,8 +312,8 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
 def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, o: jax.Array,
               lse: jax.Array, do: jax.Array, dlse: jax.Array, config: _Config
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Grouped float32 residuals (q times sm_scale) and cotangents do [B, Hkv, G, Lp, D], dlse [B, Hkv, G, Lp] ->
-    grouped dq (of the scaled q), dk, dv."""
+    """Grouped residuals in `compute_dtype` (q times sm_scale) and cotangents do [B, Hkv, G, Lp, D],
+    dlse [B, Hkv, G, Lp] -> grouped dq (of the scaled q), dk, dv."""
     b, num_kv, g, length, d = q.shape
     block = config.block
     row_term = jnp.sum(do * o, axis=-1) - dlse  # [B, Hkv, G, Lp]: Σ_j P dP per row, less the lse's cotangent
@@ -351,7 +346,7 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
                 _add_block(dv, dv_blk, kb, block, 2), lax.dynamic_update_slice_in_dim(total, dd_suffix, qb * block, 2),
                 z_suffix + z.sum(-1), dd_suffix)
 
-    zeros = lambda shape: carry_init(0.0, shape, jnp.float32, q, k, v, do)
+    zeros = lambda shape: carry_init(0.0, shape, q.dtype, q, k, v, do)
     row = (b, num_kv, block)
     dq, dk, dv, total, _, _ = _walk(visit, (zeros(q.shape), zeros(k.shape), zeros(v.shape), zeros(k.shape[:-1]),
                                             zeros(row), zeros(row)), length // block, config)
@@ -369,11 +364,11 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
 
 
 def _corope_blockwise_fwd(q, k, v, sm_scale, segment_ids, omega, config: _Config):
-    num_kv, length = k.shape[2], q.shape[1]
+    num_kv, length, dtype = k.shape[2], q.shape[1], sm_scale.dtype
     seg = _padded_segments(segment_ids, config.block)
-    gq = _group_queries(q, num_kv, config.block) * sm_scale
-    gk, gv = _group_keys(k, config.block), _group_keys(v, config.block)
-    o, lse = _forward(gq, gk, gv, seg, _frequencies(q.shape[3], omega, config), config)
+    gq = _group_queries(q, num_kv, config.block, dtype) * sm_scale
+    gk, gv = _group_keys(k, config.block, dtype), _group_keys(v, config.block, dtype)
+    o, lse = _forward(gq, gk, gv, seg, _frequencies(q.shape[3], omega, config, dtype), config)
     outputs = _ungroup_queries(o, length), _ungroup_queries(lse[..., None], length)[..., 0]
     return outputs, (q, k, v, sm_scale, seg, omega, o, lse)
 
@@ -381,12 +376,12 @@ def _corope_blockwise_fwd(q, k, v, sm_scale, segment_ids, omega, config: _Config
 def _corope_blockwise_bwd(config: _Config, residuals, cotangents):
     q, k, v, sm_scale, seg, omega, o, lse = residuals
     do, dlse = cotangents
-    num_kv, length = k.shape[2], q.shape[1]
-    gq = _group_queries(q, num_kv, config.block)
-    gdo = _group_queries(do, num_kv, config.block)
-    gdlse = _group_queries(dlse[..., None], num_kv, config.block)[..., 0]
-    dq, dk, dv = _backward(gq * sm_scale, _group_keys(k, config.block), _group_keys(v, config.block), seg,
-                           _frequencies(q.shape[3], omega, config), o, lse, gdo, gdlse, config)
+    num_kv, length, dtype = k.shape[2], q.shape[1], sm_scale.dtype
+    gq = _group_queries(q, num_kv, config.block, dtype)
+    gdo = _group_queries(do, num_kv, config.block, dtype)
+    gdlse = _group_queries(dlse[..., None], num_kv, config.block, dtype)[..., 0]
+    dq, dk, dv = _backward(gq * sm_scale, _group_keys(k, config.block, dtype), _group_keys(v, config.block, dtype),
+                           seg, _frequencies(q.shape[3], omega, config, dtype), o, lse, gdo, gdlse, config)
     d_sm_scale = jnp.sum(dq * gq)  # the scores and gates take sm_scale·q
     return ((sm_scale * _ungroup_queries(dq, length)).astype(q.dtype), _ungroup_keys(dk, length).astype(k.dtype),
             _ungroup_keys(dv, length).astype(v.dtype), d_sm_scale.astype(sm_scale.dtype),
@@ -396,7 +391,7 @@ def _corope_blockwise_bwd(config: _Config, residuals, cotangents):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _corope_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: jax.Array, segment_ids: jax.Array | None,
                       omega: jax.Array | None, config: _Config) -> tuple[jax.Array, jax.Array]:
-    """One walk: o [B, L, Hq, D] and the rows' lse [B, L, Hq], float32."""
+    """One walk: o [B, L, Hq, D] and the rows' lse [B, L, Hq] in sm_scale's dtype (the compute dtype)."""
     return _corope_blockwise_fwd(q, k, v, sm_scale, segment_ids, omega, config)[0]
 
 
@@ -435,7 +430,8 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     window: int >= 1, query i sees keys with |i − j| < window (key blocks outside it are never visited), None: all.
     inv_freq: float [D/2] rotary frequencies replacing θ^(−2d/D) (`theta` is then unused); a constant, not
     differentiated (its gradient is zero). sm_scale: a number or a traced scalar (differentiable).
-    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype; differentiable in q, k, v and
+    Float32 gates, cumsums, trig and softmax statistics whatever the input dtype (float64 for float64 inputs:
+    `compute_dtype`); differentiable in q, k, v and
     sm_scale (custom VJP, O(L·block_k·D) memory per step), twice at a static length. A symbolic length
     (jax.export) is padded to a multiple of block_k.
     """
@@ -448,8 +444,9 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     length = q.shape[1]
     block = min(int(block_k), length) if isinstance(length, int) else int(block_k)
     config = _Config(float(theta), block, window)
-    q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(sm_scale, jnp.float32))
-    omega = caller_frequencies(inv_freq)
+    dtype = compute_dtype(q, k, v)
+    q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(sm_scale, dtype))
+    omega = caller_frequencies(inv_freq, dtype)
     o, lse = _corope_blockwise_jit(q, k, v, sm_scale, segment_ids, omega, config)
     if causal:
         return o.astype(q.dtype)
