@@ -20,3 +20,6 @@ $PY -m jaxpe.train.report $R/lm --labels lm
 M=results/cpu_medium
 echo; echo "**Counting at cpu-medium** (answer error %, programs of 3–64 statements in 128-token blocks, 10k training programs, 1000 steps; len_x2: 65–128 statements at 256):"; echo
 $PY -m jaxpe.train.report $M/counting_3var $M/counting_5var --splits test,len_x2 --labels "3 vars,5 vars"
+C=results/cpu_medium_converged
+echo; echo "**Counting at cpu-medium trained until it stops improving** (the same programs and model, 20000 steps at a constant learning rate of 3e-4 after warmup):"; echo
+$PY -m jaxpe.train.report $C/counting_3var $C/counting_5var --splits test,len_x2 --labels "3 vars,5 vars"
