@@ -47,8 +47,9 @@ class AMSPE(nn.Module):
         check_detail_level(detail_level)
         alpha_param = self.param("alpha", partitioned(nn.initializers.zeros, None), (1,), jnp.float32)
         alpha = jax.nn.sigmoid(alpha_param)[0]
-        coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale, dtype=compute_dtype(x))
-        detail = sinusoidal_table(self.max_len, self.d_model, dtype=compute_dtype(x))
+        dtype = compute_dtype(x)
+        coarse = sinusoidal_table(self.max_len, self.d_model, scale=self.coarse_scale, dtype=dtype)
+        detail = sinusoidal_table(self.max_len, self.d_model, dtype=dtype)
         pe = self.amplitude * (alpha * coarse + (1.0 - alpha) * detail_level * detail)  # [max_len, d_model]
         return add_table_rows(x, pe, positions)
 
