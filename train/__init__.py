@@ -5,8 +5,9 @@
     result = train_and_evaluate(config, "runs/ff-cope")
 
 Modules: config (TrainConfig, whose `model` is jaxpe.ModelConfig, and the task and model it names), step (train
-state, loss, train_step), trainer (jit and sharding), loop (the loop and its hooks), experiments (train_and_evaluate,
-restore_run, evaluate_checkpoint, compare_encodings), evaluate (metrics and evaluation), tables (how results are
+state, loss, train_step), trainer (jit and sharding; seeds stacked as one program), feed (several steps' batches a
+dispatch, a fixed training set kept on the device), loop (the loop and its hooks), experiments (train_and_evaluate,
+train_seeds, restore_run, evaluate_checkpoint, compare_encodings), evaluate (metrics and evaluation), tables (how results are
 shown: intervals, Markdown), report (the tables' command line), workdir (one run per workdir), checkpoint,
 distributed, tasks, plots, cli.
 """
@@ -19,13 +20,15 @@ from jaxpe.train.evaluate import METRICS, compute_metrics, metrics_from_sums
 from jaxpe.train.tasks import TASK_NAMES, make_task
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.loop import NonFiniteLossError
-from jaxpe.train.experiments import Run, compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
+from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached
+from jaxpe.train.experiments import (Run, compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate,
+                                     train_seeds)
 
 __all__ = [
     "METRICS", "Checkpoints", "ModelConfig", "NonFiniteLossError", "OptimConfig", "Run", "RunConfig", "TaskConfig",
     "TASK_NAMES", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "build_config", "build_model",
     "build_task", "compare_encodings", "compute_metrics", "evaluate_checkpoint", "format_config", "initialize",
     "load_config", "load_preset", "make_mesh", "make_optimizer", "make_task", "make_train_step", "metrics_from_sums",
-    "preset_names", "restore_run", "split_host_cpu", "train_and_evaluate", "weighted_loss",
+    "preset_names", "restore_run", "split_host_cpu", "TimeLimitReached", "train_and_evaluate", "train_seeds",
+    "weighted_loss",
 ]

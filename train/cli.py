@@ -9,7 +9,8 @@
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
 ...`: exit status 2 for a bad config, data or workdir, 1 for a busy workdir, a NaN loss, a full disk or a permission
-problem; Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
+problem; 3 when --time-limit stopped training (checkpointed: the same command resumes); Ctrl-C exits 130.
+--debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
 pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
 process-wide settings (logging, host CPU devices, glibc's malloc settings of jaxpe.train._malloc).
@@ -28,7 +29,7 @@ import jax
 from jaxpe import PE_NAMES
 from jaxpe.train import _malloc, distributed, experiments
 from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
-from jaxpe.train.loop import NonFiniteLossError, TrainingInterrupted
+from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
 from jaxpe.train.tables import metric_label, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
 from jaxpe.train.workdir import WorkdirBusyError
@@ -49,6 +50,9 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--workdir", help="directory for checkpoints, metrics and results (not with --show-config)")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (every key, with its comment) and exit without training")
+    parser.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+                        help="stop training after this many seconds, at the end of a dispatch, with a checkpoint of "
+                             "that step; exit status 3 (rerun the same command to go on)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. model.num_layers=2 task.nvars=3 model.pe_options.npos=32")
     _multihost_flags(parser)
@@ -79,6 +83,17 @@ def _no_repeats(values: Sequence[object], text: str) -> None:
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
         raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
+
+
+def _seconds(text: str) -> float:
+    """--time-limit: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -140,10 +155,16 @@ def _os_error(error: BaseException) -> OSError | None:
 def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Callable[[], int]) -> int:
     """Runs the command; a failure ends in one line on stderr (the traceback only with --debug):
     a bad config, data or workdir `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or permission
-    problem exit 1; Ctrl-C exit 130."""
+    problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
     prog = parser.prog
     try:
         return body()
+    except TimeLimitReached as stop:
+        if args.debug:
+            raise
+        print(f"{prog}: time limit reached: stopped at step {stop.step} with a checkpoint; rerun the same command "
+              "to resume", file=sys.stderr)
+        return 3
     except TrainingInterrupted as interrupt:
         if args.debug:
             raise
@@ -206,7 +227,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         [config] = _resolve(parser, args, [args.pe])
         _start(args)
-        result = experiments.train_and_evaluate(config, args.workdir)
+        result = experiments.train_and_evaluate(config, args.workdir, time_limit=args.time_limit)
         print(results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
                                label_keys=("task", "pe", "seed")), end="")
         _print_outputs(args.workdir, RUN_OUTPUTS)
@@ -244,12 +265,16 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pe", type=_pe_list, default="cope,rope,learned",
                         help=f"comma-separated encodings from: {', '.join(PE_NAMES)} (default: cope,rope,learned)")
     parser.add_argument("--seeds", type=_int_list, default="0", help="comma-separated model seeds (default: 0)")
+    parser.add_argument("--separate-seeds", action="store_true",
+                        help="train an encoding's seeds one after another (default: as one program, their models "
+                             "stacked and vmapped through one step)")
     args = parser.parse_args(argv)
 
     def body() -> int:
         configs = _resolve(parser, args, args.pe)
         _start(args)
-        comparison = experiments.compare_encodings(configs, args.seeds, args.workdir)
+        comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
+                                                   seeds_together=not args.separate_seeds, time_limit=args.time_limit)
         seeds = ",".join(map(str, args.seeds))
         label = metric_label(comparison["metric"])
         print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")

@@ -176,9 +176,10 @@ def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = ()) -> Mesh:
     return Mesh(np.asarray(devices[:num_devices]), (DATA_AXIS,))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over "data"."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+def batch_sharding(mesh: Mesh, *, axis: int = 0) -> NamedSharding:
+    """The batch dimension (`axis`: 0 for a batch [B, ...], 1 for a stack of batches [K, B, ...]) split over
+    "data"."""
+    return NamedSharding(mesh, PartitionSpec(*[None] * axis, DATA_AXIS))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -214,14 +215,15 @@ def check_batch_size(batch_size: int, mesh: Mesh, what: str = "optim.batch_size"
         raise ValueError(f"{what}={batch_size} must be a multiple of the {mesh.size} devices in the mesh")
 
 
-def put_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Global arrays from a *global* host batch; each process uploads only its own rows."""
-    sharding = batch_sharding(mesh)
+def put_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, *, axis: int = 0) -> dict[str, jax.Array]:
+    """Global arrays from a *global* host batch (its batch dimension at `axis`, see batch_sharding); each process
+    uploads only its own rows."""
+    sharding = batch_sharding(mesh, axis=axis)
     count, index = jax.process_count(), jax.process_index()
     out = {}
     for name, array in batch.items():
-        rows = array.shape[0] // count
-        local = np.asarray(array[index * rows : (index + 1) * rows])
+        rows = array.shape[axis] // count
+        local = np.asarray(np.take(array, np.arange(index * rows, (index + 1) * rows), axis=axis))
         out[name] = jax.make_array_from_process_local_data(sharding, local, array.shape)
     return out
 

@@ -84,7 +84,7 @@ def padded_batches(
     return out
 
 
-def evaluate_split(
+def split_sums(
     eval_step: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]],
     params: Any,
     split: Any,
@@ -93,8 +93,9 @@ def evaluate_split(
     put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
     to_host: Callable[[Any], Any],
     pad: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
-) -> dict[str, float]:
-    """Metrics of one split (a jaxpe.train.tasks Split: inputs, targets, weights [N, L]).
+) -> dict[str, np.ndarray]:
+    """The compute_metrics sums of one split (float64, shaped as eval_step returns them: [] for one model, [S] for
+    S stacked ones).
 
     `pad` (e.g. Trainer.pad) cuts each host batch [B, L] to the length it needs; with it, the sequences are first
     sorted by length (tasks.base.scored_lengths), so that short ones share short batches. The metrics are sums
@@ -108,11 +109,11 @@ def evaluate_split(
     if pad is not None:
         order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
         arrays = {name: array[order] for name, array in arrays.items()}
-    totals: dict[str, float] = {}
+    totals: dict[str, np.ndarray] = {}
     for batch in padded_batches(arrays, batch_size):
         if pad is not None:
             batch = pad(batch)
         sums = to_host(eval_step(params, put_batch(batch)))
         for name, value in sums.items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return metrics_from_sums(totals)
+            totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
+    return totals

@@ -8,12 +8,14 @@ before anything is written.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import pathlib
 import platform
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,31 +38,56 @@ log = logging.getLogger(__name__)
 
 
 def train_and_evaluate(
-    config: TrainConfig, workdir: str | pathlib.Path, *, task: Task | None = None, model: Any = None
+    config: TrainConfig, workdir: str | pathlib.Path, *, task: Task | None = None, model: Any = None,
+    time_limit: float | None = None,
 ) -> dict[str, Any]:
     """Trains (resuming from workdir's checkpoints if any), evaluates every split, writes results.
 
     task: a jaxpe.train.tasks Task (default: built from config.task); model: a flax module with
     jaxpe.TransformerLM's call signature (default: built from config.model, filled in from the task).
+    time_limit: seconds after which training stops at the end of a dispatch, checkpoints that step and raises
+    TimeLimitReached (run it again to resume); None: no limit.
     Writes in workdir: config.json, metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
     result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
     """
-    workdir = pathlib.Path(workdir).absolute()
-    is_main = jax.process_index() == 0
     if task is None:
         task, built = validate_config(config)
         model = built if model is None else model
     elif model is None:
         model = build_model(config.model, task.vocab_size, longest_length(task))
     check_tokens(task, config.optim.batch_size)
-    check_same_run(workdir, config)
-    with locked_workdir(workdir, is_main=is_main):
-        check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
-        if is_main:
-            write_json(workdir / "config.json", to_dict(config))
-        return _train_and_evaluate(config, workdir, task, model, is_main)
+    (result,) = train_seeds([config], [workdir], task=task, model=model, time_limit=time_limit)
+    return result
+
+
+def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib.Path], *, task: Task, model: Any,
+                time_limit: float | None = None) -> list[dict[str, Any]]:
+    """Runs of one configuration that differ only in run.seed, trained as one program (their models stacked and
+    vmapped through one jitted step, jaxpe.train.trainer), each written to its own workdir as train_and_evaluate
+    writes a run: the same files, and results equal to separate runs' up to float rounding. One config trains
+    alone. task and model: as train_and_evaluate's, built for configs[0]."""
+    if len(configs) != len(workdirs) or not configs:
+        raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
+    seeds = [c.run.seed for c in configs]
+    if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=configs[0].run) != configs[0]
+                                            for c in configs):
+        raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
+    workdirs = [pathlib.Path(w).absolute() for w in workdirs]
+    is_main = jax.process_index() == 0
+    deadline = None if time_limit is None else time.time() + time_limit
+    for config, workdir in zip(configs, workdirs):
+        check_same_run(workdir, config)
+    with contextlib.ExitStack() as locks:
+        for config, workdir in zip(configs, workdirs):
+            locks.enter_context(locked_workdir(workdir, is_main=is_main))
+            check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
+            if is_main:
+                write_json(workdir / "config.json", to_dict(config))
+        trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
+                          seeds=None if len(configs) == 1 else tuple(seeds))
+        return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
 
 
 def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
@@ -90,66 +117,108 @@ def check_tokens(task: Task, batch_size: int) -> None:
                              f"the vocabulary [0, {task.vocab_size})")
 
 
-def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, model: Any,
-                        is_main: bool) -> dict[str, Any]:
-    """train_and_evaluate once the workdir is checked, locked and holds config.json."""
-    trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
-    run = config.run
+def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: Sequence[pathlib.Path], task: Task,
+                   is_main: bool, *, deadline: float | None = None) -> list[dict[str, Any]]:
+    """Trains the trainer's members (one run, or its seeds stacked; configs[i] and workdirs[i] are member i's) from
+    their checkpoints, evaluates every split and writes each member's results in its workdir, as separate runs
+    would. Members resume together, from the newest step all of them have a readable checkpoint of (else from
+    scratch)."""
+    run = trainer.config.run
     splits = task.eval_splits()
     best_split = "valid" if "valid" in splits else next(iter(splits))
 
-    checkpoints, state, problems = None, None, []
+    checkpoints, states, problems = [], [], [[] for _ in configs]
     if run.checkpoint_every:
-        checkpoints = Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
-                                  async_save=run.async_checkpoints)
-        state, meta, problems = checkpoints.restore_latest(trainer.abstract_state())
-        if state is not None:
-            _check_checkpoint_config(meta, config, checkpoints.directory, checkpoints.close)
-    resumed_from = None if state is None else int(distributed.to_host(state.step))
+        checkpoints = [Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
+                                   async_save=run.async_checkpoints) for workdir in workdirs]
+        resumed = _restore_members(trainer, configs, checkpoints, problems)
+    else:
+        resumed = None
+    resumed_from = None if resumed is None else int(distributed.to_host(resumed.step).max())
     if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
-        checkpoints.close()
+        for c in checkpoints:
+            c.close()
         raise ValueError(f"run.steps={run.steps} is below the checkpoint at step {resumed_from} in "
-                         f"{str(checkpoints.directory)!r}; set run.steps >= {resumed_from} to resume it")
-    if state is None:
-        state = trainer.init_state()
+                         f"{str(checkpoints[0].directory)!r}; set run.steps >= {resumed_from} to resume it")
+    state = trainer.init_state() if resumed is None else resumed
     start = resumed_from or 0
     if resumed_from is not None:
-        log.info("resumed from step %d (checkpoint in %s)", start, checkpoints.directory)
+        log.info("resumed from step %d (checkpoints in %s)", start, ", ".join(str(c.directory) for c in checkpoints))
 
-    metrics_log = MetricsLog(workdir, resume_step=start, enabled=is_main, tensorboard=run.tensorboard)
+    metrics_logs = [MetricsLog(workdir, resume_step=start, enabled=is_main, tensorboard=run.tensorboard)
+                    for workdir in workdirs]
     progress = progress_bar(run, start, enabled=is_main)
-    evaluation = Evaluation(trainer, splits, run.eval_splits, metrics_log, every=run.eval_every, metric=task.metric,
+    evaluation = Evaluation(trainer, splits, run.eval_splits, metrics_logs, every=run.eval_every, metric=task.metric,
                             best_split=best_split)
-    checkpointing = None if checkpoints is None else Checkpointing(checkpoints, evaluation, every=run.checkpoint_every,
-                                                                   last_saved=resumed_from, config=to_dict(config))
-    train_log = TrainLog(metrics_log, periods=(run.log_every, run.checkpoint_every),
-                         tokens_per_step=config.optim.batch_size * task.seq_len, start=start,
+    checkpointing = None if not checkpoints else Checkpointing(
+        trainer, checkpoints, evaluation, every=run.checkpoint_every, last_saved=resumed_from,
+        configs=[to_dict(c) for c in configs])
+    train_log = TrainLog(trainer, metrics_logs, periods=(run.log_every, run.checkpoint_every),
+                         tokens_per_step=trainer.config.optim.batch_size * task.seq_len, start=start,
                          checkpointing=checkpointing, progress=progress)
     hooks = [train_log, evaluation, *([checkpointing] if checkpointing is not None else [])]
     try:
-        state = train_loop(trainer, task, state, start=start, train_log=train_log, hooks=hooks, progress=progress)
+        state = train_loop(trainer, task, state, start=start, train_log=train_log, hooks=hooks, progress=progress,
+                           deadline=deadline)
         # the last step's evaluation covers every split; a run resumed at its end evaluates its final state
-        final = evaluation.results if evaluation.step == run.steps else trainer.evaluate(state.params, splits)
+        final = (evaluation.results if evaluation.step == run.steps
+                 else trainer.evaluate_members(state.params, splits))
     finally:
-        metrics_log.close()
+        for metrics_log in metrics_logs:
+            metrics_log.close()
         if progress is not None:
             progress.close()
-        if checkpoints is not None:
-            checkpoints.wait()
-            checkpoints.close()
+        for c in checkpoints:
+            c.wait()
+            c.close()
 
-    result = {
-        "task": config.task.name, "pe": config.model.pe, "seed": run.seed, "metric": task.metric,
-        "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": problems,
-        "splits": final, "config": to_dict(config), "encoding": _resolved_encoding(model),
-        "environment": _environment(),
-    }
-    if is_main:
-        write_json(workdir / "result.json", result)
-        (workdir / "result.md").write_text(results_markdown([result], metric=task.metric, splits=list(final),
-                                                            label_keys=("task", "pe", "seed")))
-        plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
-    return result
+    results = []
+    for config, workdir, member_final, member_problems in zip(configs, workdirs, final, problems, strict=True):
+        result = {
+            "task": config.task.name, "pe": config.model.pe, "seed": config.run.seed, "metric": task.metric,
+            "steps": run.steps, "resumed_from": resumed_from, "checkpoint_problems": member_problems,
+            "splits": member_final, "config": to_dict(config), "encoding": _resolved_encoding(trainer.model),
+            "environment": _environment(),
+        }
+        if is_main:
+            write_json(workdir / "result.json", result)
+            (workdir / "result.md").write_text(results_markdown([result], metric=task.metric,
+                                                                splits=list(member_final),
+                                                                label_keys=("task", "pe", "seed")))
+            plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
+        results.append(result)
+    return results
+
+
+def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], checkpoints: Sequence[Checkpoints],
+                     problems: list[list[dict[str, Any]]]) -> TrainState | None:
+    """The members' newest common checkpoint, stacked as the trainer holds its state, or None (start afresh).
+
+    Each member's newest readable checkpoint is read (unreadable ones are quarantined and noted in its `problems`);
+    when they stand at different steps (a save cut between members), every member is read again at the oldest of
+    them, and a member without a checkpoint there sends all back to the start."""
+    abstract = trainer.abstract_state()
+    found = []
+    for member, (config, ckpt) in enumerate(zip(configs, checkpoints, strict=True)):
+        state, meta, member_problems = ckpt.restore_latest(abstract)
+        problems[member] += member_problems
+        if state is not None:
+            _check_checkpoint_config(meta, config, ckpt.directory, lambda: [c.close() for c in checkpoints])
+        found.append(state)
+    if any(state is None for state in found):
+        return None
+    steps = [int(distributed.to_host(state.step)) for state in found]
+    if len(set(steps)) > 1:
+        common = min(steps)
+        log.warning("the members' checkpoints stand at steps %s; resuming all from step %d", steps, common)
+        for member, ckpt in enumerate(checkpoints):
+            if steps[member] != common:
+                state, _, member_problems = ckpt.restore_latest(abstract, max_step=common)
+                problems[member] += member_problems
+                if state is None or int(distributed.to_host(state.step)) != common:
+                    return None
+                found[member] = state
+    return trainer.stack(found)
 
 
 # The vector extensions that decide which code XLA's CPU backend emits (from the host's /proc/cpuinfo flags).
@@ -264,13 +333,18 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None)
 
 
 def compare_encodings(
-    configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: str | pathlib.Path
+    configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: str | pathlib.Path, *,
+    seeds_together: bool = True, time_limit: float | None = None,
 ) -> dict[str, Any]:
     """Trains every (config, seed) in workdir/<pe>/seed<seed> and writes one comparison: compare.json,
-    compare.md and compare.png (mean ± std over seeds). Each run resumes by itself; one that finished with
-    the same config is read back from its result.json, so a rerun or a wider sweep redoes nothing.
+    compare.md and compare.png (mean ± std over seeds). Each run resumes from its own checkpoints; one that
+    finished with the same config is read back from its result.json, so a rerun or a wider sweep redoes nothing.
 
     configs: one per encoding (same task), e.g. build_config(preset=..., pe=pe) for each pe.
+    seeds_together: an encoding's unfinished seeds that stand at the same checkpoint train as one program
+    (train_seeds); False: one after another.
+    time_limit: seconds after which training stops at the end of a dispatch, checkpoints and raises
+    TimeLimitReached (run it again to go on); None: no limit.
     """
     if not configs or not seeds:
         raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
@@ -295,25 +369,38 @@ def compare_encodings(
             if finished is None:
                 check_same_run(run_dir, run_config)
             runs.append((run_config, run_dir, task, model, finished))
+    deadline = None if time_limit is None else time.time() + time_limit
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
-        return _compare(configs, seeds, workdir, runs)
+        return _compare(configs, seeds, workdir, runs, seeds_together=seeds_together, deadline=deadline)
 
 
 def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: pathlib.Path,
-             runs: Sequence[tuple[TrainConfig, pathlib.Path, Task, TransformerLM, dict[str, Any] | None]]
-             ) -> dict[str, Any]:
+             runs: Sequence[tuple[TrainConfig, pathlib.Path, Task, TransformerLM, dict[str, Any] | None]], *,
+             seeds_together: bool, deadline: float | None) -> dict[str, Any]:
     """compare_encodings once every run is checked and the workdir locked."""
-    results = []
+    results: dict[pathlib.Path, dict[str, Any]] = {}
     reused = [run_dir for _, run_dir, _, _, finished in runs if finished is not None]
     if reused:
         log.info("reused %d finished run(s) with the same config: %s", len(reused),
                  ", ".join(str(d.relative_to(workdir)) for d in reused))
+    groups: dict[tuple[str, int | None], list[tuple[TrainConfig, pathlib.Path, Task, TransformerLM]]] = {}
     for run_config, run_dir, task, model, finished in runs:
         if finished is not None:
-            results.append(finished)
-            continue
-        log.info("training %s seed %d in %s", run_config.model.pe, run_config.run.seed, run_dir)
-        results.append(train_and_evaluate(run_config, run_dir, task=task, model=model))
+            results[run_dir] = finished
+        else:
+            key = (run_config.model.pe, latest_checkpoint_step(run_dir) if seeds_together else run_config.run.seed)
+            groups.setdefault(key, []).append((run_config, run_dir, task, model))
+    for group in groups.values():
+        group_configs, run_dirs = [g[0] for g in group], [g[1] for g in group]
+        task, model = group[0][2], group[0][3]
+        log.info("training %s seed(s) %s%s", group_configs[0].model.pe, ", ".join(str(c.run.seed) for c in
+                 group_configs), " as one program" if len(group) > 1 else "")
+        left = None if deadline is None else max(deadline - time.time(), 0.0)
+        check_tokens(task, group_configs[0].optim.batch_size)
+        for run_dir, result in zip(run_dirs, train_seeds(group_configs, run_dirs, task=task, model=model,
+                                                         time_limit=left)):
+            results[run_dir] = result
+    results = [results[run_dir] for _, run_dir, _, _, _ in runs]
     metric = results[0]["metric"]
     splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
     rows = summarize_seeds(results)
@@ -326,6 +413,14 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
         plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
     return {**comparison, "table": table}
+
+
+def latest_checkpoint_step(run_dir: pathlib.Path) -> int | None:
+    """The newest step saved in run_dir/checkpoints (orbax's step directories; unfinished saves are not steps), or
+    None. A cheap look, before anything is read."""
+    directory = run_dir / "checkpoints"
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return max(steps, default=None)
 
 
 def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, Any] | None:

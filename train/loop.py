@@ -23,6 +23,7 @@ from jaxpe.train import distributed
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import RunConfig
 from jaxpe.train.evaluate import metrics_from_sums
+from jaxpe.train.feed import Feed
 from jaxpe.train.step import Metrics, TrainState
 from jaxpe.train.tasks import Split, Task
 from jaxpe.train.tasks.base import scored_lengths
@@ -124,74 +125,85 @@ class Hook:
 
 
 class Evaluation(Hook):
-    """Metrics of the evaluation splits written to the log: `splits` of all_splits (() = all), all at the last step.
+    """Metrics of the evaluation splits written to the members' logs: `splits` of all_splits (() = all), all at the
+    last step.
 
-    `results` and `step` are the latest evaluation's; `best_metric(step)` ranks a checkpoint of that step.
+    `results` (one dict a member, in the trainer's seed order) and `step` are the latest evaluation's;
+    `best_metric(step, member)` ranks that member's checkpoint of that step.
     """
 
     def __init__(self, trainer: Trainer, all_splits: Mapping[str, Split], splits: Sequence[str],
-                 metrics_log: MetricsLog, *, every: int, metric: str, best_split: str):
-        self.trainer, self.metrics_log, self.metric, self.best_split = trainer, metrics_log, metric, best_split
+                 metrics_logs: Sequence[MetricsLog], *, every: int, metric: str, best_split: str):
+        self.trainer, self.metrics_logs, self.metric, self.best_split = trainer, metrics_logs, metric, best_split
         self.all_splits = all_splits
         self.splits = {k: v for k, v in all_splits.items() if not splits or k in splits}
         self.periods, self.last_step = (every,), trainer.config.run.steps
-        self.results: dict[str, dict[str, float]] = {}
+        self.results: list[dict[str, dict[str, float]]] = []
         self.step: int | None = None
 
     def __call__(self, step: int, state: TrainState) -> None:
         splits = self.all_splits if step == self.last_step else self.splits
-        self.results, self.step = self.trainer.evaluate(state.params, splits), step
-        for name, values in self.results.items():
-            self.metrics_log.write({"step": step, "split": name, **values})
+        self.results, self.step = self.trainer.evaluate_members(state.params, splits), step
+        for metrics_log, results in zip(self.metrics_logs, self.results, strict=True):
+            for name, values in results.items():
+                metrics_log.write({"step": step, "split": name, **values})
 
-    def best_metric(self, step: int) -> dict[str, float] | None:
+    def best_metric(self, step: int, member: int = 0) -> dict[str, float] | None:
         """{"<best split>/<metric>": value} when this step was evaluated on the best split, else None."""
-        if self.step != step or self.best_split not in self.results:
+        if self.step != step or self.best_split not in self.results[member]:
             return None
-        return {f"{self.best_split}/{self.metric}": self.results[self.best_split][self.metric]}
+        return {f"{self.best_split}/{self.metric}": self.results[member][self.best_split][self.metric]}
 
 
 class Checkpointing(Hook):
-    """Saves the state every `every` steps, ranked by the evaluation of the same step; `last_saved` is the newest
-    good checkpoint's step (the resumed one at first). `config` (the run's, as a dict) goes into every checkpoint's
-    meta, so that a reader can tell which run wrote it."""
+    """Saves each member's state (one Checkpoints a member, in the trainer's seed order) every `every` steps, ranked
+    by the evaluation of the same step; `last_saved` is the newest good checkpoint's step (the resumed one at first).
+    `configs` (each member's run config, as a dict) go into its checkpoints' meta, so that a reader can tell which
+    run wrote them."""
 
-    def __init__(self, checkpoints: Checkpoints, evaluation: Evaluation, *, every: int, last_saved: int | None,
-                 config: Mapping[str, Any] | None = None):
-        self.checkpoints, self.evaluation, self.periods, self.last_saved = checkpoints, evaluation, (every,), last_saved
-        self.config = config
+    def __init__(self, trainer: Trainer, checkpoints: Sequence[Checkpoints], evaluation: Evaluation, *, every: int,
+                 last_saved: int | None, configs: Sequence[Mapping[str, Any]] | None = None):
+        self.trainer, self.checkpoints, self.evaluation = trainer, checkpoints, evaluation
+        self.periods, self.last_saved, self.configs = (every,), last_saved, configs
 
     def __call__(self, step: int, state: TrainState) -> None:
-        meta = {"step": step, "data_position": step, **({"config": self.config} if self.config is not None else {})}
-        self.checkpoints.save(step, state, meta, self.evaluation.best_metric(step))
+        states = self.trainer.unstack(state)
+        for member, (checkpoints, member_state) in enumerate(zip(self.checkpoints, states, strict=True)):
+            meta = {"step": step, "data_position": step,
+                    **({"config": self.configs[member]} if self.configs is not None else {})}
+            checkpoints.save(step, member_state, meta, self.evaluation.best_metric(step, member))
         self.last_saved = step
 
     def last_good(self) -> str:
-        """Where the newest good checkpoint is, in words."""
-        where = self.checkpoints.directory
+        """Where the newest good checkpoints are, in words."""
+        where = ", ".join(str(c.directory) for c in self.checkpoints)
         return "none" if self.last_saved is None else f"step {self.last_saved} in {where}"
 
 
 class TrainLog(Hook):
-    """The train record (mean loss, accuracy and throughput since the last record) and the NaN/inf check.
+    """The train records (mean loss, accuracy and throughput since the last record; one a member) and the NaN/inf
+    check.
 
-    Due every `log_every` steps and at every checkpoint step (a NaN state is never saved). `add` collects each
-    step's metrics on device; a record syncs them to the host once. Throughput: `tokens_per_s`, the tokens of the
+    Due every `log_every` steps and at every checkpoint step (a NaN state is never saved). `add` collects the steps'
+    metrics on device; a record syncs them to the host once. Throughput: `tokens_per_s`, the tokens of the
     batches as computed (B × padded length), and `real_tokens_per_s`, those up to each sequence's end (its last
-    scored token: padding left out). `tokens_per_step` counts a step that `add` is not told its tokens.
+    scored token: padding left out); each member's record counts its own model's tokens. `tokens_per_step` counts a
+    step that `add` is not told its tokens.
     """
 
-    def __init__(self, metrics_log: MetricsLog, *, periods: tuple[int, ...], tokens_per_step: int = 0, start: int,
-                 checkpointing: Checkpointing | None, progress: Any):
-        self.metrics_log, self.periods, self.tokens_per_step = metrics_log, periods, tokens_per_step
-        self.checkpointing, self.progress = checkpointing, progress
+    def __init__(self, trainer: Trainer, metrics_logs: Sequence[MetricsLog], *, periods: tuple[int, ...],
+                 tokens_per_step: int = 0, start: int, checkpointing: Checkpointing | None, progress: Any):
+        self.trainer, self.metrics_logs, self.periods = trainer, metrics_logs, periods
+        self.tokens_per_step, self.checkpointing, self.progress = tokens_per_step, checkpointing, progress
         self.pending: Metrics | None = None  # device-side sums since the last record
         self.restart_clock(start)
 
-    def add(self, metrics: Metrics, *, tokens: int | None = None, real_tokens: int | None = None) -> None:
-        """One step's metrics, and its tokens: padded (B × L of the batch computed) and real (padding left out)."""
+    def add(self, metrics: Metrics, *, tokens: int | None = None, real_tokens: int | None = None,
+            steps: int = 1) -> None:
+        """The metric sums of `steps` steps, and their tokens: padded (B × L of the batches computed) and real
+        (padding left out)."""
         self.pending = metrics if self.pending is None else jax.tree.map(jnp.add, self.pending, metrics)
-        tokens = self.tokens_per_step if tokens is None else tokens
+        tokens = self.tokens_per_step * steps if tokens is None else tokens
         self.tokens += tokens
         self.real_tokens += tokens if real_tokens is None else real_tokens
 
@@ -200,20 +212,27 @@ class TrainLog(Hook):
         self.clock, self.clock_step, self.tokens, self.real_tokens = time.perf_counter(), step, 0, 0
 
     def __call__(self, step: int, state: TrainState) -> None:
-        sums, self.pending = distributed.to_host(self.pending), None
-        if sums["nonfinite"]:
+        members, self.pending = self.trainer.unstack(distributed.to_host(self.pending)), None
+        bad = [self.trainer.seed(i) for i, sums in enumerate(members) if sums["nonfinite"]]
+        if bad:
             last_good = "none" if self.checkpointing is None else self.checkpointing.last_good()
-            raise NonFiniteLossError(f"loss or gradient became NaN/inf by step {step} (loss sum {float(sums['nll'])}); "
-                                     f"stopped. Last good checkpoint: {last_good}")
-        metrics = metrics_from_sums(sums)
+            losses = ", ".join(f"{float(sums['nll'])}" for sums in members)
+            raise NonFiniteLossError(f"loss or gradient became NaN/inf by step {step} (seed {', '.join(map(str, bad))};"
+                                     f" loss sum {losses}); stopped. Last good checkpoint: {last_good}")
         seconds = max(time.perf_counter() - self.clock, 1e-9)
-        record = {"step": step, "split": "train", "loss": metrics["loss"], "accuracy": 1.0 - metrics["token_error"],
-                  "tokens_per_s": self.tokens / seconds, "real_tokens_per_s": self.real_tokens / seconds}
-        self.metrics_log.write(record)
+        records = []
+        for metrics_log, sums in zip(self.metrics_logs, members, strict=True):
+            metrics = metrics_from_sums(sums)
+            record = {"step": step, "split": "train", "loss": metrics["loss"], "accuracy": 1.0 - metrics["token_error"],
+                      "tokens_per_s": self.tokens / seconds, "real_tokens_per_s": self.real_tokens / seconds}
+            metrics_log.write(record)
+            records.append(record)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['accuracy']:.3f}",
-                                      tok_s=f"{record['tokens_per_s']:.0f}",
-                                      real_tok_s=f"{record['real_tokens_per_s']:.0f}")
+            loss = sum(r["loss"] for r in records) / len(records)
+            accuracy = sum(r["accuracy"] for r in records) / len(records)
+            self.progress.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}",
+                                      tok_s=f"{records[0]['tokens_per_s'] * len(records):.0f}",
+                                      real_tok_s=f"{records[0]['real_tokens_per_s'] * len(records):.0f}")
 
 
 class _SigintAtStepEnd:
@@ -241,41 +260,75 @@ class _SigintAtStepEnd:
             signal.signal(signal.SIGINT, self.previous)
 
 
+def chunk_end(step: int, last_step: int, hooks: Sequence[Hook], steps_per_dispatch: int) -> int:
+    """The last step of the dispatch that follows `step`: `steps_per_dispatch` steps on at most, and no further than
+    the first step after `step` at which a hook is due (the last step included)."""
+    end = min(step + steps_per_dispatch, last_step)
+    return next((s for s in range(step + 1, end) if any(hook.due(s, last_step) for hook in hooks)), end)
+
+
+class TimeLimitReached(Exception):
+    """The run stopped at the end of a dispatch once its time limit had passed, after checkpointing that step;
+    `step` is the last step completed. Running it again resumes there."""
+
+    def __init__(self, step: int):
+        super().__init__(f"time limit reached at step {step}")
+        self.step = step
+
+
 def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, train_log: TrainLog,
-               hooks: Sequence[Hook], progress: Any = None) -> TrainState:
+               hooks: Sequence[Hook], progress: Any = None, deadline: float | None = None) -> TrainState:
     """Steps start + 1 .. run.steps on the task's training batches; after each, the due hooks in order.
 
-    Batch `step - 1` of the task trains step `step` (the data position is the step, whatever the padding), cut by
-    `trainer.pad` to the length it needs.
+    Batch `step - 1` of the task trains step `step` (the data position is the step, whatever the padding).
+    run.steps_per_dispatch steps run as one program (Trainer.train_steps over a Feed's batches), ending early where
+    a hook is due, so hooks see exactly the steps they would one at a time; one step a dispatch calls
+    Trainer.train_step with the host batch cut by `trainer.pad` to the length it needs.
 
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
-    Ctrl-C stops the loop at the end of the step (a second one at once): TrainingInterrupted with the last step
-    completed.
+    Ctrl-C stops the loop at the end of the dispatch (a second one at once): TrainingInterrupted with the last step
+    completed. Past `deadline` (a time.time() value) the loop checkpoints the step it reached (when a Checkpointing
+    hook is among `hooks`) and raises TimeLimitReached.
     """
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
     serial = distributed.one_program_at_a_time(trainer.mesh)  # then the next batch is built while a step runs
+    feed = Feed(trainer, task)
     done, running = start, None
     try:
         with _SigintAtStepEnd() as sigint:
-            for step in range(start + 1, last_step + 1):
-                batch = task.train_batch(step - 1, batch_size)
-                real_tokens = int(scored_lengths(batch["weights"]).sum())
-                batch = trainer.pad(batch, "train")
-                jax.block_until_ready(running)
-                state, metrics = trainer.train_step(state, trainer.put(batch))
+            while done < last_step:
+                end = chunk_end(done, last_step, hooks, trainer.config.run.steps_per_dispatch)
+                if end == done + 1 and not feed.on_device:
+                    batch = task.train_batch(done, batch_size)
+                    real_tokens = int(scored_lengths(batch["weights"]).sum())
+                    batch = trainer.pad(batch, "train")
+                    tokens, batch = batch["inputs"].size, trainer.put(batch)
+                    jax.block_until_ready(running)
+                    state, metrics = trainer.train_step(state, batch)
+                else:
+                    chunk = feed.steps(done, end - done)
+                    tokens, real_tokens = chunk.tokens, chunk.real_tokens
+                    jax.block_until_ready(running)
+                    state, metrics = trainer.train_steps(state, chunk.data, chunk.rows, chunk.length)
                 running = metrics if serial else None
-                train_log.add(metrics, tokens=batch["inputs"].size, real_tokens=real_tokens)
-                due = [hook for hook in hooks if hook.due(step, last_step)]
+                train_log.add(metrics, tokens=tokens, real_tokens=real_tokens, steps=end - done)
+                due = [hook for hook in hooks if hook.due(end, last_step)]
+                out_of_time = deadline is not None and time.time() > deadline and end < last_step
+                if out_of_time:
+                    due += [hook for hook in hooks if isinstance(hook, (TrainLog, Checkpointing)) and hook not in due]
+                    due.sort(key=list(hooks).index)
                 if due:
                     jax.block_until_ready(running)  # hooks run programs too (evaluation)
                     for hook in due:
-                        hook(step, state)
-                    train_log.restart_clock(step)
+                        hook(end, state)
+                    train_log.restart_clock(end)
                 if progress is not None:
-                    progress.update(1)
-                done = step
+                    progress.update(end - done)
+                done = end
                 if sigint.requested:
-                    raise TrainingInterrupted(step)
+                    raise TrainingInterrupted(done)
+                if out_of_time:
+                    raise TimeLimitReached(done)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, TrainingInterrupted):
             raise

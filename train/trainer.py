@@ -1,11 +1,17 @@
 """The Trainer: one model on one mesh, its jitted train and eval steps with their shardings and its initial state.
 The model and task it trains are built from the config by jaxpe.train.config (build_model, build_task).
 
-B batch, L length, V vocabulary.
+Several seeds of one configuration can train as one program: with `seeds`, the state holds S models stacked along a
+leading member axis (parameters, optimizer state, step and dropout key each [S, ...]), initialised as the S separate
+runs would be, and the train and eval steps are `vmap`ped over it with the batch shared (a task's data does not depend
+on run.seed). Steps run several at a time (`train_steps`: a `lax.scan` over K batches in one dispatch).
+
+B batch, L length, V vocabulary, S members (seeds), K steps per dispatch.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,9 +48,12 @@ class Trainer:
     model: Any  # a flax linen module: apply({"params": p}, tokens [B, L], deterministic=, rngs=) -> [B, L, V]
     config: TrainConfig
     seq_len: int  # training length L (for init)
+    seeds: tuple[int, ...] | None = None  # None: one run of config.run.seed; else S runs stacked as members
     mesh: jax.sharding.Mesh = dataclasses.field(init=False)
     state_sharding: Any = dataclasses.field(init=False)
-    train_step: StepFn = dataclasses.field(init=False)
+    train_step: StepFn = dataclasses.field(init=False)  # one step: (state, batch [B, L]) -> (state, metrics)
+    train_steps: StepFn = dataclasses.field(init=False)  # K steps: (state, batches [K, B, L]) -> (state, sums of K)
+    member_state: Any = dataclasses.field(init=False)  # ShapeDtypeStructs (with shardings) of one run's state
     eval_step: Callable[[Any, Batch], Metrics] = dataclasses.field(init=False)
     init_state: Callable[[], TrainState] = dataclasses.field(init=False)
     pad_to: str = dataclasses.field(init=False)  # run.pad_to, or "block" where padding changes the model's scores
@@ -72,36 +81,80 @@ class Trainer:
         def logits_eval(params: Any, inputs: jax.Array) -> jax.Array:
             return model.apply({"params": params}, inputs, deterministic=True)
 
-        def init() -> TrainState:
-            root = jax.random.PRNGKey(config.run.seed)
+        def init_one(seed: jax.Array | int) -> TrainState:
+            root = jax.random.PRNGKey(seed)
             tokens = jnp.zeros((1, self.seq_len), jnp.int32)
             params = nn.meta.unbox(model.init(jax.random.fold_in(root, 0), tokens)["params"])
             return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                               rng=jax.random.fold_in(root, 1))
 
-        self.state_sharding = distributed.state_shardings(jax.eval_shape(init), self.mesh, fsdp=config.run.fsdp)
+        step = make_train_step(weighted_loss(logits_train), tx, config.optim.grad_accum)
+        eval_step = evaluate.make_eval_step(logits_eval)
+        if self.seeds is None:
+            init = functools.partial(init_one, config.run.seed)
+        else:
+            if not self.seeds:
+                raise ValueError(f"seeds={self.seeds!r} must name at least one seed (or be None)")
+            seeds = jnp.asarray(self.seeds, jnp.int32)  # [S]
+            init = functools.partial(jax.vmap(init_one), seeds)
+            step, eval_step = jax.vmap(step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
+
+        def steps(state: TrainState, data: Batch, rows: jax.Array, length: int) -> tuple[TrainState, Metrics]:
+            """K steps in one program, step k on rows[k] [B] of data {name: [N, L]} cut to `length`; the metrics
+            summed over the K steps (jaxpe.train.feed)."""
+            batches = {name: array[:, :length][rows] for name, array in data.items()}  # [K, B, length]
+            state, metrics = jax.lax.scan(step, state, batches)
+            return state, jax.tree.map(lambda m: m.sum(axis=0), metrics)
+
+        one_state = jax.eval_shape(functools.partial(init_one, 0))
+        one_sharding = distributed.state_shardings(one_state, self.mesh, fsdp=config.run.fsdp)
+        self.member_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                         one_state, one_sharding)
+        self.state_sharding = self._member_shardings(one_sharding)
         replicated = distributed.replicated(self.mesh)
         batch_sharding = distributed.batch_sharding(self.mesh)
         self.init_state = jax.jit(init, out_shardings=self.state_sharding)
-        self.train_step = jax.jit(
-            make_train_step(weighted_loss(logits_train), tx, config.optim.grad_accum),
-            in_shardings=(self.state_sharding, batch_sharding),
-            out_shardings=(self.state_sharding, replicated),
-            donate_argnums=0,
-        )
-        self.eval_step = jax.jit(
-            evaluate.make_eval_step(logits_eval),
-            in_shardings=(self.state_sharding.params, batch_sharding),
-            out_shardings=replicated,
-        )
+        self.train_step = jax.jit(step, in_shardings=(self.state_sharding, batch_sharding),
+                                  out_shardings=(self.state_sharding, replicated), donate_argnums=0)
+        self.train_steps = jax.jit(
+            steps, in_shardings=(self.state_sharding, replicated, distributed.batch_sharding(self.mesh, axis=1)),
+            out_shardings=(self.state_sharding, replicated), donate_argnums=0, static_argnums=3)
+        self.eval_step = jax.jit(eval_step, in_shardings=(self.state_sharding.params, batch_sharding),
+                                 out_shardings=replicated)
+
+    def seed(self, member: int) -> int:
+        """The run seed of `member` (config.run.seed without seeds)."""
+        return self.config.run.seed if self.seeds is None else self.seeds[member]
+
+    @property
+    def members(self) -> int:
+        """S, the runs this Trainer trains together (1 without seeds)."""
+        return 1 if self.seeds is None else len(self.seeds)
+
+    def _member_shardings(self, shardings: Any) -> Any:
+        """One run's state shardings, with the member axis (unsharded) in front when seeds are stacked."""
+        if self.seeds is None:
+            return shardings
+        return jax.tree.map(lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec)),
+                            shardings)
+
+    def unstack(self, tree: Any) -> list[Any]:
+        """Each member's part of a stacked tree (state, metric sums), in seed order; [tree] without seeds."""
+        if self.seeds is None:
+            return [tree]
+        return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(self.members)]
+
+    def stack(self, trees: list[Any]) -> Any:
+        """The inverse of `unstack`: members' trees (e.g. restored states) as one stacked tree, sharded as the
+        state is when `trees` are states."""
+        if self.seeds is None:
+            (tree,) = trees
+            return tree
+        return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *trees), self.state_sharding)
 
     def abstract_state(self) -> Any:
-        """ShapeDtypeStructs (with shardings) of the state, for restoring."""
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            jax.eval_shape(self.init_state),
-            self.state_sharding,
-        )
+        """ShapeDtypeStructs (with shardings) of one run's state (one member's), for restoring its checkpoint."""
+        return self.member_state
 
     def put(self, batch: Batch) -> dict[str, jax.Array]:
         return distributed.put_batch(batch, self.mesh)
@@ -112,19 +165,33 @@ class Trainer:
         full = batch["inputs"].shape[1]
         longest = int(scored_lengths(batch["weights"]).max(initial=0))
         length = bucket_length(longest, full, pad_to=self.pad_to, multiple=self.config.run.pad_multiple)
+        self.note_length(kind, length, full)
+        return trim_batch(batch, length) if length < full else dict(batch)
+
+    def note_length(self, kind: str, length: int, full: int) -> None:
+        """Records a batch length of `kind` ("train", "eval"); a new one is logged: the step compiles once more."""
         if length not in self.batch_lengths[kind]:
             self.batch_lengths[kind].add(length)
             log.info("%s step: batches of length %d (of %d), %d length(s) compiled so far", kind, length, full,
                      len(self.batch_lengths[kind]))
-        return trim_batch(batch, length) if length < full else dict(batch)
 
     def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-        """Metrics per split (see jaxpe.train.evaluate); batches cut by `pad` unless run.pad_to is "block"."""
+        """Metrics per split (see jaxpe.train.evaluate) of one run's params (a Trainer without seeds)."""
+        if self.seeds is not None:
+            raise ValueError(f"this Trainer holds {self.members} stacked runs (seeds={self.seeds}); "
+                             "use evaluate_members")
+        return self.evaluate_members(params, splits)[0]
+
+    def evaluate_members(self, params: Any, splits: Mapping[str, Any]) -> list[dict[str, dict[str, float]]]:
+        """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
+        seeds); batches cut by `pad` unless run.pad_to is "block"."""
         pad = None if self.pad_to == "block" else lambda batch: self.pad(batch, "eval")
-        return {
-            name: evaluate.evaluate_split(
+        sums = {
+            name: evaluate.split_sums(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
                 put_batch=self.put, to_host=distributed.to_host, pad=pad,
             )
             for name, split in splits.items()
         }
+        return [{name: evaluate.metrics_from_sums(member) for name, member in
+                 ((name, self.unstack(split)[i]) for name, split in sums.items())} for i in range(self.members)]

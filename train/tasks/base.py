@@ -74,6 +74,21 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class FixedTrainSet(Protocol):
+    """A task whose training batches are rows of one fixed set (counting's programs): the trainer can keep the set on
+    the device and gather each batch there (jaxpe.train.feed). train_batch(step, B) must equal the rows
+    train_rows(step, B) of train_set()."""
+
+    def train_set(self) -> Batch:
+        """The whole training set, each array [N, L]."""
+        ...
+
+    def train_rows(self, step: int, batch_size: int) -> np.ndarray:
+        """int [B]: the rows of train_set() that form batch `step`."""
+        ...
+
+
 def make_batch(inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> Batch:
     """A Batch with the contract's dtypes (int32, int32, float32)."""
     return {"inputs": np.asarray(inputs, np.int32), "targets": np.asarray(targets, np.int32),

@@ -204,9 +204,17 @@ class CountingTask:
     def _train_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.encode(self.samples["train"], self.seq_len)
 
+    def train_set(self) -> Batch:
+        """The encoded training programs, each array [N, L] (tasks.base.FixedTrainSet)."""
+        return make_batch(*self._train_arrays)
+
+    def train_rows(self, step: int, batch_size: int) -> np.ndarray:
+        """int [B]: the rows of train_set() in batch `step`, items of the epoch stream over the training set."""
+        return epoch_indices(len(self.samples["train"]), seed=self.config.seed, step=step, batch_size=batch_size)
+
     def train_batch(self, step: int, batch_size: int) -> Batch:
         """Batch `step` of the epoch stream over the fixed training set; each array [B, L]."""
-        idx = epoch_indices(len(self.samples["train"]), seed=self.config.seed, step=step, batch_size=batch_size)
+        idx = self.train_rows(step, batch_size)
         inputs, targets, weights = self._train_arrays
         return make_batch(inputs[idx], targets[idx], weights[idx])
 
