@@ -132,11 +132,39 @@ def _launch_compiled(kernel: Any, args: Sequence[jax.Array | int | float], *,
     jt = _jax_triton()
     new_api = "out_type" in jt.triton_call.__code__.co_varnames
     shapes = {"out_type" if new_api else "out_shape": list(out_shapes)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="zeroed_outputs is deprecated", category=DeprecationWarning)
-        return list(jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps, num_stages=num_stages,
-                                   zeroed_outputs=tuple(zeroed), compute_capability=_compute_capability(),
-                                   name=name or kernel.__name__, **shapes, **constexprs))
+    is_array = [isinstance(a, jax.Array) or hasattr(a, "shape") for a in args]
+
+    def call(*arrays: jax.Array) -> list[jax.Array]:
+        given = iter(arrays)
+        kernel_args = [next(given) if flag else a for a, flag in zip(args, is_array)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="zeroed_outputs is deprecated", category=DeprecationWarning)
+            return list(jt.triton_call(*kernel_args, kernel=kernel, grid=grid, num_warps=num_warps,
+                                       num_stages=num_stages, zeroed_outputs=tuple(zeroed),
+                                       compute_capability=_compute_capability(), name=name or kernel.__name__,
+                                       **shapes, **constexprs))
+
+    return list(_one_member_at_a_time(call)(*[a for a, flag in zip(args, is_array) if flag]))
+
+
+def _one_member_at_a_time(call: Any) -> Any:
+    """`call` (arrays -> list of arrays) under `vmap` as a loop over the members (`lax.map`): jax-triton's primitive
+    refuses vmap, and a kernel launched once a member at the sizes people vmap (seeds of a model, an ensemble) still
+    fills the GPU. The interpreted path does the same through pure_callback's vmap_method="sequential"."""
+    mapped = jax.custom_batching.custom_vmap(call)
+
+    @mapped.def_vmap
+    def rule(axis_size: int, in_batched: Sequence[bool], *arrays: jax.Array) -> tuple[list[jax.Array], list[bool]]:
+        del axis_size
+
+        def member(batched: Sequence[jax.Array]) -> list[jax.Array]:
+            given = iter(batched)
+            return mapped(*[next(given) if flag else a for a, flag in zip(arrays, in_batched)])
+
+        outs = jax.lax.map(member, [a for a, flag in zip(arrays, in_batched) if flag])
+        return list(outs), [True] * len(outs)
+
+    return mapped
 
 
 # --- interpreted: Triton's interpreter on NumPy arrays ---------------------------------------------------------------

@@ -137,3 +137,21 @@ def test_model_lowers_and_exports_for_cuda(pe, impl):
                 assert quadratic_arrays(module), f"{program}: the RoPE baseline's dense attention was not found"
         restored = jax.export.deserialize(exported.serialize())
         assert restored.mlir_module() == exported.mlir_module()
+
+
+@pytest.mark.parametrize("pe", CONTEXTUAL)
+def test_stacked_models_lower_for_cuda_with_the_native_kernels(pe):
+    """Seeds trained as one program (jaxpe.train's stacked members) vmap the training step over the models: jax-triton
+    refuses vmap, so the native kernels run once a member (a loop in the program); the step lowers for CUDA with the
+    same kernel calls in its loop body as one model's step."""
+    if (reason := triton_skip_reason()) is not None:
+        pytest.skip(reason)
+    jitted, params = programs(pe, "triton")
+    members = jax.tree.map(lambda s: jax.ShapeDtypeStruct((3, *s.shape), s.dtype), params)
+    step = jax.jit(jax.vmap(jitted["train_step"], in_axes=(0, None)))
+    with jax.sharding.use_abstract_mesh(on_abstract_h100()):
+        module = step.trace(members, jax.ShapeDtypeStruct((2, L + 1), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert sum(kernel_calls(module, target) for target in JAX_TRITON_CALLS) == expected_calls(
+        pe, "triton", "train_step")["jax-triton"]
+    assert "stablehlo.while" in module and not quadratic_arrays(module)

@@ -111,7 +111,7 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
 ])
 def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, message, tmp_path, capsys, monkeypatch):
     workdir = tmp_path / "run"
-    for trains in ("_train_and_evaluate", "_compare"):  # a call would fail with a TypeError
+    for trains in ("train_seeds", "_compare"):  # a call would fail with a TypeError
         monkeypatch.setattr(cli.experiments, trains, None)
     flags, overrides = (argv[:2], argv[2:]) if argv[0].startswith("--") else ([], argv)
     status = exit_status(main, [*flags, "--task", "flipflop", "--workdir", str(workdir), *TINY, *overrides])

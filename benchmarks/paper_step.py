@@ -1,0 +1,119 @@
+"""The paper preset's training step, as the sweep runs it: milliseconds per model-step and what compiling costs.
+
+For each encoding: the counting task at the `paper` preset (4 layers, width 256, batch 64, block 512), the seeds
+stacked as one program (jaxpe.train.Trainer with seeds) and K steps a dispatch over the training set kept on the
+device (jaxpe.train.feed), beside one model alone at K = 1 (the loop as it ran before: a host batch a step). Each
+variant: its compile seconds (the first dispatch less a timed one), then the median of --repeats timed dispatches.
+Reports ms per dispatch-step and per model-step (a step of S stacked models counts S model-steps), the ratio to the
+single model, and with --profile DIR a jax.profiler trace of one dispatch of each variant (TensorBoard's profile
+plugin or Perfetto reads it).
+
+    python benchmarks/paper_step.py --out results/bench/paper_step_h200.json             # on a GPU, ~3 min
+    python benchmarks/paper_step.py --quick --out FILE                                      # CPU, tiny sizes
+
+Writes --out: device, versions, date, the config and every variant's figures.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpe.train import Trainer, build_config, build_task
+from jaxpe.train.config import build_model, longest_length
+from jaxpe.train.feed import Feed
+
+QUICK = ["task.seq_len=32", "task.max_steps=8", "task.n_train=256", "model.d_model=32", "model.num_layers=1",
+         "model.num_heads=2", "optim.batch_size=8", "run.num_devices=1"]
+
+
+def timed(fn: Any, repeats: int) -> tuple[float, list[float]]:
+    """(seconds of the first call, seconds of each of `repeats` further calls); fn() returns what to wait for."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - start
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        seconds.append(time.perf_counter() - start)
+    return first, seconds
+
+
+def variant(pe: str, dtype: str, seeds: tuple[int, ...] | None, per_dispatch: int, overrides: list[str],
+            repeats: int, profile: pathlib.Path | None) -> dict[str, Any]:
+    """One encoding's step as one program of `seeds` (None: one model) at `per_dispatch` steps a dispatch."""
+    config = build_config(preset="paper", task="counting", pe=pe,
+                          overrides=[f"model.dtype={dtype}", f"run.steps_per_dispatch={per_dispatch}", *overrides])
+    task = build_task(config)
+    trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
+                      seq_len=task.seq_len, seeds=seeds)
+    feed = Feed(trainer, task)
+    state = [trainer.init_state()]
+    position = [0]
+
+    def dispatch() -> Any:
+        if per_dispatch == 1 and not feed.on_device:
+            batch = trainer.put(trainer.pad(task.train_batch(position[0], config.optim.batch_size)))
+            state[0], metrics = trainer.train_step(state[0], batch)
+        else:
+            chunk = feed.steps(position[0], per_dispatch)
+            state[0], metrics = trainer.train_steps(state[0], chunk.data, chunk.rows, chunk.length)
+        position[0] += per_dispatch
+        return metrics
+
+    first, seconds = timed(dispatch, repeats)
+    if profile is not None:
+        with jax.profiler.trace(str(profile / f"{pe}_{dtype}_{'x'.join(map(str, seeds or (0,)))}_{per_dispatch}")):
+            jax.block_until_ready(dispatch())
+    median = statistics.median(seconds)
+    members = trainer.members
+    return {"pe": pe, "dtype": dtype, "members": members, "steps_per_dispatch": per_dispatch,
+            "compile_s": round(first - median, 2), "dispatch_s": [round(s, 4) for s in seconds],
+            "ms_per_step": round(1000 * median / per_dispatch, 3),
+            "ms_per_model_step": round(1000 * median / per_dispatch / members, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pe", default="cope,relative,learned,corope")
+    parser.add_argument("--dtype", default="float32,bfloat16")
+    parser.add_argument("--seeds", type=int, default=3, help="models stacked in the program (default 3)")
+    parser.add_argument("--steps-per-dispatch", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU")
+    parser.add_argument("--profile", type=pathlib.Path, help="write a jax.profiler trace of each variant here")
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    overrides = QUICK if args.quick else []
+    per_dispatch = 4 if args.quick else args.steps_per_dispatch
+    rows = []
+    for pe in args.pe.split(","):
+        for dtype in args.dtype.split(","):
+            alone = variant(pe, dtype, None, 1, overrides, args.repeats * 10, args.profile)
+            stacked = variant(pe, dtype, tuple(range(args.seeds)), per_dispatch, overrides, args.repeats,
+                              args.profile)
+            stacked["model_step_vs_alone"] = round(stacked["ms_per_model_step"] / alone["ms_per_model_step"], 3)
+            rows += [alone, stacked]
+            print(f"{pe} {dtype}: alone {alone['ms_per_model_step']:.2f} ms, {args.seeds} stacked "
+                  f"{stacked['ms_per_model_step']:.2f} ms per model-step (compile {stacked['compile_s']:.0f} s)",
+                  flush=True)
+    device = jax.devices()[0]
+    result = {"benchmark": "benchmarks/paper_step.py", "quick": args.quick, "overrides": overrides, "rows": rows,
+              "environment": {"device": f"{device.platform}:{device.device_kind}", "jax": jax.__version__,
+                              "python": platform.python_version(), "numpy": np.__version__,
+                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The CoPE paper's Table 3 (counting; Golovneva et al., arXiv 2405.18719) at its scale, in resumable slices.
+
+A cell is one (variables, encoding): its seeds train as one program (jaxpe.train.experiments.compare_encodings,
+seeds stacked, run.steps_per_dispatch steps a dispatch, the training set on the device), in
+DEST/counting_<n>var/<pe>/seed<s>/ as jaxpe-compare lays runs out. The sweep first prints its plan (each cell: done,
+cut at a step, or to do; the estimated minutes; how many calls of --time-limit the rest takes), then runs cells in
+order (3 variables first) while the time left allows: a cell is started only when its estimate fits (the first of a
+call always starts), and one that overruns stops at the end of a dispatch with a checkpoint (exit status 3). Called again on the same DEST it goes on
+where it stopped: finished runs (their result.json) are never redone, a cut cell resumes from its checkpoints.
+
+DEST keeps what matters and little else: each run's config.json, metrics.jsonl, result.json/md; each variable
+count's compare.json/md; sweep.json (the plan, every finished cell's measured seconds, compile seconds and
+seconds per step, the device, versions and date). A finished run's checkpoints are deleted (--keep-checkpoints keeps
+them); a cut cell's stay, and are what resuming needs.
+
+    benchmarks/paper_sweep_gpu.sh DEST                    # on one GPU: as much of the table as 9 minutes allow
+    benchmarks/paper_sweep_gpu.sh --dry-run DEST          # on CPU at a tiny scale: the same steps, in CI
+    python benchmarks/paper_sweep.py DEST --plan-only      # print the plan and exit
+
+Exit status: 0 when the whole table is done, 3 when time ran out first (run again), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.monitoring
+
+from jaxpe.train import TimeLimitReached, build_config, compare_encodings
+from jaxpe.train.config import TrainConfig
+from jaxpe.train.experiments import latest_checkpoint_step
+from jaxpe.train.workdir import write_json
+
+NVARS = (3, 1, 5)  # the paper's columns, the 3-variable one first (its headline)
+PES = ("cope", "relative", "learned")  # the paper's rows: CoPE, relative, absolute
+SEEDS = (0, 1, 2)
+PAPER = ["run.steps_per_dispatch=100", "run.eval_every=1600", "run.checkpoint_every=1600", "run.keep=1",
+         "run.eval_splits=valid", "run.tensorboard=false", "run.progress=false"]
+# A few runs of a few steps on CPU: every step of the sweep, in seconds.
+DRY_RUN = ["task.seq_len=24", "task.max_steps=5", "task.n_train=64", "task.n_valid=16", "task.n_test=16",
+           "model.d_model=16", "model.num_layers=1", "model.num_heads=2", "optim.batch_size=8",
+           "optim.warmup_steps=2", "run.steps=6", "run.log_every=2", "run.eval_every=0", "run.checkpoint_every=2",
+           "run.steps_per_dispatch=2", "run.eval_batch_size=16", "run.keep=1", "run.tensorboard=false",
+           "run.progress=false", "run.num_devices=1"]
+# Seconds per step of 3 stacked seeds at the paper preset, before this DEST measured any: an H200 at jax 0.11.2,
+# from one run at a time (jaxpe-train, 19 ms a step for CoPE, ~17 for the others) with the three seeds' steps
+# costing 1.5x one step when stacked (the GPU was mostly idle). Measured cells replace them (sweep.json).
+GUESS_S_PER_STEP = {"cope": 0.030, "relative": 0.026, "learned": 0.026}
+SETUP_S = 90.0  # data generation, compilation and evaluations of one cell, before it is measured
+CALL_S = 540.0  # one call of the device's 10-minute limit, less the machine's own start
+
+
+@dataclasses.dataclass
+class Cell:
+    nvars: int
+    pe: str
+    config: TrainConfig
+    dest: pathlib.Path  # DEST/counting_<n>var
+
+    @property
+    def name(self) -> str:
+        return f"{self.nvars}var/{self.pe}"
+
+    def run_dirs(self, seeds: tuple[int, ...]) -> list[pathlib.Path]:
+        return [self.dest / self.pe / f"seed{s}" for s in seeds]
+
+    def state(self, seeds: tuple[int, ...]) -> tuple[str, int]:
+        """("done" | "cut" | "todo", the step its seeds reached)."""
+        dirs = self.run_dirs(seeds)
+        if all((d / "result.json").is_file() for d in dirs):
+            return "done", self.config.run.steps
+        steps = [latest_checkpoint_step(d) or 0 for d in dirs]
+        return ("cut", min(steps)) if any(steps) else ("todo", 0)
+
+
+def cells(dest: pathlib.Path, nvars: tuple[int, ...], pes: tuple[str, ...], overrides: list[str]) -> list[Cell]:
+    return [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
+                                     overrides=[f"task.nvars={n}", *overrides]), dest / f"counting_{n}var")
+            for n in nvars for pe in pes]
+
+
+def estimate_s(cell: Cell, from_step: int, measured: dict[str, Any], dry_run: bool) -> float:
+    """Seconds to finish `cell` from `from_step`: the DEST's own measurement of this encoding if any, else the
+    guess above (the dry run: none, so that every cell starts and a short --time-limit cuts it)."""
+    if dry_run:
+        return 0.0
+    seen = measured.get(cell.pe)
+    per_step = seen["s_per_step"] if seen else GUESS_S_PER_STEP.get(cell.pe, 0.05)
+    setup = seen["setup_s"] if seen else SETUP_S
+    return setup + per_step * (cell.config.run.steps - from_step)
+
+
+def compile_seconds() -> list[float]:
+    """A running total of XLA compile seconds in this process (jax.monitoring's backend-compile events)."""
+    total = [0.0]
+
+    def listen(event: str, seconds: float, **_: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            total[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dest", type=pathlib.Path, help="the sweep's directory (made if absent; reused to resume)")
+    parser.add_argument("--dry-run", action="store_true", help="a tiny scale on CPU: a few runs of a few steps")
+    parser.add_argument("--time-limit", type=float, default=CALL_S, help=f"seconds for this call (default {CALL_S:.0f})")
+    parser.add_argument("--nvars", default=",".join(map(str, NVARS)), help="variable counts, in order (default 3,1,5)")
+    parser.add_argument("--pe", default=",".join(PES), help="encodings (default cope,relative,learned)")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
+    parser.add_argument("--plan-only", action="store_true", help="print the plan and exit")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top")
+    args = parser.parse_args(argv)
+    start = time.time()
+    try:
+        nvars = tuple(int(n) for n in args.nvars.split(","))
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+    except ValueError as error:
+        parser.error(f"--nvars and --seeds take comma-separated integers ({error})")
+    if args.time_limit <= 0:
+        parser.error(f"--time-limit={args.time_limit} must be > 0 seconds")
+    overrides = [*(DRY_RUN if args.dry_run else PAPER), *args.overrides]
+    try:
+        todo = cells(args.dest, nvars, tuple(args.pe.split(",")), overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    record_path = args.dest / "sweep.json"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {"cells": {}, "measured": {}}
+
+    plan, left = [], 0.0
+    for cell in todo:
+        state, step = cell.state(seeds)
+        minutes = 0.0 if state == "done" else estimate_s(cell, step, record["measured"], args.dry_run) / 60
+        left += minutes
+        plan.append({"cell": cell.name, "state": state, "step": step, "estimated_min": round(minutes, 1)})
+    calls = math.ceil(left * 60 / CALL_S) if left else 0
+    print(f"paper sweep in {args.dest} ({'dry run, CPU' if args.dry_run else jax.devices()[0].device_kind}): "
+          f"{len(todo)} cells x {len(seeds)} seeds")
+    for row in plan:
+        print(f"  {row['cell']:<16} {row['state']:<4} step {row['step']:>6}  ~{row['estimated_min']:.1f} min")
+    print(f"  left: ~{left:.0f} min, {calls} call(s) of {CALL_S / 60:.0f} min; this call: {args.time_limit:.0f} s",
+          flush=True)
+    record["plan"] = plan
+    if args.plan_only:
+        return 0
+
+    compiled = compile_seconds()
+    args.dest.mkdir(parents=True, exist_ok=True)
+    ran = False  # the first cell of a call always starts: a cell longer than a call is cut, and resumed next call
+    for cell in todo:
+        state, step = cell.state(seeds)
+        if state == "done":
+            continue
+        remaining = args.time_limit - (time.time() - start)
+        estimate = estimate_s(cell, step, record["measured"], args.dry_run)
+        if estimate > remaining and state == "todo" and ran and not args.dry_run:
+            print(f"{cell.name}: ~{estimate / 60:.1f} min does not fit the {remaining / 60:.1f} min left; stopping")
+            _write(record_path, record)
+            return 3
+        began, compile_before, ran = time.time(), compiled[0], True
+        try:
+            compare_encodings([cell.config], seeds, cell.dest, time_limit=max(remaining, 1.0))
+        except TimeLimitReached as stop:
+            print(f"{cell.name}: time limit reached at step {stop.step} (checkpointed); run again to resume")
+            _write(record_path, record)
+            return 3
+        took, compile_s = time.time() - began, compiled[0] - compile_before
+        steps_run = cell.config.run.steps - step
+        rates = [r["tokens_per_s"] for d in cell.run_dirs(seeds)
+                 for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                 if r["split"] == "train" and r["step"] > step]
+        tokens_per_step = cell.config.optim.batch_size * cell.config.task.options.get("seq_len", 512)
+        s_per_step = tokens_per_step / (sum(rates) / len(rates)) if rates else took / max(steps_run, 1)
+        record["cells"][cell.name] = {"seconds": round(took, 1), "compile_s": round(compile_s, 1),
+                                      "steps": steps_run, "s_per_step_3_seeds": round(s_per_step, 5),
+                                      "ms_per_model_step": round(1000 * s_per_step / len(seeds), 3)}
+        record["measured"][cell.pe] = {"s_per_step": s_per_step, "setup_s": max(took - s_per_step * steps_run, 0.0)}
+        print(f"{cell.name}: {took:.0f} s ({compile_s:.0f} s compiling), "
+              f"{1000 * s_per_step / len(seeds):.2f} ms per model-step", flush=True)
+        if not args.keep_checkpoints:
+            for run_dir in cell.run_dirs(seeds):
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        _write(record_path, record)
+    for n in nvars:  # a variable count whose cells are all done: its compare.json over every encoding
+        done = [cell for cell in todo if cell.nvars == n]
+        if all(cell.state(seeds)[0] == "done" for cell in done):
+            compare_encodings([cell.config for cell in done], seeds, done[0].dest)
+    return 0
+
+
+def _write(path: pathlib.Path, record: dict[str, Any]) -> None:
+    """sweep.json with where and when it ran."""
+    device = jax.devices()[0]
+    record["environment"] = {"device": f"{device.platform}:{device.device_kind}", "jax": jax.__version__,
+                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

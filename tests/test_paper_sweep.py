@@ -1,0 +1,47 @@
+"""benchmarks/paper_sweep_gpu.sh --dry-run: the GPU sweep's every step on CPU at a tiny scale. It prints its plan,
+stops at its time limit with the cut cell checkpointed (exit status 3), goes on from there when called again, ends
+with each run's result.json, the variable count's compare.json and sweep.json (measured seconds, compile seconds,
+the device), and redoes no finished run."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def sweep(dest: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
+    """The dry run in a subprocess (the suite's XLA flags with it)."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([str(ROOT / "benchmarks" / "paper_sweep_gpu.sh"), "--dry-run", str(dest), "--nvars", "1",
+                           "--pe", "none", "--seeds", "0,1", *flags], env=env, capture_output=True, text=True)
+
+
+def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
+    dest = tmp_path / "sweep"
+    cut = sweep(dest, "--time-limit", "0.01")
+    assert cut.returncode == 3, cut.stderr
+    assert "1var/none        todo step      0" in cut.stdout
+    assert "time limit reached at step 2 (checkpointed)" in cut.stdout
+    runs = [dest / "counting_1var" / "none" / f"seed{s}" for s in (0, 1)]
+    assert all((run / "checkpoints" / "2").is_dir() and not (run / "result.json").exists() for run in runs)
+
+    again = sweep(dest)
+    assert again.returncode == 0, again.stderr
+    assert "1var/none        cut  step      2" in again.stdout
+    results = [json.loads((run / "result.json").read_text()) for run in runs]
+    assert [r["resumed_from"] for r in results] == [2, 2] and [r["seed"] for r in results] == [0, 1]
+    assert not any((run / "checkpoints").exists() for run in runs)  # finished: only the results are kept
+    compare = json.loads((dest / "counting_1var" / "compare.json").read_text())
+    assert [row["pe"] for row in compare["rows"]] == ["none"]
+    record = json.loads((dest / "sweep.json").read_text())
+    assert record["cells"]["1var/none"]["steps"] == 4 and record["cells"]["1var/none"]["compile_s"] > 0
+    assert record["environment"]["device"].startswith("cpu")
+
+    written = [(run / "result.json").stat().st_mtime_ns for run in runs]
+    done = sweep(dest, "--plan-only")
+    assert done.returncode == 0 and "1var/none        done" in done.stdout and "left: ~0 min, 0 call(s)" in done.stdout
+    assert [(run / "result.json").stat().st_mtime_ns for run in runs] == written

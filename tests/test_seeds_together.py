@@ -1,0 +1,163 @@
+"""Seeds trained as one program, several steps a dispatch, and the time limit (jaxpe.train.trainer, feed, loop).
+
+The reference is always the plain path as it was: one run at a time, one step a dispatch, batches from the host.
+Stacked seeds run the same maths vmapped, so their results agree with separate runs up to float32 rounding of the
+batched matmuls (a stated tolerance, 1e-5 relative); several steps a dispatch and the on-device training set give
+the same batches and the same steps (exactly equal on CPU, asserted with that tolerance too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from tiny_config import TINY
+from jaxpe.train import experiments
+from jaxpe.train.cli import compare_main
+from jaxpe.train.config import TrainConfig, build_config, build_task
+from jaxpe.train.loop import Hook, TimeLimitReached, chunk_end
+from jaxpe.train.tasks.base import FixedTrainSet
+
+RTOL = 1e-5  # stacked (vmapped) models against separate runs: float32 rounding of batched matmuls
+COUNTING = ["task.seq_len=24", "task.n_train=96", "task.max_steps=5", "task.n_valid=16", "task.n_test=16",
+            "run.eval_batch_size=16"]
+
+
+def counting(*overrides: str, pe: str = "cope") -> TrainConfig:
+    """A tiny counting config (a fixed training set: the on-device path) with `overrides` on top."""
+    tiny = [o for o in TINY if not o.startswith(("task.", "model.max_len", "run.eval_batch_size"))]
+    return build_config(task="counting", pe=pe, overrides=[*tiny, *COUNTING, "optim.batch_size=8", *overrides])
+
+
+def seeded(config: TrainConfig, seed: int) -> TrainConfig:
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
+
+
+def train_records(run_dir: pathlib.Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+
+
+def assert_same_runs(ours: list[dict], theirs: list[dict], dirs: tuple[list, list]) -> None:
+    """Same splits' metrics, and the same train loss at every logged step, within RTOL."""
+    for a, b, dir_a, dir_b in zip(ours, theirs, *dirs, strict=True):
+        assert a["seed"] == b["seed"]
+        for split in b["splits"]:
+            for metric in ("loss", "seq_error", "token_error"):
+                assert a["splits"][split][metric] == pytest.approx(b["splits"][split][metric], rel=RTOL), (split,
+                                                                                                            metric)
+        rec_a, rec_b = train_records(dir_a), train_records(dir_b)
+        assert [r["step"] for r in rec_a] == [r["step"] for r in rec_b]
+        np.testing.assert_allclose([r["loss"] for r in rec_a], [r["loss"] for r in rec_b], rtol=RTOL)
+
+
+def test_seeds_as_one_program_match_separate_runs(tmp_path):
+    """jaxpe-compare's default (seeds stacked, several steps a dispatch, the set on the device) against three
+    separate one-step-a-dispatch runs: every metric and every logged train loss, and the seeds really differ."""
+    base = counting("run.steps=6", "run.log_every=2", "run.checkpoint_every=3")
+    separate = [experiments.train_and_evaluate(seeded(base, s), tmp_path / "alone" / str(s)) for s in (0, 1, 2)]
+    fast = dataclasses.replace(base, run=dataclasses.replace(base.run, steps_per_dispatch=4))
+    together = experiments.compare_encodings([fast], [0, 1, 2], tmp_path / "cmp")["runs"]
+    dirs = ([tmp_path / "cmp" / "cope" / f"seed{s}" for s in (0, 1, 2)], [tmp_path / "alone" / str(s) for s in (0, 1, 2)])
+    assert_same_runs(together, separate, dirs)
+    assert len({r["splits"]["valid"]["loss"] for r in separate}) == 3  # three different models
+    assert {r["config"]["run"]["steps_per_dispatch"] for r in together} == {4}
+
+
+def test_several_steps_a_dispatch_match_one_at_a_time_with_host_batches(tmp_path):
+    """flip-flop (batches made on the host, sent K at a time) with 5 steps a dispatch equals one step a dispatch."""
+    from tiny_config import tiny
+
+    one = experiments.train_and_evaluate(tiny("run.steps=7", "run.log_every=3"), tmp_path / "one")
+    five = experiments.train_and_evaluate(tiny("run.steps=7", "run.log_every=3", "run.steps_per_dispatch=5"),
+                                          tmp_path / "five")
+    assert_same_runs([five], [one], ([tmp_path / "five"], [tmp_path / "one"]))
+
+
+def test_a_time_limit_checkpoints_and_the_rerun_ends_where_an_uninterrupted_run_does(tmp_path):
+    """A time limit that has passed at once stops every seed after the first dispatch with a checkpoint there;
+    running again resumes all of them and ends with the uninterrupted run's results. In train_seeds a member whose
+    newest checkpoint is lost (a save cut between members) sends the others back to their common step
+    (compare_encodings would group the seeds by their step instead)."""
+    config = counting("run.steps=8", "run.log_every=2", "run.checkpoint_every=4", "run.steps_per_dispatch=3",
+                      "run.async_checkpoints=false")
+    whole = experiments.compare_encodings([config], [0, 1, 2], tmp_path / "whole")["runs"]
+    with pytest.raises(TimeLimitReached) as stop:
+        experiments.compare_encodings([config], [0, 1, 2], tmp_path / "cut", time_limit=1e-9)
+    assert stop.value.step == 2  # the first dispatch ends at the first log step
+    cut = [tmp_path / "cut" / "cope" / f"seed{s}" for s in (0, 1, 2)]
+    assert all(experiments.latest_checkpoint_step(d) == 2 for d in cut)
+    with pytest.raises(TimeLimitReached):  # on to step 4 (a checkpoint), then past the limit at the next dispatch
+        experiments.compare_encodings([config], [0, 1, 2], tmp_path / "cut", time_limit=1e-9)
+    with pytest.raises(TimeLimitReached):
+        experiments.compare_encodings([config], [0, 1, 2], tmp_path / "cut", time_limit=1e-9)
+    assert [experiments.latest_checkpoint_step(d) for d in cut] == [6, 6, 6]
+    shutil.rmtree(cut[1] / "checkpoints" / "6")  # seed 1 lost its newest save: all go back to step 4
+    task, model = experiments.validate_config(config)
+    resumed = experiments.train_seeds([seeded(config, s) for s in (0, 1, 2)], cut, task=task, model=model)
+    assert {r["resumed_from"] for r in resumed} == {4}
+    assert_same_runs(resumed, whole, (cut, [tmp_path / "whole" / "cope" / f"seed{s}" for s in (0, 1, 2)]))
+
+
+def test_dispatches_end_where_a_hook_is_due():
+    class Every(Hook):
+        def __init__(self, *periods: int):
+            self.periods = periods
+
+    hooks = [Every(4), Every(0, 6)]
+    ends, step = [], 0
+    while step < 13:
+        step = chunk_end(step, 13, hooks, steps_per_dispatch=5)
+        ends.append(step)
+    assert ends == [4, 6, 8, 12, 13]
+    assert chunk_end(12, 13, hooks, steps_per_dispatch=1) == 13
+
+
+def test_the_fixed_training_set_holds_the_batches():
+    """Counting's batches are rows of its training set, as the on-device feed reads them; flip-flop has none."""
+    task = build_task(counting())
+    assert isinstance(task, FixedTrainSet)
+    rows, full = task.train_rows(7, 8), task.train_set()
+    for name, array in task.train_batch(7, 8).items():
+        np.testing.assert_array_equal(array, full[name][rows])
+    from tiny_config import tiny
+
+    assert not isinstance(build_task(tiny()), FixedTrainSet)
+
+
+def test_compare_cli_time_limit_exits_3_and_resumes(tmp_path, capsys):
+    argv = ["--task", "counting", "--pe", "none", "--seeds", "0,1", "--workdir", str(tmp_path),
+            *[o for o in TINY if not o.startswith(("task.", "model.max_len", "run.eval_batch_size"))], *COUNTING,
+            "optim.batch_size=8", "run.steps=4", "run.log_every=2", "run.checkpoint_every=2"]
+    assert compare_main([*argv, "--time-limit", "1e-9"]) == 3
+    assert "time limit reached: stopped at step 1 with a checkpoint" in capsys.readouterr().err  # one step a dispatch
+    assert compare_main(argv) == 0
+    assert [json.loads((tmp_path / "none" / f"seed{s}" / "result.json").read_text())["resumed_from"]
+            for s in (0, 1)] == [1, 1]
+    with pytest.raises(SystemExit) as usage:
+        compare_main([*argv, "--time-limit", "0"])
+    assert usage.value.code == 2 and "'0' must be > 0 seconds" in capsys.readouterr().err
+
+
+def test_bfloat16_matches_float32_within_the_seeds_spread_at_cpu_small(tmp_path):
+    """Mixed precision (model.dtype=bfloat16; parameters, optimizer state and position arithmetic float32) at the
+    cpu-small preset (selective copy, 500 steps; here 300), three seeds each as one program: each split's mean
+    error and loss in bfloat16 lie within the float32 seeds' spread (twice the larger standard deviation of the two,
+    plus 1 point of error / 0.02 nats of loss for seeds that agree closely)."""
+    def seeds(dtype: str) -> list[dict]:
+        config = build_config(preset="cpu-small", task="selective_copy", pe="cope",
+                              overrides=["run.steps=300", f"model.dtype={dtype}", "run.progress=false",
+                                         "run.tensorboard=false", "run.steps_per_dispatch=50", "run.num_devices=1"])
+        return experiments.compare_encodings([config], [0, 1, 2], tmp_path / dtype)["runs"]
+
+    f32, bf16 = seeds("float32"), seeds("bfloat16")
+    assert {r["config"]["model"]["dtype"] for r in bf16} == {"bfloat16"}
+    for split in f32[0]["splits"]:
+        for metric, slack in (("token_error", 0.01), ("loss", 0.02)):
+            a = np.array([r["splits"][split][metric] for r in f32])
+            b = np.array([r["splits"][split][metric] for r in bf16])
+            spread = 2 * max(a.std(ddof=1), b.std(ddof=1)) + slack
+            assert abs(b.mean() - a.mean()) <= spread, (split, metric, a, b)
