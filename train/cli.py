@@ -162,8 +162,12 @@ def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Ca
     except TimeLimitReached as stop:
         if args.debug:
             raise
-        print(f"{prog}: time limit reached: stopped at step {stop.step} with a checkpoint; rerun the same command "
-              "to resume", file=sys.stderr)
+        if stop.checkpointed:
+            print(f"{prog}: time limit reached: stopped at step {stop.step} with a checkpoint; rerun the same command "
+                  "to resume", file=sys.stderr)
+        else:
+            print(f"{prog}: time limit reached: stopped at step {stop.step}; run.checkpoint_every=0 saved nothing to "
+                  "resume from", file=sys.stderr)
         return 3
     except TrainingInterrupted as interrupt:
         if args.debug:

@@ -143,7 +143,8 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
     state = trainer.init_state() if resumed is None else resumed
     start = resumed_from or 0
     if resumed_from is not None:
-        log.info("resumed from step %d (checkpoints in %s)", start, ", ".join(str(c.directory) for c in checkpoints))
+        log.info("resumed from step %d (checkpoint%s in %s)", start, "s" if len(checkpoints) > 1 else "",
+                 ", ".join(str(c.directory) for c in checkpoints))
 
     metrics_logs = [MetricsLog(workdir, resume_step=start, enabled=is_main, tensorboard=run.tensorboard)
                     for workdir in workdirs]

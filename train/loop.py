@@ -268,12 +268,12 @@ def chunk_end(step: int, last_step: int, hooks: Sequence[Hook], steps_per_dispat
 
 
 class TimeLimitReached(Exception):
-    """The run stopped at the end of a dispatch once its time limit had passed, after checkpointing that step;
-    `step` is the last step completed. Running it again resumes there."""
+    """The run stopped at the end of a dispatch once its time limit had passed, after checkpointing that step where
+    it saves checkpoints (`checkpointed`); `step` is the last step completed. Running it again resumes there."""
 
-    def __init__(self, step: int):
-        super().__init__(f"time limit reached at step {step}")
-        self.step = step
+    def __init__(self, step: int, checkpointed: bool):
+        super().__init__(f"time limit reached at step {step}" + ("" if checkpointed else " (no checkpoints)"))
+        self.step, self.checkpointed = step, checkpointed
 
 
 def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, train_log: TrainLog,
@@ -328,7 +328,7 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
                 if sigint.requested:
                     raise TrainingInterrupted(done)
                 if out_of_time:
-                    raise TimeLimitReached(done)
+                    raise TimeLimitReached(done, any(isinstance(hook, Checkpointing) for hook in hooks))
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, TrainingInterrupted):
             raise
