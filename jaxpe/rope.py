@@ -103,7 +103,7 @@ class RoPECore(nn.Module):
         q = apply_rope(q, ctx.q_pos, **options)
         k = apply_rope(k, ctx.k_pos, **options)
         return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, segment_ids=ctx.segment_ids,
-                      window=ctx.window)
+                      window=ctx.window, causal=ctx.causal)
 
 
 @register("rope")
