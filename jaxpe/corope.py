@@ -218,7 +218,8 @@ class CoRoPECore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, compute_dtype(q))
         return _corope_attention(q, k, v, theta=self.theta, sm_scale=None, causal=ctx.causal,
-                                 segment_ids=ctx.segment_ids, window=ctx.window, inv_freq=inv_freq, impl=self.impl, mask=ctx.mask)
+                                 segment_ids=ctx.segment_ids, window=ctx.window, inv_freq=inv_freq, impl=self.impl,
+                                 mask=ctx.mask)
 
 
 COROPE_SCALING = ("linear", "llama3")

@@ -282,8 +282,11 @@ def _recomputed_after_its_cotangent(deterministic: bool) -> Any:
         return nn.vjp(run, mdl, x, pos_emb, tokens)
 
     def backward(vjp_fn: Any, y_t: jax.Array) -> tuple[Any, ...]:
-        zero = 0 * y_t.ravel()[0]
-        after = lambda r: r + zero.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r  # noqa: E731
+        zero = 0 * y_t.ravel()[0]  # a non-finite first entry makes every gradient of the block non-finite
+
+        def after(r: Any) -> Any:
+            return r + zero.astype(r.dtype) if isinstance(r, jax.Array) and jnp.issubdtype(r.dtype, jnp.floating) else r
+
         return tuple(jax.tree.map(after, vjp_fn)(y_t))
 
     return nn.custom_vjp(run, forward_fn=forward, backward_fn=backward)
@@ -309,7 +312,7 @@ class TransformerLM(nn.Module):
     tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see
     `generate`): initialise the cache with an input of the full length; a bidirectional model (config.causal False)
     does not decode. config.remat rematerialises each block in training (`REMAT_POLICIES`): the same values and
-    gradients, less memory, more compute.
+    gradients, less memory, more compute; reverse mode only (forward mode needs remat="none").
     """
 
     config: ModelConfig
@@ -357,7 +360,8 @@ class TransformerLM(nn.Module):
             if c.remat == "none" or decode:
                 x = Block(c, i, name=f"block{i}")(x, deterministic, decode, shared, tokens_info)
             else:  # the same parameters
-                block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], static_argnums=(2, 3))(c, i, name=f"block{i}")
+                remat_block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], static_argnums=(2, 3))
+                block = remat_block(c, i, name=f"block{i}")
                 x = _recomputed_after_its_cotangent(deterministic)(block, x, shared, tokens_info)
         if c.prenorm:
             x = _norm(c, "final_norm")(x)

@@ -87,7 +87,8 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = 
 
 
 class RoPECore(nn.Module):
-    """Rotate q at ctx.q_pos and k at ctx.k_pos, then softmax attention (causal, documents, window or mask)."""
+    """Rotate q at ctx.q_pos and k at ctx.k_pos, then softmax attention (causal or both ways, documents, window or
+    mask)."""
 
     theta: float = 10000.0
     rotary_dim: int | None = None

@@ -43,11 +43,12 @@ def test_remat_attention_with_dropout_matches_the_plain_layer():
     def loss(module: nn.Module, params, *args, **kwargs):
         return jnp.sum(module.apply(params, x, *args, rngs=_dropout_rngs(), **kwargs) ** 2)
 
+    positional = nn.remat(jaxpe.Attention, static_argnums=(2,))(pe="cope", dropout=0.5, **LAYER)
     for deterministic in (False, True):
         want = jax.jit(jax.value_and_grad(lambda p: loss(plain, p, deterministic=deterministic)))(params)
         by_field = nn.remat(jaxpe.Attention)(pe="cope", dropout=0.5, deterministic=deterministic, **LAYER)
-        positional = nn.remat(jaxpe.Attention, static_argnums=(2,))(pe="cope", dropout=0.5, **LAYER)
-        for module, args in ((by_field, ()), (positional, (deterministic,))):
+        forms = ((by_field, ()), (positional, (deterministic,)))
+        for module, args in forms if not deterministic else forms[1:]:  # dropout off: the positional form suffices
             got = jax.jit(jax.value_and_grad(lambda p: loss(module, p, *args)))(params)
             chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
     assert not np.allclose(plain.apply(params, x, False, rngs=_dropout_rngs()), plain.apply(params, x))
@@ -56,10 +57,10 @@ def test_remat_attention_with_dropout_matches_the_plain_layer():
         traced.apply(params, x, deterministic=False, rngs=_dropout_rngs())
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
-def test_model_remat_gives_the_same_values_and_gradients(remat):
+def test_model_remat_gives_the_same_values_and_gradients():
+    """Every policy, dropout on: the loss and every gradient (the shared CoPE table's included) as without remat."""
     config = jaxpe.ModelConfig(vocab_size=13, d_model=16, num_heads=2, num_layers=2, max_len=16, pe="cope",
-                               dropout=0.2)
+                               pe_options={"shared_table": True}, dropout=0.2)
     tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10) % 13
     params = jaxpe.TransformerLM(config).init(jax.random.key(0), tokens)
 
@@ -67,12 +68,13 @@ def test_model_remat_gives_the_same_values_and_gradients(remat):
         logits = jaxpe.TransformerLM(config).apply(params, tokens, deterministic=False, rngs=_dropout_rngs())
         return jnp.mean(logits ** 2)
 
-    want = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, config)
-    remat_config = dataclasses.replace(config, remat=remat)
-    assert jax.tree.structure(jaxpe.TransformerLM(remat_config).init(jax.random.key(0), tokens)) == \
-        jax.tree.structure(params)
-    got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, remat_config)
-    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+    step = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    want = step(params, config)
+    for remat in ("dots", "full"):
+        remat_config = dataclasses.replace(config, remat=remat)
+        assert jax.tree.structure(jaxpe.TransformerLM(remat_config).init(jax.random.key(0), tokens)) == \
+            jax.tree.structure(params)
+        chex.assert_trees_all_close(step(params, remat_config), want, atol=1e-6, rtol=1e-6)
 
 
 def test_model_remat_saves_memory_and_checks_its_name():
