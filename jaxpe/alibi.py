@@ -63,3 +63,6 @@ class ALiBiConfig(PEConfig):
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         return ALiBiCore()
+
+    def causal_only(self) -> str | None:
+        return "its bias −slope·(i − j) is defined for keys at or before the query (j ≤ i)"

@@ -17,19 +17,26 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, as_pe_config
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import (check_array, check_float_dtype, check_fraction, check_impl, check_int,
+from jaxpe.validation import (check_array, check_bool, check_float_dtype, check_fraction, check_impl, check_int,
                               check_padding_mask, check_segment_ids, check_window)
 
 
 class Attention(nn.Module):
-    """Causal self-attention x [B, L, d_model] -> [B, L, d_model].
+    """Self-attention x [B, L, d_model] -> [B, L, d_model], causal (a decoder) or, with causal=False, bidirectional
+    (an encoder: every token sees every token of its document within the window, before and after it).
 
     `pe` is an encoding config (`jaxpe.pe_config(name, **options)`) or a name, which takes the default options. Every
     field is checked at construction (a ValueError names it and its value).
     With `decode=True` keys and values are cached: the first call (at `init`) must see an input of the full cache
     length S; later calls append their Lq tokens (prefill with many, then one at a time). Encodings whose positions
     depend on the query (CoPE, Co-RoPE) recompute them over the cached keys, O(S) per decoded token.
-    Dropout is applied to the output projection (attention-probability dropout would defeat fused kernels).
+    Dropout is applied to the output projection (attention-probability dropout would defeat fused kernels); it is
+    off when `deterministic` is True: the call's argument when given, else the field (None: True), as in
+    `flax.linen.MultiHeadDotProductAttention`. Rematerialised, `nn.remat(Attention)` traces every argument it does
+    not hold static: set `deterministic` as the field, or pass it positionally, `nn.remat(Attention,
+    static_argnums=(2,))(...)(x, False)` (argument 0 is the module).
+    Bidirectional layers (causal=False) take the encodings that run both ways (`PEConfig.causal_only` says why the
+    others do not: a ValueError at construction) and do not decode.
 
     Stacks of layers: `nn.scan(..., variable_axes={"params": 0}, split_rngs={"params": True})` over a module calling
     Attention needs no `metadata_params` (jaxpe/sharding.py: the stacked axis is unnamed unless
@@ -48,6 +55,8 @@ class Attention(nn.Module):
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
     param_dtype: Any = jnp.float32  # the projections' weights; position tables stay float32 (float64 if this is)
     check_inputs: bool = True  # False where the caller has checked inputs and parameters once (TransformerLM)
+    causal: bool = True  # False: bidirectional attention (an encoder layer; no decoding)
+    deterministic: bool | None = None  # dropout off; a call's `deterministic` overrides it; None: True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pe", as_pe_config(self.pe))
@@ -60,17 +69,25 @@ class Attention(nn.Module):
         check_window(self.window)
         check_float_dtype("dtype", self.dtype)
         check_float_dtype("param_dtype", self.param_dtype)
+        check_bool("causal", self.causal)
+        if self.deterministic is not None:
+            check_bool("deterministic", self.deterministic)
+        self.pe.check_causal(self.causal)
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, deterministic: bool = True, decode: bool = False,
+    def __call__(self, x: jax.Array, deterministic: bool | None = None, *, decode: bool = False,
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
-        """x [B, L, d_model]; positions [B, L] int (default: the index within each run of equal document ids, or
-        0, 1, ... continuing the cache while decoding) feed the index-based encodings; segment_ids [B, L] int
-        (packed documents: no attention across ids); padding_mask [B, L] bool (False: padding, a key no real token
-        sees)."""
+        """x [B, L, d_model]; deterministic (dropout off; None: the field's) may be positional; positions [B, L]
+        int (default: the index within each run of equal document ids, or 0, 1, ... continuing the cache while
+        decoding) feed the index-based encodings; segment_ids [B, L] int (packed documents: no attention across
+        ids); padding_mask [B, L] bool (False: padding, a key no real token sees)."""
         check_array("x", x, "B, L, d_model")
+        if decode and not self.causal:
+            raise ValueError("decode=True needs causal attention, but this layer has causal=False (bidirectional: "
+                             "every token sees the tokens after it, which a decoder has not produced yet)")
+        deterministic = resolve_deterministic(self.deterministic, deterministic)
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
         b, length, d_model = x.shape
@@ -90,7 +107,7 @@ class Attention(nn.Module):
         segments = fold_padding(segment_ids, padding_mask)
         q_pos = default_positions(positions, segments, b)
         ctx = AttentionContext(x=x, q_pos=q_pos, k_pos=q_pos, segment_ids=segments, window=self.window,
-                               decode=decode, pos_emb=pos_emb,
+                               decode=decode, pos_emb=pos_emb, causal=self.causal,
                                table_dtype=jax.dtypes.canonicalize_dtype(jnp.promote_types(jnp.float32,
                                                                                            self.param_dtype)))
         if decode:
@@ -127,6 +144,19 @@ class Attention(nn.Module):
         mask = visibility_mask(length, k.shape[1], segment_ids=k_segments, window=self.window, q_index=steps[None],
                                q_segments=segments)  # [B, Lq, S]
         return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None)
+
+
+def resolve_deterministic(field: bool | None, call: bool | None) -> bool:
+    """Whether dropout is off: the call's `deterministic` when given, else the layer's field, else True. A traced
+    value is a TypeError that says how to pass it under `nn.remat`."""
+    deterministic = True if field is None and call is None else (field if call is None else call)
+    try:
+        return bool(deterministic)
+    except jax.errors.TracerBoolConversionError:
+        raise TypeError("deterministic is traced (nn.remat/jax.checkpoint trace every argument they do not hold "
+                        "static, keyword arguments included): set it as the layer's field, e.g. "
+                        "Attention(..., deterministic=False), or pass it positionally and static, "
+                        "nn.remat(Attention, static_argnums=(2,))(...)(x, False)") from None
 
 
 def default_positions(positions: jax.Array | None, segment_ids: jax.Array | None, batch: int) -> jax.Array | None:

@@ -34,6 +34,8 @@ class AttentionContext:
     indexed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # the dtype of the position tables a core owns: float32, float64 when the layer's param_dtype is float64
     table_dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
+    # False: bidirectional self-attention (an encoder), every key of the query's document within the window
+    causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         if self.k_pos is None and self.q_pos is not None:
@@ -48,14 +50,14 @@ class AttentionContext:
     @property
     def plain_causal(self) -> bool:
         """True when key j is visible to query i exactly when j <= i (Lq == Lk): no mask, documents or window."""
-        return self.mask is None and self.segment_ids is None and self.window is None
+        return self.causal and self.mask is None and self.segment_ids is None and self.window is None
 
     def dense_mask(self, lq: int, lk: int) -> jax.Array:
-        """[B|1, Lq, Lk] bool: key j visible to query i. Without `mask` (self-attention, Lq == Lk): causal, same
-        document, and i − j < window."""
+        """[B|1, Lq, Lk] bool: key j visible to query i. Without `mask` (self-attention, Lq == Lk): causal (both ways
+        when not `causal`), same document, and |i − j| < window."""
         if self.mask is not None:
             return self.mask
-        return visibility_mask(lq, lk, segment_ids=self.segment_ids, window=self.window)
+        return visibility_mask(lq, lk, segment_ids=self.segment_ids, window=self.window, causal=self.causal)
 
 
 class AttentionCore(Protocol):
@@ -65,8 +67,8 @@ class AttentionCore(Protocol):
 
 
 class PlainCore(nn.Module):
-    """Causal softmax attention with no positional term (NoPE, and the additive encodings inside attention)."""
+    """Softmax attention with no positional term (NoPE, and the additive encodings inside attention)."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, segment_ids=ctx.segment_ids,
-                      window=ctx.window)
+                      window=ctx.window, causal=ctx.causal)

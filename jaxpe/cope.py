@@ -46,7 +46,7 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
-                                    qk_logits, reverse_cumsum, visibility_mask)
+                                    qk_logits, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
 from jaxpe.validation import (FUSED_IMPLS, check_array, check_attention_mask, check_bool, check_choice,
                               check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask, check_positive,
@@ -107,19 +107,6 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | j
 def _default_mask(lq: int, lk: int, causal: bool) -> jax.Array:
     """[1, Lq, Lk] bool: causal (queries last), or every key."""
     return causal_mask(lq, lk) if causal else jnp.ones((1, lq, lk), jnp.bool_)
-
-
-def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, window: int | None = None
-                       ) -> jax.Array:
-    """[B|1, L, L] bool, key j visible to query i in bidirectional self-attention: the same document (segment_ids
-    [B, L]) and |i − j| < window (when given)."""
-    mask = jnp.ones((1, length, length), jnp.bool_)
-    if window is not None:
-        i = jnp.arange(length, dtype=jnp.int32)
-        mask &= (jnp.abs(i[:, None] - i[None, :]) < window)[None]
-    if segment_ids is not None:
-        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    return mask
 
 
 def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None, *, npos: int,
@@ -339,11 +326,14 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
 
     def run(chosen: str, compiled: bool) -> jax.Array:
         if chosen == "reference":
+            warn_dense_logits(q.shape[0], q.shape[2], length, k.shape[1], "CoPE's 'reference' path",
+                              "impl='auto' or 'blockwise' runs CoPE in O(L·block) memory" if not dense else
+                              "the options asked for (soft one-hot, talking heads, cope+rel, a decoding cache) need it")
             # unless asked for the one-block ground truth, causal self-attention runs by query blocks
             by_blocks = impl != "reference" and causal and isinstance(length, int) and mask is None
             visible = mask
             if mask is None and not causal:
-                visible = bidirectional_mask(length, segment_ids=segment_ids, window=window)
+                visible = visibility_mask(length, length, segment_ids=segment_ids, window=window, causal=False)
             elif mask is None and (segment_ids is not None or window is not None):
                 visible = visibility_mask(length, length, segment_ids=segment_ids, window=window)
             options = dict(sm_scale=sm_scale, gate_k=gate_k, mask=visible, extra_logits=extra_logits,
@@ -430,7 +420,7 @@ class CoPECore(nn.Module):
             table = self.param("rel_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                                (self.npos, d), ctx.table_dtype)
             extra = context_relative_logits(q, table, ctx)
-        return _cope_attention(q, k, v, pos_emb, sm_scale=d ** -0.5, causal=True, gate_k=gate_k,
+        return _cope_attention(q, k, v, pos_emb, sm_scale=d ** -0.5, causal=ctx.causal, gate_k=gate_k,
                                segment_ids=ctx.segment_ids, window=ctx.window, impl=self.impl,
                                soft_onehot_temp=self.soft_onehot_temp if self.soft_onehot else None,
                                talking_heads=talking, mask=ctx.mask, extra_logits=extra)
@@ -483,6 +473,11 @@ class CoPEConfig(PEConfig):
         return CoPECore(npos=self.table_rows(max_len), gates=self.gates, per_head=self.per_head,
                         add_relative=self.add_relative, impl=impl, soft_onehot=self.soft_onehot,
                         soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads)
+
+    def causal_only(self) -> str | None:
+        if self.add_relative:
+            return "its 'cope+rel' term (add_relative=True) reads relative logits of keys at or before the query"
+        return None
 
     def shared_table_shape(self, *, head_dim: int, num_heads: int, max_len: int) -> tuple[int, ...] | None:
         if not self.shared_table:

@@ -81,7 +81,7 @@ class GatedCoPECore(nn.Module):
             q = apply_rope(q, ctx.q_pos, theta=self.theta)
             k = apply_rope(k, ctx.k_pos, theta=self.theta)
         return attend(q, k, v, sm_scale=d ** -0.5, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
-                      window=ctx.window)
+                      window=ctx.window, causal=ctx.causal)
 
 
 @register("cope_gated")

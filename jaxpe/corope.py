@@ -38,7 +38,7 @@ from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_bloc
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
-                                     visibility_mask)
+                                     visibility_mask, warn_dense_logits)
 from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inputs, check_even_head_dim,
                               check_padding_mask, check_positive_number, check_qkv, check_sm_scale, open_attention)
 
@@ -77,17 +77,6 @@ def _suffix_sums(z: jax.Array) -> jax.Array:
     if isinstance(z.shape[-1], int):
         return reverse_cumsum(z)
     return lax.cumsum(z.astype(compute_dtype(z)), axis=z.ndim - 1, reverse=True)
-
-
-def bidirectional_mask(length: int, *, segment_ids: jax.Array | None = None, window: int | None = None
-                       ) -> jax.Array:
-    """[B|1, L, L] bool, key j visible to query i without a causal mask: same document (segment_ids [B, L]) and
-    |i − j| < window."""
-    i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
-    mask = jnp.ones((1, length, length), bool) if window is None else (jnp.abs(i - j) < window)[None]
-    if segment_ids is not None:
-        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    return mask
 
 
 def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: float = 10000.0,
@@ -132,12 +121,12 @@ def corope_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     """Dense Co-RoPE attention, the ground truth. Returns [B, Lq, Hq, D] in q's dtype.
 
     mask [B|1, Lq, Lk] bool: the keys each query sees (None: `visibility_mask` of segment_ids [B, L] and window, i.e.
-    causal, same document, i − j < window; causal=False: `bidirectional_mask`, same document, |i − j| < window, and
+    causal, same document, i − j < window; causal=False: bidirectional, same document, |i − j| < window, and
     a signed mileage); `mileage` [B, Hkv, Lq, Lk] overrides the contextual Δ (tests use it to fix Δ); inv_freq [D/2]
     replaces θ^(−2d/D) (a constant, not differentiated).
     """
     if not causal:
-        visible = bidirectional_mask(q.shape[1], segment_ids=segment_ids, window=window)
+        visible = visibility_mask(q.shape[1], q.shape[1], segment_ids=segment_ids, window=window, causal=False)
         mask = visible if mask is None else mask & visible
     elif mask is None:
         mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
@@ -202,6 +191,8 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
 
     def run(chosen: str, compiled: bool) -> jax.Array:
         if chosen == "reference":
+            warn_dense_logits(q.shape[0], q.shape[2], q.shape[1], k.shape[1], "Co-RoPE's 'reference' path",
+                              "impl='auto' or 'blockwise' runs Co-RoPE in O(L·block) memory")
             return corope_attention_reference(q, k, v, **options)
         if chosen == "blockwise":
             return corope_attention_blockwise(q, k, v, **options)
@@ -226,8 +217,9 @@ class CoRoPECore(nn.Module):
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, compute_dtype(q))
-        return _corope_attention(q, k, v, theta=self.theta, sm_scale=None, causal=True, segment_ids=ctx.segment_ids,
-                                 window=ctx.window, inv_freq=inv_freq, impl=self.impl, mask=ctx.mask)
+        return _corope_attention(q, k, v, theta=self.theta, sm_scale=None, causal=ctx.causal,
+                                 segment_ids=ctx.segment_ids, window=ctx.window, inv_freq=inv_freq, impl=self.impl,
+                                 mask=ctx.mask)
 
 
 COROPE_SCALING = ("linear", "llama3")

@@ -24,6 +24,10 @@ from jaxpe.validation import (check_array, check_bool, check_choice, check_fract
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 DTYPES = ("float32", "bfloat16")
+# What a rematerialised block keeps for the backward (`jax.checkpoint` policies): "none" runs no remat (every
+# intermediate is kept), "dots" keeps the products with the weights (projections, MLP) and recomputes the rest,
+# attention's [B, H, L, L] products included, "full" keeps only each block's input and recomputes the block.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 UNFILLED = ("vocab_size", "max_len")  # fields that may wait as None until the data is known
 
 
@@ -61,6 +65,8 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the weights ("float32" or "bfloat16"); position tables stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
     window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
+    causal: bool = True  # False: bidirectional attention in every layer (an encoder; no decoding)
+    remat: str = "none"  # rematerialise each block: "none", "dots" (keep weight products) or "full" (keep inputs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pe_options", _option_pairs(self.pe_options))
@@ -85,8 +91,9 @@ class ModelConfig:
         check_fraction("dropout", self.dropout, one=False)
         for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
             check_choice(name, getattr(self, name), choices)
-        for name in ("prenorm", "tie_embeddings"):
+        for name in ("prenorm", "tie_embeddings", "causal"):
             check_bool(name, getattr(self, name))
+        check_choice("remat", self.remat, tuple(REMAT_POLICIES))
         check_impl(self.impl)
         check_window(self.window)
         if self.window is not None:
@@ -105,6 +112,8 @@ class ModelConfig:
         layer_configs = {name: pe if name == self.pe else pe_config(name) for name in set(pattern)}
         object.__setattr__(self, "_layer_pe_configs", tuple(layer_configs[name] for name in pattern))
         self._check_pattern_attends()
+        for config in layer_configs.values():
+            config.check_causal(self.causal)
 
     def _check_layer_pe(self) -> None:
         """ValueError unless `layer_pe` is () or registered names including `pe`, given once (not also as `every`)."""
@@ -231,19 +240,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One Transformer block, pre-norm or post-norm."""
+    """One Transformer block, pre-norm or post-norm. deterministic and decode are positional, so that
+    `nn.remat(Block, static_argnums=(2, 3))` holds them static."""
 
     config: ModelConfig
     layer_index: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, deterministic: bool, decode: bool, pos_emb: jax.Array | None,
+    def __call__(self, x: jax.Array, deterministic: bool, decode: bool, pos_emb: jax.Array | None,
                  tokens: TokenInfo) -> jax.Array:
         c = self.config
         attn = Attention(num_heads=c.num_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
                          pe=c.layer_pe_config(self.layer_index), max_len=c.max_len, dropout=c.dropout, impl=c.impl,
                          dtype=c.compute_dtype, window=c.window, param_dtype=c.weight_dtype, check_inputs=False,
-                         name="attn")
+                         causal=c.causal, name="attn")
         mlp = MLP(c, name="mlp")
         norm1, norm2 = _norm(c, "norm1"), _norm(c, "norm2")
         kw = dict(deterministic=deterministic)
@@ -254,6 +264,32 @@ class Block(nn.Module):
             return x + mlp(norm2(x), **kw)
         x = norm1(x + attend(x))
         return norm2(x + mlp(x, **kw))
+
+
+def _recomputed_after_its_cotangent(deterministic: bool) -> Any:
+    """A rematerialised block called as f(block, x, pos_emb, tokens), its backward recomputing its forward only
+    once the cotangent of its output has arrived.
+
+    jax.checkpoint orders the two by an optimization barrier, which XLA's CPU compiler drops: it then recomputes
+    every block's forward at the start of the backward and keeps them all, so remat saved no memory
+    (benchmarks/remat_memory.py). Here the backward adds 0·cotangent to each floating residual: the same values,
+    a data dependency no compiler reorders."""
+
+    def run(mdl: nn.Module, x: jax.Array, pos_emb: jax.Array | None, tokens: TokenInfo) -> jax.Array:
+        return mdl(x, deterministic, False, pos_emb, tokens)
+
+    def forward(mdl: nn.Module, x: jax.Array, pos_emb: jax.Array | None, tokens: TokenInfo) -> tuple[Any, Any]:
+        return nn.vjp(run, mdl, x, pos_emb, tokens)
+
+    def backward(vjp_fn: Any, y_t: jax.Array) -> tuple[Any, ...]:
+        zero = 0 * y_t.ravel()[0]  # a non-finite first entry makes every gradient of the block non-finite
+
+        def after(r: Any) -> Any:
+            return r + zero.astype(r.dtype) if isinstance(r, jax.Array) and jnp.issubdtype(r.dtype, jnp.floating) else r
+
+        return tuple(jax.tree.map(after, vjp_fn)(y_t))
+
+    return nn.custom_vjp(run, forward_fn=forward, backward_fn=backward)
 
 
 @jax.tree_util.register_dataclass
@@ -273,8 +309,10 @@ class TransformerLM(nn.Module):
     Optional, [B, L] each: `positions` (int; default: the index within each document, continuing the cache while
     decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention
     across documents, and CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded
-    tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see `generate`): initialise
-    the cache with an input of the full length.
+    tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see
+    `generate`): initialise the cache with an input of the full length; a bidirectional model (config.causal False)
+    does not decode. config.remat rematerialises each block in training (`REMAT_POLICIES`): the same values and
+    gradients, less memory, more compute; reverse mode only (forward mode needs remat="none").
     """
 
     config: ModelConfig
@@ -317,9 +355,14 @@ class TransformerLM(nn.Module):
         table_axes = ("heads", "positions", "head_dim")[-len(shape):] if shape else ()
         shared = None if shape is None else self.param(
             "shared_pos_emb", partitioned(nn.initializers.normal(0.02), *table_axes), shape, jnp.float32)
+        tokens_info = TokenInfo(positions, segment_ids, padding_mask)
         for i in range(c.num_layers):
-            x = Block(c, i, name=f"block{i}")(x, deterministic=deterministic, decode=decode, pos_emb=shared,
-                                              tokens=TokenInfo(positions, segment_ids, padding_mask))
+            if c.remat == "none" or decode:
+                x = Block(c, i, name=f"block{i}")(x, deterministic, decode, shared, tokens_info)
+            else:  # the same parameters
+                remat_block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], static_argnums=(2, 3))
+                block = remat_block(c, i, name=f"block{i}")
+                x = _recomputed_after_its_cotangent(deterministic)(block, x, shared, tokens_info)
         if c.prenorm:
             x = _norm(c, "final_norm")(x)
         if c.tie_embeddings:

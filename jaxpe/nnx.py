@@ -208,7 +208,9 @@ class TransformerLM(_DropoutLayer):
 
 
 class Attention(_DropoutLayer):
-    """Causal self-attention x [B, L, d_model] -> [B, L, d_model]: jaxpe.Attention as an NNX module.
+    """Self-attention x [B, L, d_model] -> [B, L, d_model], causal or (causal=False) bidirectional: jaxpe.Attention
+    as an NNX module. Rematerialised as NNX does it, `nnx.remat(lambda layer, x: layer(x))(layer, x)`, with dropout
+    on or off (`deterministic` is an attribute, not traced).
 
     Takes jaxpe.Attention's fields plus `d_model`, the input width (linen reads it from the first input); `pe` is a
     config or an encoding name. When `pe` shares one position table across layers (CoPE with shared_table=True),
@@ -217,14 +219,14 @@ class Attention(_DropoutLayer):
 
     def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, pe: PEConfig | str,
                  max_len: int = 512, dropout: float = 0.0, impl: str = "auto", dtype: Any = jnp.float32,
-                 window: int | None = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs,
+                 window: int | None = None, param_dtype: Any = jnp.float32, causal: bool = True, rngs: nnx.Rngs,
                  deterministic: bool = False) -> None:
         if not is_int(d_model, 1):
             raise ValueError(f"{d_model=} must be a positive int")
         pe = as_pe_config(pe)
         module = LinenAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, pe=pe,
                                 max_len=max_len, dropout=dropout, impl=impl, dtype=dtype, window=window,
-                                param_dtype=param_dtype)
+                                param_dtype=param_dtype, causal=causal)
         self.d_model = int(d_model)
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)

@@ -44,6 +44,19 @@ class PEConfig:
         """Shape of a position table shared by all layers, owned by the model; None when there is none."""
         return None
 
+    def causal_only(self) -> str | None:
+        """Why this encoding runs causal attention only (a phrase), or None: it also runs bidirectionally
+        (causal=False, an encoder)."""
+        return None
+
+    def check_causal(self, causal: bool) -> None:
+        """ValueError naming the encoding when `causal` is False and it runs causal attention only."""
+        reason = None if causal else self.causal_only()
+        if reason is not None:
+            both = [name for name in pe_names() if _REGISTRY[name]().causal_only() is None]
+            raise ValueError(f"causal=False: pe={self.name!r} runs causal attention only: {reason}; bidirectional "
+                             f"attention takes {both}")
+
     def table_rows(self, max_len: int) -> int | None:
         """Rows of the position tables: the `size_option`, else max_len + 1 (the block size + 1); None without
         tables."""

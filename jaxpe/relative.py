@@ -52,3 +52,6 @@ class RelativeConfig(PEConfig):
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         return RelativeCore(npos=self.table_rows(max_len))
+
+    def causal_only(self) -> str | None:
+        return "its table r[min(i − j, npos − 1)] holds distances to keys at or before the query (j ≤ i)"

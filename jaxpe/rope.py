@@ -87,7 +87,8 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = 
 
 
 class RoPECore(nn.Module):
-    """Rotate q at ctx.q_pos and k at ctx.k_pos, then softmax attention (causal, documents, window or mask)."""
+    """Rotate q at ctx.q_pos and k at ctx.k_pos, then softmax attention (causal or both ways, documents, window or
+    mask)."""
 
     theta: float = 10000.0
     rotary_dim: int | None = None
@@ -103,7 +104,7 @@ class RoPECore(nn.Module):
         q = apply_rope(q, ctx.q_pos, **options)
         k = apply_rope(k, ctx.k_pos, **options)
         return attend(q, k, v, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask, segment_ids=ctx.segment_ids,
-                      window=ctx.window)
+                      window=ctx.window, causal=ctx.causal)
 
 
 @register("rope")

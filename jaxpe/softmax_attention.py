@@ -5,6 +5,9 @@ Query head h reads key/value head h // G.
 """
 from __future__ import annotations
 
+import math
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
@@ -25,6 +28,25 @@ def causal_mask(lq: int, lk: int) -> jax.Array:
     return (j <= i)[None]
 
 
+# A dense path whose [B, Hq, Lq, Lk] logits would take more than this (in float32) warns while it is traced: the
+# array, and the few of its size that the backward keeps, rarely fit on one accelerator.
+DENSE_WARN_BYTES = 4 * 2**30
+
+
+def warn_dense_logits(batch: int, heads: int, lq: int, lk: int, what: str, advice: str) -> None:
+    """Warn (RuntimeWarning, at trace time: before anything compiles) when `what`, a dense path, builds float32 logits
+    [B, Hq, Lq, Lk] of more than DENSE_WARN_BYTES; the message names the size, the shape and `advice`. Symbolic
+    sizes (jax.export) are not checked."""
+    shape = (batch, heads, lq, lk)
+    if not all(isinstance(n, int) for n in shape):
+        return
+    nbytes = 4 * math.prod(shape)
+    if nbytes > DENSE_WARN_BYTES:
+        warnings.warn(f"jaxpe: {what} builds dense [B, Hq, Lq, Lk] = {list(shape)} float32 logits of "
+                      f"{nbytes / 2**30:.1f} GiB, more than {DENSE_WARN_BYTES // 2**30} GiB: {advice}",
+                      RuntimeWarning, stacklevel=3)
+
+
 PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # the document id of padding: padded keys are invisible to real tokens
 
 
@@ -38,17 +60,20 @@ def fold_padding(segment_ids: jax.Array | None, padding_mask: jax.Array | None) 
 
 
 def visibility_mask(lq: int, lk: int, *, segment_ids: jax.Array | None = None, window: int | None = None,
-                    q_index: jax.Array | None = None, q_segments: jax.Array | None = None) -> jax.Array:
-    """[B|1, Lq, Lk] bool, key j visible to query i: j <= i, same document, i − j < window.
+                    q_index: jax.Array | None = None, q_segments: jax.Array | None = None,
+                    causal: bool = True) -> jax.Array:
+    """[B|1, Lq, Lk] bool, key j visible to query i: j <= i, same document, i − j < window; causal=False
+    (bidirectional): same document, |i − j| < window.
 
     Queries sit at cache indices q_index [B|1, Lq] (default: the last Lq of Lk); segment_ids [B, Lk] are the keys'
     document ids and q_segments [B, Lq] the queries' (default: the last Lq of segment_ids).
     """
     i = (jnp.arange(lq) + (lk - lq))[None] if q_index is None else q_index  # [B|1, Lq]
     j = jnp.arange(lk)[None, None, :]
-    mask = j <= i[:, :, None]
+    distance = i[:, :, None] - j  # [B|1, Lq, Lk]
+    mask = distance >= 0 if causal else jnp.ones(distance.shape, jnp.bool_)
     if window is not None:
-        mask &= i[:, :, None] - j < window
+        mask &= jnp.abs(distance) < window
     if segment_ids is not None:
         q_segments = segment_ids[:, lk - lq:] if q_segments is None else q_segments
         mask &= q_segments[:, :, None] == segment_ids[:, None, :]
@@ -147,17 +172,20 @@ def reverse_cumsum(x: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, mask: jax.Array | None,
-           bias: jax.Array | None = None, segment_ids: jax.Array | None = None, window: int | None = None
-           ) -> jax.Array:
+           bias: jax.Array | None = None, segment_ids: jax.Array | None = None, window: int | None = None,
+           causal: bool = True) -> jax.Array:
     """Dense softmax attention (`masked_softmax_attention`'s lean backward).
 
-    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, or None: causal (queries last), restricted to
-    the same document (segment_ids [B, Lk]) and the last `window` keys; bias [B|1, Hq, Lq, Lk] is added to the
-    scaled logits. Returns [B, Lq, Hq, D] in v's dtype.
+    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask [B|1, Lq, Lk] bool, or None: `visibility_mask` (causal, queries
+    last, or bidirectional with causal=False), restricted to the same document (segment_ids [B, Lk]) and the
+    `window`; bias [B|1, Hq, Lq, Lk] is added to the scaled logits. Returns [B, Lq, Hq, D] in v's dtype.
     """
     check_qkv(q, k, v)
+    warn_dense_logits(q.shape[0], q.shape[2], q.shape[1], k.shape[1], "softmax attention",
+                      "this encoding's attention is dense at every impl; CoPE and Co-RoPE run in O(L·block) memory "
+                      "with impl='auto' or 'blockwise'")
     if mask is None:
-        mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window)
+        mask = visibility_mask(q.shape[1], k.shape[1], segment_ids=segment_ids, window=window, causal=causal)
     logits = sm_scale * qk_logits(q, k)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)

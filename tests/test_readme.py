@@ -198,7 +198,8 @@ def check_readme(sections: dict[str, dict]) -> None:
 
 
 def check_layers(sections: dict[str, dict]) -> None:
-    """The LM decodes after its prompt, NNX trains and decodes, and a left-padded row computes what it computes alone."""
+    """The LM decodes after its prompt, NNX trains and decodes, a left-padded row computes what it computes alone, and
+    an encoder layer's first output reads its last token."""
     lm = sections["A Transformer LM and cached decoding"]
     assert lm["logits"].shape == (2, 24, 256) and lm["logits"].dtype == jnp.float32
     assert lm["out"].shape == (2, 24)
@@ -218,6 +219,11 @@ def check_layers(sections: dict[str, dict]) -> None:
     assert real["rope"].scaling and real["phi2_like"].rotary_dim == 32
     assert real["x_cope"].talking_heads and real["corope"].rotary_dim == 16
     assert real["sharded"]["embed"]["embedding"].shape == (32, 64)
+    encoder = sections["Encoder layers, rematerialisation, dense-path warnings"]
+    assert encoder["y"].shape == encoder["y_drop"].shape == (2, 10, 64)
+    moved = encoder["encoder"].apply(encoder["enc_params"], encoder["x"].at[:, 9].add(1.0))[:, 0] - encoder["y"][:, 0]
+    assert np.abs(moved).max() > 1e-4  # bidirectional: position 0 sees position 9
+    assert encoder["long_config"].remat == "dots" and not encoder["long_config"].causal
 
 
 def check_decoding(sections: dict[str, dict]) -> None:
