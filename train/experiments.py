@@ -24,7 +24,7 @@ from jaxpe.model import TransformerLM
 from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
-                                to_dict)
+                                resolve_config, to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
 from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
@@ -42,7 +42,8 @@ def train_and_evaluate(
 
     task: a jaxpe.train.tasks Task (default: built from config.task); model: a flax module with
     jaxpe.TransformerLM's call signature (default: built from config.model, filled in from the task).
-    Writes in workdir: config.json, metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
+    Writes in workdir: config.json (the config resolved with the task: model.vocab_size and max_len filled in),
+    metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
     result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
@@ -55,9 +56,10 @@ def train_and_evaluate(
     elif model is None:
         model = build_model(config.model, task.vocab_size, longest_length(task))
     check_tokens(task, config.optim.batch_size)
-    check_same_run(workdir, config)
+    config = resolve_config(config, task)  # saved as the run resolved it (config.json, checkpoints, result.json)
+    check_same_run(workdir, config, task)
     with locked_workdir(workdir, is_main=is_main):
-        check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
+        check_same_run(workdir, config, task)  # again under the lock: a run that ended just before may have written
         if is_main:
             write_json(workdir / "config.json", to_dict(config))
         return _train_and_evaluate(config, workdir, task, model, is_main)
@@ -104,7 +106,7 @@ def _train_and_evaluate(config: TrainConfig, workdir: pathlib.Path, task: Task, 
                                   async_save=run.async_checkpoints)
         state, meta, problems = checkpoints.restore_latest(trainer.abstract_state())
         if state is not None:
-            _check_checkpoint_config(meta, config, checkpoints.directory, checkpoints.close)
+            _check_checkpoint_config(meta, config, task, checkpoints.directory, checkpoints.close)
     resumed_from = None if state is None else int(distributed.to_host(state.step))
     if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
         checkpoints.close()
@@ -180,13 +182,13 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, directory: pathlib.Path,
+def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, task: Task, directory: pathlib.Path,
                              on_error: Any = None) -> None:
-    """ValueError when a checkpoint's meta names a config that differs from `config` (a checkpoint written before
-    checkpoints carried their config passes: config.json is all there is to compare)."""
+    """ValueError when a checkpoint's meta names a config that differs from `config` (both resolved with `task`; a
+    checkpoint written before checkpoints carried their config passes: config.json is all there is to compare)."""
     if "config" not in meta:
         return
-    differences = config_differences(from_dict(meta["config"]), config)
+    differences = config_differences(from_dict(meta["config"]), config, task)
     if differences:
         if on_error is not None:
             on_error()
@@ -213,16 +215,26 @@ class Run:
     state: TrainState
 
 
-def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
+def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_devices: int | None = None) -> Run:
     """The run in `workdir` (its config.json) at its latest readable checkpoint (an unreadable one is logged and the
-    previous one used, as training does, but left in place), or at checkpoint `step`."""
+    previous one used, as training does, but left in place), or at checkpoint `step`.
+
+    The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
+    (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
+    chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
+    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits.
+    """
     workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
     config = load_config(config_path)
+    if num_devices is None:
+        num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
+    config = resolve_config(config, task)
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     try:
@@ -236,7 +248,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
             if state is None:
                 raise ValueError(f"no readable checkpoint in {workdir / 'checkpoints'}: "
                                  f"{'; '.join(p['error'] for p in problems)}")
-        _check_checkpoint_config(meta, config, checkpoints.directory)
+        _check_checkpoint_config(meta, config, task, checkpoints.directory)
     finally:
         checkpoints.close()
     return Run(config=config, task=task, model=model, trainer=trainer, state=state)
@@ -291,9 +303,9 @@ def compare_encodings(
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
-            finished = _finished_result(run_dir, run_config)
+            finished = _finished_result(run_dir, run_config, task)
             if finished is None:
-                check_same_run(run_dir, run_config)
+                check_same_run(run_dir, run_config, task)
             runs.append((run_config, run_dir, task, model, finished))
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
         return _compare(configs, seeds, workdir, runs)
@@ -328,8 +340,9 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
     return {**comparison, "table": table}
 
 
-def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, Any] | None:
-    """result.json of a run in run_dir that finished with `config` (its saved config read back equals it), else None."""
+def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
+    """result.json of a run in run_dir that finished with `config` (its saved config read back equals it, both
+    resolved with `task`), else None."""
     path = run_dir / "result.json"
     if not path.is_file():
         return None
@@ -338,4 +351,6 @@ def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, An
         saved = from_dict(result["config"])
     except (KeyError, ValueError):
         return None
-    return result if saved == config else None
+    if saved.task != config.task:
+        return None
+    return result if resolve_config(saved, task) == resolve_config(config, task) else None

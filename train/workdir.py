@@ -3,10 +3,11 @@
 `WorkdirLock(workdir)` holds an exclusive `fcntl.flock` on `workdir/.jaxpe.lock` (the holder's pid written in it) for
 as long as a run writes there; a second writer is refused at once. The kernel drops the lock when its holder dies, so
 a killed run never blocks its restart; `locked_workdir` is the block a run writes in (the main process holding the
-lock). `check_same_run(workdir, config)` refuses a config that differs from the one
+lock). `check_same_run(workdir, config, task)` refuses a config that differs from the one
 saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
-saved config. `write_json` writes a workdir's JSON files atomically.
+saved config. Both are compared resolved with the task (`resolve_config`: model.vocab_size and model.max_len filled
+in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved unresolved. `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from jaxpe.train.config import TrainConfig, load_config, to_dict
+from jaxpe.train.config import TrainConfig, load_config, resolve_config, to_dict
+from jaxpe.train.tasks import Task
 
 LOCK_NAME = ".jaxpe.lock"
 
@@ -98,9 +100,12 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_differences(saved: TrainConfig, new: TrainConfig) -> list[str]:
-    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ."""
-    old, now = _flat(to_dict(saved)), _flat(to_dict(new))
+def config_differences(saved: TrainConfig, new: TrainConfig, task: Task) -> list[str]:
+    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ, once both
+    are resolved with `task` (new's task; `saved` only when it names the same task, else that is the difference)."""
+    if saved.task == new.task:
+        saved = resolve_config(saved, task)
+    old, now = _flat(to_dict(saved)), _flat(to_dict(resolve_config(new, task)))
     allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
     changed = sorted(k for k in old.keys() | now.keys() if k not in allowed and old.get(k) != now.get(k))
     return [f"{k}: {old.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in changed]
@@ -120,9 +125,9 @@ def check_workdir(workdir: pathlib.Path) -> None:
         raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory; give a directory (new or a run's)")
 
 
-def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
-    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` in anything
-    but RESUMABLE_RUN_FIELDS, or run state without a config.json, or a checkpoint past `config.run.steps` that the
+def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
+    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
+    resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a config.json, or a checkpoint past `config.run.steps` that the
     run would resume. The saved config is read back first, so that a field added since it was written (with its
     default) is no difference."""
     check_workdir(workdir)
@@ -133,7 +138,7 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
             raise ValueError(f"workdir {str(workdir)!r} holds {', '.join(present)} but no config.json: state of an "
                              "unknown run; use a new workdir")
         return
-    differences = config_differences(load_config(path), config)
+    differences = config_differences(load_config(path), config, task)
     if differences:
         raise ValueError(f"workdir {str(workdir)!r} holds a run with another config ({', '.join(differences)}); "
                          "use a new workdir, or the saved config (--config <workdir>/config.json) to resume it")
