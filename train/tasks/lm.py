@@ -310,15 +310,15 @@ class LMTask:
         c = self.config
         what = (f"the {split} split of source={c.source!r} has {self.streams[split].size} bytes in {count} "
                 "document(s), none of 2 bytes or more")
-        fraction = "" if split == "train" else f" or raise task.{split}_fraction"
+        fraction = "lower task.valid_fraction, task.test_fraction" if split == "train" else f"raise task.{split}_fraction"
         if self.split_by == "document":
             return (f"{what}: split_by=document sends each document wholly to one split, by a hash of its name; set "
-                    f"task.split_by=bytes to cut the corpus into byte ranges{fraction}")
+                    f"task.split_by=bytes to cut the corpus into byte ranges, or {fraction}")
         if self.split_by == "own":
             return f"{what} (the dataset's own {split} split); raise task.max_bytes"
         total = sum(s.size for s in self.streams.values())
-        return (f"{what} (its {c.fraction(split):g} of the corpus' {total} bytes); use a larger corpus or raise "
-                f"task.max_bytes{fraction}")
+        return (f"{what} (its {c.fraction(split):g} of the corpus' {total} bytes); {fraction}, or give a larger "
+                "corpus (task.source, task.max_bytes)")
 
     @functools.cached_property
     def _train_starts(self) -> tuple[np.ndarray, np.ndarray]:
