@@ -10,6 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from jaxpe.train.cli import eval_main
 from jaxpe.train.config import build_task, resolve_config, to_dict
 from jaxpe.train.experiments import _finished_result, restore_run, train_and_evaluate
 from jaxpe.train.workdir import check_same_run
@@ -27,7 +28,7 @@ RESTORE = textwrap.dedent("""
 """)
 
 
-def test_a_two_device_run_restores_in_a_one_device_process(tmp_path):
+def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
     config = tiny("run.steps=3", "run.checkpoint_every=3", "run.async_checkpoints=false", "run.num_devices=2",
                   "run.fsdp=true")
     train_and_evaluate(config, tmp_path / "run")
@@ -42,6 +43,15 @@ def test_a_two_device_run_restores_in_a_one_device_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "0", "3"]  # one device, the mesh over all of them (0), step 3
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, rtol=1e-5, atol=1e-5)
+    # jaxpe-eval shows its progress on stderr: a bar over the sequences of every split (24 in each of 3), with
+    # --progress even though the run was trained with run.progress=false, and none without it
+    assert [s.inputs.shape[0] for s in run.task.eval_splits().values()] == [24, 24, 24]
+    capsys.readouterr()
+    assert eval_main(["--workdir", str(tmp_path / "run"), "--progress"]) == 0
+    bar = capsys.readouterr().err
+    assert "eval: 100%" in bar and "72/72" in bar
+    assert eval_main(["--workdir", str(tmp_path / "run")]) == 0
+    assert "eval:" not in capsys.readouterr().err
 
 
 def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):

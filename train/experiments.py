@@ -254,13 +254,27 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     return Run(config=config, task=task, model=model, trainer=trainer, state=state)
 
 
-def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
+def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
+                        progress: bool | None = None) -> dict[str, Any]:
     """Evaluates a run's checkpoint (the latest readable one, or `step`) on every split; writes eval.json and eval.md.
 
+    `progress`: a tqdm bar (stderr, process 0) over the evaluated sequences; None: as the run's run.progress.
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
     run = restore_run(workdir, step)
-    splits = run.trainer.evaluate(run.state.params, run.task.eval_splits())
+    eval_splits = run.task.eval_splits()
+    show = run.config.run.progress if progress is None else progress
+    bar = None
+    if show and jax.process_index() == 0:
+        from tqdm.auto import tqdm  # here, as jaxpe.train.loop.progress_bar does: it warns in Jupyter on import
+
+        bar = tqdm(total=sum(s.inputs.shape[0] for s in eval_splits.values()), desc="eval", unit="seq",
+                   dynamic_ncols=True)
+    try:
+        splits = run.trainer.evaluate(run.state.params, eval_splits, on_batch=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
     result = {"task": run.config.task.name, "pe": run.config.model.pe, "seed": run.config.run.seed,
               "metric": run.task.metric, "step": int(distributed.to_host(run.state.step)), "splits": splits}
     table = results_markdown([result], metric=run.task.metric, splits=list(splits),

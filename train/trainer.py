@@ -118,13 +118,15 @@ class Trainer:
                      len(self.batch_lengths[kind]))
         return trim_batch(batch, length) if length < full else dict(batch)
 
-    def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-        """Metrics per split (see jaxpe.train.evaluate); batches cut by `pad` unless run.pad_to is "block"."""
+    def evaluate(self, params: Any, splits: Mapping[str, Any], *,
+                 on_batch: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
+        """Metrics per split (see jaxpe.train.evaluate); batches cut by `pad` unless run.pad_to is "block";
+        `on_batch(rows)` after each batch (a progress bar)."""
         pad = None if self.pad_to == "block" else lambda batch: self.pad(batch, "eval")
         return {
             name: evaluate.evaluate_split(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
-                put_batch=self.put, to_host=distributed.to_host, pad=pad,
+                put_batch=self.put, to_host=distributed.to_host, pad=pad, on_batch=on_batch,
             )
             for name, split in splits.items()
         }
