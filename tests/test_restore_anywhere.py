@@ -5,52 +5,58 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 from jaxpe.train.cli import eval_main
-from jaxpe.train.config import build_task, resolve_config, to_dict
+from jaxpe.train.config import build_config, build_task, resolve_config, to_dict
 from jaxpe.train.experiments import _finished_result, restore_run, train_and_evaluate
 from jaxpe.train.workdir import check_same_run
 from tiny_config import ROOT, cli_env, tiny
 
-# What docs/training.md shows: a run restored by hand in a process of 1 CPU device, its logits on a batch.
-RESTORE = textwrap.dedent("""
-    import sys, numpy as np, jax
-    from jaxpe.train import restore_run
-    run = restore_run(sys.argv[1])
-    tokens = np.load(sys.argv[2])
-    logits = run.model.apply({"params": run.state.params}, tokens)
-    np.save(sys.argv[3], np.asarray(logits))
-    print(jax.device_count(), run.config.run.num_devices, int(run.state.step))
-""")
+DOCS = ROOT / "docs" / "training.md"
+
+
+def docs_block() -> str:
+    """The Python block of docs/training.md that loads a trained run (the one after its needs-a-trained-run note)."""
+    text = DOCS.read_text()
+    after = text[text.index("<!-- needs a trained run: tests/test_restore_anywhere.py"):]
+    return after[after.index("```python\n") + len("```python\n"):after.index("```\n", 10)]
 
 
 def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
-    config = tiny("run.steps=3", "run.checkpoint_every=3", "run.async_checkpoints=false", "run.num_devices=2",
-                  "run.fsdp=true")
-    train_and_evaluate(config, tmp_path / "run")
-    run = restore_run(tmp_path / "run")  # here, on the suite's 8 devices
+    """An lm run trained on 2 devices (of the suite's 8) loads in a process of 1 device with the docs' own code,
+    and gives there the logits it gives here; jaxpe-eval shows its progress."""
+    (tmp_path / "book.txt").write_text("def main(args):\n    return sum(args)\n" * 40)
+    config = build_config(task="lm", pe="rope", overrides=[
+        f"task.source={tmp_path / 'book.txt'}", "task.seq_len=16", "task.eval_bytes=64", "model.d_model=16",
+        "model.num_layers=1", "model.num_heads=2", "optim.batch_size=8", "run.steps=3", "run.checkpoint_every=3",
+        "run.eval_every=0", "run.eval_batch_size=8", "run.async_checkpoints=false", "run.progress=false",
+        "run.num_devices=2"])
+    workdir = tmp_path / "runs" / "book"
+    train_and_evaluate(config, workdir)
+    run = restore_run(workdir)  # here, on 2 of the suite's 8 devices
     assert run.trainer.mesh.size == 2 and int(run.state.step) == 3
-    tokens = run.task.eval_splits()["valid"].inputs[:2]
-    expected = np.asarray(run.model.apply({"params": run.state.params}, tokens))
-    np.save(tmp_path / "tokens.npy", tokens)
+    prompt = np.frombuffer(b"def main(", np.uint8).astype(np.int32)[None]
+    expected = np.asarray(run.model.apply({"params": run.state.params}, prompt))
+    check = 'np.save("logits.npy", np.asarray(logits)); print(jax.device_count(), run.config.run.num_devices)'
     env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", RESTORE, str(tmp_path / "run"), str(tmp_path / "tokens.npy"),
-                           str(tmp_path / "logits.npy")], env=env, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", f"import jax\n{docs_block()}\n{check}"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["1", "0", "3"]  # one device, the mesh over all of them (0), step 3
+    assert done.stdout.splitlines()[-1].split() == ["1", "0"]  # one device; the mesh over all of them (0)
+    assert done.stdout.startswith("def main(")  # the decoded prompt and what the model generated after it
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, rtol=1e-5, atol=1e-5)
-    # jaxpe-eval shows its progress on stderr: a bar over the sequences of every split (24 in each of 3), with
-    # --progress even though the run was trained with run.progress=false, and none without it
-    assert [s.inputs.shape[0] for s in run.task.eval_splits().values()] == [24, 24, 24]
+    # jaxpe-eval shows its progress on stderr: a bar over the sequences of every split, with --progress even though
+    # the run was trained with run.progress=false, and none without it
+    total = sum(split.inputs.shape[0] for split in run.task.eval_splits().values())
+    assert total == 4 + 4 + 2 + 1  # 64 bytes of windows at 16, 16, 32 and 64
     capsys.readouterr()
-    assert eval_main(["--workdir", str(tmp_path / "run"), "--progress"]) == 0
+    assert eval_main(["--workdir", str(workdir), "--progress"]) == 0
     bar = capsys.readouterr().err
-    assert "eval: 100%" in bar and "72/72" in bar
-    assert eval_main(["--workdir", str(tmp_path / "run")]) == 0
+    assert "eval: 100%" in bar and f"{total}/{total}" in bar
+    assert eval_main(["--workdir", str(workdir)]) == 0
     assert "eval:" not in capsys.readouterr().err
 
 

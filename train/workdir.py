@@ -7,7 +7,8 @@ lock). `check_same_run(workdir, config, task)` refuses a config that differs fro
 saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
 saved config. Both are compared resolved with the task (`resolve_config`: model.vocab_size and model.max_len filled
-in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved unresolved. `write_json` writes a workdir's JSON files atomically.
+in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved unresolved.
+`write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
 
@@ -127,9 +128,9 @@ def check_workdir(workdir: pathlib.Path) -> None:
 
 def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
     """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
-    resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a config.json, or a checkpoint past `config.run.steps` that the
-    run would resume. The saved config is read back first, so that a field added since it was written (with its
-    default) is no difference."""
+    resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
+    config.json, or a checkpoint past `config.run.steps` that the run would resume. The saved config is read back
+    first, so that a field added since it was written (with its default) is no difference."""
     check_workdir(workdir)
     path = workdir / "config.json"
     if not path.is_file():

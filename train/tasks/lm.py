@@ -75,9 +75,9 @@ class LMConfig:
     test_fraction: float = 0.05  # share held out for `test` and the longer splits
     eval_multiples: tuple[int, ...] = (2, 4)  # longer test splits `len_x{m}` at m·L
     eval_bytes: int = 65_536  # each evaluation split is eval_bytes // its length windows (at least one)
-    suffixes: tuple[str, ...] = (".py", ".txt", ".md", ".rst")  # file endings taken from a walked directory; () all
+    suffixes: tuple[str, ...] = (".py", ".txt", ".md", ".rst")  # endings taken from a walked directory; [] every file
     text_field: str = "text"  # the text column of a Hugging Face dataset
-    split_by: str = "auto"  # "document" (by a hash of each name), "bytes" (contiguous byte ranges) or "auto"
+    split_by: str = "auto"  # "document" (by name hash), "bytes" (byte ranges), "auto" (document if >= 100 documents)
     documents: str = "separate"  # "separate": no window crosses a document; "joined": each split one run of bytes
 
     def __post_init__(self) -> None:
@@ -310,7 +310,8 @@ class LMTask:
         c = self.config
         what = (f"the {split} split of source={c.source!r} has {self.streams[split].size} bytes in {count} "
                 "document(s), none of 2 bytes or more")
-        fraction = "lower task.valid_fraction, task.test_fraction" if split == "train" else f"raise task.{split}_fraction"
+        fraction = ("lower task.valid_fraction, task.test_fraction" if split == "train"
+                    else f"raise task.{split}_fraction")
         if self.split_by == "document":
             return (f"{what}: split_by=document sends each document wholly to one split, by a hash of its name; set "
                     f"task.split_by=bytes to cut the corpus into byte ranges, or {fraction}")
