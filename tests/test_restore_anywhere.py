@@ -70,6 +70,8 @@ def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):
     for saved in (json.loads((tmp_path / "config.json").read_text()), result["config"],
                   json.loads((tmp_path / "result.json").read_text())["config"]):
         assert (saved["model"]["vocab_size"], saved["model"]["max_len"]) == (task.vocab_size, 16)
+        assert saved["task"]["options"]["p_ignore_train"] == 0.8  # every task option, defaults included
+        assert saved["task"]["options"]["seq_len"] == 16
     check_same_run(tmp_path, config, task)  # the unresolved config is the same run
     assert _finished_result(tmp_path, config, task) is not None
     with pytest.raises(ValueError, match="model.max_len: 16 -> 32"):

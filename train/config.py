@@ -262,11 +262,18 @@ def resolve_model(model: ModelConfig, vocab_size: int, max_len: int) -> ModelCon
     return dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size, max_len=model.max_len or max_len)
 
 
+def resolve_task(task: TaskConfig) -> TaskConfig:
+    """`task` with every option of its task listed, defaults filled in (as JSON values: lists for tuples)."""
+    options = config_from_options(task_config_class(task.name), task.name, task.options)
+    return dataclasses.replace(task, options=json.loads(json.dumps(dataclasses.asdict(options), default=list)))
+
+
 def resolve_config(config: TrainConfig, task: Task) -> TrainConfig:
-    """`config` with what its run takes from `task` filled in (model.vocab_size, model.max_len): the config a run
-    saves. Resolving a resolved config changes nothing, so a saved config and the one it was resolved from, both
-    resolved with the same task, are equal."""
-    return dataclasses.replace(config, model=resolve_model(config.model, task.vocab_size, longest_length(task)))
+    """The config a run saves: `config` with every task option (resolve_task) and what the run takes from `task`
+    (model.vocab_size, model.max_len) filled in. Resolving a resolved config changes nothing, so a saved config and
+    the one it was resolved from, both resolved with the same task, are equal."""
+    return dataclasses.replace(config, task=resolve_task(config.task),
+                               model=resolve_model(config.model, task.vocab_size, longest_length(task)))
 
 
 def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:

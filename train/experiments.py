@@ -30,7 +30,8 @@ from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.workdir import check_same_run, check_workdir, config_differences, locked_workdir, write_json
+from jaxpe.train.workdir import (check_same_run, check_workdir, config_differences, locked_workdir, resolved_pair,
+                                 write_json)
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +366,5 @@ def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> 
         saved = from_dict(result["config"])
     except (KeyError, ValueError):
         return None
-    if saved.task != config.task:
-        return None
-    return result if resolve_config(saved, task) == resolve_config(config, task) else None
+    saved, config = resolved_pair(saved, config, task)
+    return result if saved == config else None

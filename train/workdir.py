@@ -6,13 +6,15 @@ a killed run never blocks its restart; `locked_workdir` is the block a run write
 lock). `check_same_run(workdir, config, task)` refuses a config that differs from the one
 saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
-saved config. Both are compared resolved with the task (`resolve_config`: model.vocab_size and model.max_len filled
-in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved unresolved.
+saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
+filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
+unresolved.
 `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -20,7 +22,7 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from jaxpe.train.config import TrainConfig, load_config, resolve_config, to_dict
+from jaxpe.train.config import TrainConfig, load_config, resolve_config, resolve_task, to_dict
 from jaxpe.train.tasks import Task
 
 LOCK_NAME = ".jaxpe.lock"
@@ -101,12 +103,23 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def resolved_pair(saved: TrainConfig, new: TrainConfig, task: Task) -> tuple[TrainConfig, TrainConfig]:
+    """`saved` and `new` resolved for comparing: `new` with `task` (the task it names, resolve_config), `saved` with
+    its task options filled in, and with `task` too when that makes its task the same (else that is the difference;
+    a saved option the task no longer has is left as it is, a difference)."""
+    new = resolve_config(new, task)
+    try:
+        saved = dataclasses.replace(saved, task=resolve_task(saved.task))
+    except (TypeError, ValueError):
+        return saved, new
+    return (resolve_config(saved, task) if saved.task == new.task else saved), new
+
+
 def config_differences(saved: TrainConfig, new: TrainConfig, task: Task) -> list[str]:
     """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ, once both
-    are resolved with `task` (new's task; `saved` only when it names the same task, else that is the difference)."""
-    if saved.task == new.task:
-        saved = resolve_config(saved, task)
-    old, now = _flat(to_dict(saved)), _flat(to_dict(resolve_config(new, task)))
+    are resolved (resolved_pair)."""
+    saved, new = resolved_pair(saved, new, task)
+    old, now = _flat(to_dict(saved)), _flat(to_dict(new))
     allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
     changed = sorted(k for k in old.keys() | now.keys() if k not in allowed and old.get(k) != now.get(k))
     return [f"{k}: {old.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in changed]

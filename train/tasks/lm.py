@@ -20,7 +20,8 @@ Splits (`split_by`), a dataset's own validation/test splits used when it has the
   into three contiguous ranges: the first 1 − valid_fraction − test_fraction of
   the bytes train, the next valid_fraction valid, the rest test (a document at
   a cut is shared, each piece named `name[start:end]`); one file is enough;
-- `"auto"` (default): "document" for a corpus of at least 100 documents
+- `"auto"` (default): "document" for the standard library (split by file, as it
+  always was) and for a corpus of at least 100 documents
   (MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT), else "bytes".
 
 Documents are kept apart (`documents="separate"`, default): every window lies
@@ -77,7 +78,7 @@ class LMConfig:
     eval_bytes: int = 65_536  # each evaluation split is eval_bytes // its length windows (at least one)
     suffixes: tuple[str, ...] = (".py", ".txt", ".md", ".rst")  # endings taken from a walked directory; [] every file
     text_field: str = "text"  # the text column of a Hugging Face dataset
-    split_by: str = "auto"  # "document" (by name hash), "bytes" (byte ranges), "auto" (document if >= 100 documents)
+    split_by: str = "auto"  # "document" (by name hash), "bytes" (byte ranges), "auto" (see the module docstring)
     documents: str = "separate"  # "separate": no window crosses a document; "joined": each split one run of bytes
 
     def __post_init__(self) -> None:
@@ -129,7 +130,8 @@ def split_corpus(documents: Sequence[Document], config: LMConfig) -> tuple[Docum
     """The documents (in corpus order) by split as config.split_by says, and the rule used ("document", "bytes")."""
     split_by = config.split_by
     if split_by == "auto":
-        split_by = "document" if len(documents) >= MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT else "bytes"
+        many = config.source == "stdlib" or len(documents) >= MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT
+        split_by = "document" if many else "bytes"
     docs: Documents = {split: [] for split in SPLITS}
     if split_by == "document":
         for name, content in documents:
