@@ -191,7 +191,7 @@ def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
     """Why a walked directory gave no document, and the setting that takes its files."""
     others = _walk(directory, ())
     if not others:
-        return f"source directory {str(directory)!r} holds no files"
+        return f"source directory {str(directory)!r} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
     endings = sorted({Path(name).suffix for name in others})
     setting = f"task.suffixes={','.join(endings)}" if all(endings) else "task.suffixes=[] (every file)"
     return (f"source directory {str(directory)!r} holds no file ending in {', '.join(suffixes)} (task.suffixes) but "
@@ -311,11 +311,11 @@ class LMTask:
         """Why `split` holds nothing to predict, and the settings that fix it."""
         c = self.config
         what = (f"the {split} split of source={c.source!r} has {self.streams[split].size} bytes in {count} "
-                "document(s), none of 2 bytes or more")
+                "document(s): no byte to predict (that takes a document of 2 bytes or more)")
         fraction = ("lower task.valid_fraction, task.test_fraction" if split == "train"
                     else f"raise task.{split}_fraction")
         if self.split_by == "document":
-            return (f"{what}: split_by=document sends each document wholly to one split, by a hash of its name; set "
+            return (f"{what}; split_by=document sends each document wholly to one split, by a hash of its name; set "
                     f"task.split_by=bytes to cut the corpus into byte ranges, or {fraction}")
         if self.split_by == "own":
             return f"{what} (the dataset's own {split} split); raise task.max_bytes"
