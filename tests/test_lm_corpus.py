@@ -30,8 +30,9 @@ def test_one_file_is_cut_into_contiguous_byte_ranges(tmp_path):
     assert bytes(valid.inputs[1].astype(np.uint8)) == text[3056:3072]
     assert bytes(valid.targets[1].astype(np.uint8)) == text[3057:3073]
     batch = task.train_batch(0, 8)
-    for x, y in zip(batch["inputs"], batch["targets"]):
-        assert bytes(np.append(x, y[-1]).astype(np.uint8)) in text[:3040]
+    for x, y, w in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        n = int(w.sum())  # the scored prefix: the window's bytes of the train range
+        assert n >= 1 and bytes(np.append(x[:n], y[n - 1]).astype(np.uint8)) in text[:3040]
     assert make_task("lm", source=str(tmp_path / "book.txt"), **SMALL).fingerprint == task.fingerprint
 
 
@@ -70,8 +71,8 @@ def test_windows_never_cross_documents(tmp_path):
         seen |= letters
         np.testing.assert_array_equal(scored, np.arange(16) < scored.sum())  # padding only after the document
         np.testing.assert_array_equal(x[~scored][1:], 0)
-        if letters == {ord("b")}:
-            assert scored.sum() == 4 and bytes(x[:5].astype(np.uint8)) == b"bbbbb"  # 5 bytes: 4 predictions
+        if letters == {ord("b")}:  # 5 bytes: a window starting at its k-th byte makes 4 - k predictions
+            assert 1 <= scored.sum() <= 4
     assert seen == {ord("a"), ord("b"), ord("d")}
     # evaluation: consecutive windows inside each document; test is d[55:60]: one window, 4 predictions
     test = task.eval_splits()["test"]
@@ -81,8 +82,7 @@ def test_windows_never_cross_documents(tmp_path):
                        seq_len=16, eval_bytes=1000, documents="joined")
     np.testing.assert_array_equal(joined.bounds["train"], [0, 95])
     rows = joined.train_batch(3, 256)
-    assert any(len(set(np.append(x, y[-1]).tolist())) > 1 for x, y in zip(rows["inputs"], rows["targets"]))
-    assert (rows["weights"] == 1).all()
+    assert any(len(set(y[w > 0].tolist())) > 1 for y, w in zip(rows["targets"], rows["weights"]))
 
 
 def test_binary_files_and_the_suffix_filter(tmp_path):

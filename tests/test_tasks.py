@@ -284,8 +284,9 @@ def test_lm_train_windows_come_from_the_train_stream(corpus):
     task = make_task("lm", **lm_options(corpus, seed=1))
     train = task.streams["train"].tobytes()
     batch = task.train_batch(2, 6)
-    for x, y in zip(batch["inputs"], batch["targets"]):
-        assert bytes(np.append(x, y[-1]).astype(np.uint8)) in train
+    for x, y, w in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        n = int(w.sum())  # the scored prefix: bytes of one training document
+        assert n >= 1 and bytes(np.append(x[:n], y[n - 1]).astype(np.uint8)) in train
         np.testing.assert_array_equal(x[1:], y[:-1])
     again = make_task("lm", **lm_options(corpus, seed=1)).train_batch(2, 6)
     np.testing.assert_array_equal(batch["inputs"], again["inputs"])

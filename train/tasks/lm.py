@@ -24,18 +24,18 @@ Splits (`split_by`), a dataset's own validation/test splits used when it has the
   always was) and for a corpus of at least 100 documents
   (MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT), else "bytes".
 
-Documents are kept apart (`documents="separate"`, default): every window lies
-inside one document, a document shorter than the window fills its start and
-the rest is padding (weight 0), so attention and every position (CoPE's counts
-included) start afresh with each document and no byte is predicted from another
-document. `documents="joined"` reads each split as one run of bytes (windows
-cross documents, no padding: for corpora of very short documents, e.g. a
-dataset of one line a row).
+Documents are kept apart (`documents="separate"`, default): every window
+starts inside one document and holds only its bytes, the rest of a window that
+runs past the document's end being padding (weight 0), so attention and every
+position (CoPE's counts included) start afresh with each document and no byte
+is predicted from another document. `documents="joined"` reads each split as
+one run of bytes (windows cross documents, padding only at the split's end: for
+corpora of very short documents, e.g. a dataset of one line a row).
 
-Training batches are windows at random offsets (seeded by (seed, step)), every
-start inside a document equally likely; evaluation splits are consecutive
-windows, document after document, over the first eval_bytes of the held-out
-data: `valid` and `test` at the training length L and `len_x2`, `len_x4` (test
+Training batches are windows at random starts (seeded by (seed, step)), every
+byte of a document but its last equally likely; evaluation splits are
+consecutive windows, document after document, over the first eval_bytes of the
+held-out data: `valid` and `test` at the training length L and `len_x2`, `len_x4` (test
 data) at 2·L and 4·L. Metric: bits per byte over every byte predicted from its
 own document (weights 1), padding left out (weights 0).
 """
@@ -325,15 +325,16 @@ class LMTask:
 
     @functools.cached_property
     def _train_starts(self) -> tuple[np.ndarray, np.ndarray]:
-        """(first start, number of starts) [D] per training document: every window start that keeps a full window
-        inside it, or its first byte alone when it is shorter than a window (none under 2 bytes)."""
+        """(first start, number of starts) [D] per training document: every byte but its last (a window starting
+        there has a byte to predict; past the document's end it is padding), none for a document under 2 bytes."""
         bounds = self.bounds["train"]
         sizes = np.diff(bounds)  # [D]
-        counts = np.where(sizes >= 2, np.maximum(sizes - self.seq_len, 1), 0)
-        return bounds[:-1], counts
+        return bounds[:-1], np.maximum(sizes - 1, 0)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
-        """Windows at random starts inside the training documents, seeded by (seed, step); each [B, L]."""
+        """Windows at random starts inside the training documents, every start with a byte to predict equally
+        likely (so every byte is scored equally often, but for a document's first L), seeded by (seed, step);
+        each [B, L]. A window that runs past its document's end is padded there (weight 0)."""
         check_step(step, batch_size)
         firsts, counts = self._train_starts
         ends = np.cumsum(counts)  # [D]
