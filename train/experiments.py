@@ -43,8 +43,8 @@ def train_and_evaluate(
 
     task: a jaxpe.train.tasks Task (default: built from config.task); model: a flax module with
     jaxpe.TransformerLM's call signature (default: built from config.model, filled in from the task).
-    Writes in workdir: config.json (the config resolved with the task: model.vocab_size and max_len filled in),
-    metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
+    Writes in workdir: config.json (the config resolved with the task, config.resolve_config: every task option,
+    model.vocab_size and max_len filled in), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
     result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
