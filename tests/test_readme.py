@@ -3,7 +3,8 @@ relative link resolves, the README's Layout names every module, and every Python
 
 A page's Python blocks run in order in one namespace, as a reader pastes them; a block right after a
 `<!-- signatures ... -->` comment lists call signatures instead, and each of its keywords and defaults is checked
-against the function it names.
+against the function it names; one right after `<!-- needs a trained run ... -->` reads a jaxpe-train workdir and runs
+where a test trains one (the comment names that test).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 MAX_README_LINES = 250
 SIGNATURES = "<!-- signatures"
+NEEDS_RUN = "<!-- needs a trained run"
 # The packages whose module files the README's Layout names, and the folders it lists.
 PACKAGES = ("jaxpe", "kernels", "train")
 FOLDERS = ("jaxpe", "kernels", "train", "benchmarks", "tools", "tests", "notebooks", "results", "docs")
@@ -77,7 +79,7 @@ def run_page(path: pathlib.Path) -> dict[str, dict]:
     exec(compile(PRELUDES.get(path.name, ""), f"{path.name} prelude", "exec"), scope)
     sections: dict[str, dict] = {}
     for language, code, section, before in code_blocks(path.read_text()):
-        if language == "python" and not before.startswith(SIGNATURES):
+        if language == "python" and not before.startswith((SIGNATURES, NEEDS_RUN)):
             exec(compile(code, _rel(path), "exec"), scope)
             sections[section] = dict(scope)
     return sections

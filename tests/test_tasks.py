@@ -244,11 +244,12 @@ def corpus(tmp_path):
 
 
 def lm_options(root, **extra):
-    return dict(source=str(root), seq_len=16, valid_fraction=0.25, test_fraction=0.25, eval_bytes=200) | extra
+    return dict(source=str(root), seq_len=16, valid_fraction=0.25, test_fraction=0.25, eval_bytes=200,
+                split_by="document") | extra
 
 
 def test_lm_splits_by_file(corpus):
-    task = make_task("lm", **lm_options(corpus))
+    task = make_task("lm", **lm_options(corpus, documents="joined"))
     docs = task.split_documents
     names = {f"corpus/{p.relative_to(corpus).as_posix()}" for p in corpus.rglob("*.txt")}
     assert set(docs["train"]) | set(docs["valid"]) | set(docs["test"]) == names
@@ -263,13 +264,13 @@ def test_lm_splits_by_file(corpus):
     np.testing.assert_array_equal(s.weights, 1)
     # a file's split depends on its name only, not on the other files
     (corpus / "d0" / "f00.txt").unlink()
-    smaller = make_task("lm", **lm_options(corpus))
+    smaller = make_task("lm", **lm_options(corpus, documents="joined"))
     for split in ("train", "valid", "test"):
         assert set(smaller.split_documents[split]) == set(docs[split]) - {"corpus/d0/f00.txt"}
 
 
 def test_lm_fingerprint_and_eval_lengths(corpus):
-    a, b = make_task("lm", **lm_options(corpus)), make_task("lm", **lm_options(corpus, seed=4))
+    a, b = make_task("lm", **lm_options(corpus, documents="joined")), make_task("lm", **lm_options(corpus, seed=4))
     assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 64
     splits = a.eval_splits()
     assert {k: v.seq_len for k, v in splits.items()} == {"valid": 16, "test": 16, "len_x2": 32, "len_x4": 64}
@@ -283,8 +284,9 @@ def test_lm_train_windows_come_from_the_train_stream(corpus):
     task = make_task("lm", **lm_options(corpus, seed=1))
     train = task.streams["train"].tobytes()
     batch = task.train_batch(2, 6)
-    for x, y in zip(batch["inputs"], batch["targets"]):
-        assert bytes(np.append(x, y[-1]).astype(np.uint8)) in train
+    for x, y, w in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        n = int(w.sum())  # the scored prefix: bytes of one training document
+        assert n >= 1 and bytes(np.append(x[:n], y[n - 1]).astype(np.uint8)) in train
         np.testing.assert_array_equal(x[1:], y[:-1])
     again = make_task("lm", **lm_options(corpus, seed=1)).train_batch(2, 6)
     np.testing.assert_array_equal(batch["inputs"], again["inputs"])

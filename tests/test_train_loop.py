@@ -269,9 +269,9 @@ def test_a_workdir_saved_before_new_config_fields_still_resumes(tmp_path):
     del saved["model"]["vocab_size"], saved["run"]["tensorboard"]
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    check_same_run(tmp_path, config)
+    check_same_run(tmp_path, config, build_task(config))
     with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):
-        check_same_run(tmp_path, tiny("run.checkpoint_every=4", "model.d_model=32"))
+        check_same_run(tmp_path, tiny("run.checkpoint_every=4", "model.d_model=32"), build_task(config))
 
 
 def test_bfloat16_compute_trains_like_float32(tmp_path):

@@ -246,12 +246,14 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                                      description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
     parser.add_argument("--workdir", required=True, help="a jaxpe-train workdir")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest readable one)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar over the evaluated sequences on stderr (default: the run's run.progress)")
     _multihost_flags(parser)
     args = parser.parse_args(argv)
 
     def body() -> int:
         _start(args)
-        result = experiments.evaluate_checkpoint(args.workdir, step=args.step)
+        result = experiments.evaluate_checkpoint(args.workdir, step=args.step, progress=args.progress)
         print(result["table"], end="")
         if result["unwritten"]:
             sys.stdout.flush()

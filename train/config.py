@@ -257,14 +257,32 @@ def longest_length(task: Task) -> int:
     return max([task.seq_len, *(s.inputs.shape[1] for s in task.eval_splits().values())])
 
 
-def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
-    """jaxpe.TransformerLM for `model`, its vocab_size and max_len filled in where None (the task's vocabulary and
-    longest sequence); a vocab_size that is set must hold the task's `vocab_size` tokens."""
+def resolve_model(model: ModelConfig, vocab_size: int, max_len: int) -> ModelConfig:
+    """`model` with its vocab_size and max_len filled in where None (the task's vocabulary and longest sequence);
+    a vocab_size that is set must hold the task's `vocab_size` tokens."""
     if model.vocab_size is not None and model.vocab_size < vocab_size:
         raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the task's {vocab_size=}; "
                          "leave it unset (none) to take the task's")
-    return TransformerLM(dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size,
-                                             max_len=model.max_len or max_len))
+    return dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size, max_len=model.max_len or max_len)
+
+
+def resolve_task(task: TaskConfig) -> TaskConfig:
+    """`task` with every option of its task listed, defaults filled in (as JSON values: lists for tuples)."""
+    options = config_from_options(task_config_class(task.name), task.name, task.options)
+    return dataclasses.replace(task, options=json.loads(json.dumps(dataclasses.asdict(options), default=list)))
+
+
+def resolve_config(config: TrainConfig, task: Task) -> TrainConfig:
+    """The config a run saves: `config` with every task option (resolve_task) and what the run takes from `task`
+    (model.vocab_size, model.max_len) filled in. Resolving a resolved config changes nothing, so a saved config and
+    the one it was resolved from, both resolved with the same task, are equal."""
+    return dataclasses.replace(config, task=resolve_task(config.task),
+                               model=resolve_model(config.model, task.vocab_size, longest_length(task)))
+
+
+def build_model(model: ModelConfig, vocab_size: int, max_len: int) -> TransformerLM:
+    """jaxpe.TransformerLM for `model` resolved (resolve_model) with the task's vocabulary and longest sequence."""
+    return TransformerLM(resolve_model(model, vocab_size, max_len))
 
 
 def field_comments(cls: type) -> dict[str, str]:

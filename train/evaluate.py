@@ -93,9 +93,12 @@ def split_sums(
     put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
     to_host: Callable[[Any], Any],
     pad: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """The compute_metrics sums of one split (float64, shaped as eval_step returns them: [] for one model, [S] for
     S stacked ones).
+
+    `on_batch(rows)` (e.g. a progress bar's update) is called after each batch with its number of real sequences.
 
     `pad` (e.g. Trainer.pad) cuts each host batch [B, L] to the length it needs; with it, the sequences are first
     sorted by length (tasks.base.scored_lengths), so that short ones share short batches. The metrics are sums
@@ -110,10 +113,13 @@ def split_sums(
         order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
         arrays = {name: array[order] for name, array in arrays.items()}
     totals: dict[str, np.ndarray] = {}
-    for batch in padded_batches(arrays, batch_size):
+    n = arrays["inputs"].shape[0]
+    for start, batch in zip(range(0, n, batch_size), padded_batches(arrays, batch_size)):
         if pad is not None:
             batch = pad(batch)
         sums = to_host(eval_step(params, put_batch(batch)))
         for name, value in sums.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
+        if on_batch is not None:
+            on_batch(min(batch_size, n - start))
     return totals

@@ -26,13 +26,14 @@ from jaxpe.model import TransformerLM
 from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
-                                to_dict)
+                                resolve_config, to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
 from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.workdir import check_same_run, check_workdir, config_differences, locked_workdir, write_json
+from jaxpe.train.workdir import (check_same_run, check_workdir, config_differences, locked_workdir, resolved_pair,
+                                 write_json)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ def train_and_evaluate(
     jaxpe.TransformerLM's call signature (default: built from config.model, filled in from the task).
     time_limit: seconds after which training stops at the end of a dispatch, checkpoints that step and raises
     TimeLimitReached (run it again to resume); None: no limit.
-    Writes in workdir: config.json, metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/, result.json,
-    result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
+    Writes in workdir: config.json (the config resolved with the task, config.resolve_config: every task option,
+    model.vocab_size and max_len filled in), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/,
+    result.json, result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
     """
@@ -67,22 +69,24 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     """Runs of one configuration that differ only in run.seed, trained as one program (their models stacked and
     vmapped through one jitted step, jaxpe.train.trainer), each written to its own workdir as train_and_evaluate
     writes a run: the same files, and results equal to separate runs' up to float rounding. One config trains
-    alone. task and model: as train_and_evaluate's, built for configs[0]."""
+    alone. task and model: as train_and_evaluate's, built for configs[0]; each config is saved resolved with the
+    task (config.resolve_config)."""
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
     if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=configs[0].run) != configs[0]
                                             for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
+    configs = [resolve_config(c, task) for c in configs]  # saved as the run resolved it (config.json, checkpoints)
     workdirs = [pathlib.Path(w).absolute() for w in workdirs]
     is_main = jax.process_index() == 0
     deadline = None if time_limit is None else time.time() + time_limit
     for config, workdir in zip(configs, workdirs):
-        check_same_run(workdir, config)
+        check_same_run(workdir, config, task)
     with contextlib.ExitStack() as locks:
         for config, workdir in zip(configs, workdirs):
             locks.enter_context(locked_workdir(workdir, is_main=is_main))
-            check_same_run(workdir, config)  # again under the lock: a run that ended just before may have written
+            check_same_run(workdir, config, task)  # again under the lock: a run that ended just before may have written
             if is_main:
                 write_json(workdir / "config.json", to_dict(config))
         trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
@@ -131,7 +135,7 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
     if run.checkpoint_every:
         checkpoints = [Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
                                    async_save=run.async_checkpoints) for workdir in workdirs]
-        resumed = _restore_members(trainer, configs, checkpoints, problems)
+        resumed = _restore_members(trainer, configs, task, checkpoints, problems)
     else:
         resumed = None
     resumed_from = None if resumed is None else int(distributed.to_host(resumed.step).max())
@@ -191,8 +195,8 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
     return results
 
 
-def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], checkpoints: Sequence[Checkpoints],
-                     problems: list[list[dict[str, Any]]]) -> TrainState | None:
+def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Task,
+                     checkpoints: Sequence[Checkpoints], problems: list[list[dict[str, Any]]]) -> TrainState | None:
     """The members' newest common checkpoint, stacked as the trainer holds its state, or None (start afresh).
 
     Each member's newest readable checkpoint is read (unreadable ones are quarantined and noted in its `problems`);
@@ -204,7 +208,7 @@ def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], checkpoin
         state, meta, member_problems = ckpt.restore_latest(abstract)
         problems[member] += member_problems
         if state is not None:
-            _check_checkpoint_config(meta, config, ckpt.directory, lambda: [c.close() for c in checkpoints])
+            _check_checkpoint_config(meta, config, task, ckpt.directory, lambda: [c.close() for c in checkpoints])
         found.append(state)
     if any(state is None for state in found):
         return None
@@ -250,13 +254,13 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, directory: pathlib.Path,
+def _check_checkpoint_config(meta: Mapping[str, Any], config: TrainConfig, task: Task, directory: pathlib.Path,
                              on_error: Any = None) -> None:
-    """ValueError when a checkpoint's meta names a config that differs from `config` (a checkpoint written before
-    checkpoints carried their config passes: config.json is all there is to compare)."""
+    """ValueError when a checkpoint's meta names a config that differs from `config` (both resolved with `task`; a
+    checkpoint written before checkpoints carried their config passes: config.json is all there is to compare)."""
     if "config" not in meta:
         return
-    differences = config_differences(from_dict(meta["config"]), config)
+    differences = config_differences(from_dict(meta["config"]), config, task)
     if differences:
         if on_error is not None:
             on_error()
@@ -283,16 +287,26 @@ class Run:
     state: TrainState
 
 
-def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
+def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_devices: int | None = None) -> Run:
     """The run in `workdir` (its config.json) at its latest readable checkpoint (an unreadable one is logged and the
-    previous one used, as training does, but left in place), or at checkpoint `step`."""
+    previous one used, as training does, but left in place), or at checkpoint `step`.
+
+    The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
+    (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
+    chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
+    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits.
+    """
     workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
     config = load_config(config_path)
+    if num_devices is None:
+        num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
+    config = resolve_config(config, task)
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     try:
@@ -306,19 +320,33 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None) -> Run:
             if state is None:
                 raise ValueError(f"no readable checkpoint in {workdir / 'checkpoints'}: "
                                  f"{'; '.join(p['error'] for p in problems)}")
-        _check_checkpoint_config(meta, config, checkpoints.directory)
+        _check_checkpoint_config(meta, config, task, checkpoints.directory)
     finally:
         checkpoints.close()
     return Run(config=config, task=task, model=model, trainer=trainer, state=state)
 
 
-def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None) -> dict[str, Any]:
+def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
+                        progress: bool | None = None) -> dict[str, Any]:
     """Evaluates a run's checkpoint (the latest readable one, or `step`) on every split; writes eval.json and eval.md.
 
+    `progress`: a tqdm bar (stderr, process 0) over the evaluated sequences; None: as the run's run.progress.
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
     run = restore_run(workdir, step)
-    splits = run.trainer.evaluate(run.state.params, run.task.eval_splits())
+    eval_splits = run.task.eval_splits()
+    show = run.config.run.progress if progress is None else progress
+    bar = None
+    if show and jax.process_index() == 0:
+        from tqdm.auto import tqdm  # here, as jaxpe.train.loop.progress_bar does: it warns in Jupyter on import
+
+        bar = tqdm(total=sum(s.inputs.shape[0] for s in eval_splits.values()), desc="eval", unit="seq",
+                   dynamic_ncols=True)
+    try:
+        splits = run.trainer.evaluate(run.state.params, eval_splits, on_batch=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
     result = {"task": run.config.task.name, "pe": run.config.model.pe, "seed": run.config.run.seed,
               "metric": run.task.metric, "step": int(distributed.to_host(run.state.step)), "splits": splits}
     table = results_markdown([result], metric=run.task.metric, splits=list(splits),
@@ -366,9 +394,9 @@ def compare_encodings(
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
-            finished = _finished_result(run_dir, run_config)
+            finished = _finished_result(run_dir, run_config, task)
             if finished is None:
-                check_same_run(run_dir, run_config)
+                check_same_run(run_dir, run_config, task)
             runs.append((run_config, run_dir, task, model, finished))
     deadline = None if time_limit is None else time.time() + time_limit
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
@@ -424,8 +452,9 @@ def latest_checkpoint_step(run_dir: pathlib.Path) -> int | None:
     return max(steps, default=None)
 
 
-def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, Any] | None:
-    """result.json of a run in run_dir that finished with `config` (its saved config read back equals it), else None."""
+def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
+    """result.json of a run in run_dir that finished with `config` (its saved config read back equals it, both
+    resolved with `task`), else None."""
     path = run_dir / "result.json"
     if not path.is_file():
         return None
@@ -434,4 +463,5 @@ def _finished_result(run_dir: pathlib.Path, config: TrainConfig) -> dict[str, An
         saved = from_dict(result["config"])
     except (KeyError, ValueError):
         return None
+    saved, config = resolved_pair(saved, config, task)
     return result if saved == config else None

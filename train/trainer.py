@@ -175,21 +175,24 @@ class Trainer:
             log.info("%s step: batches of length %d (of %d), %d length(s) compiled so far", kind, length, full,
                      len(self.batch_lengths[kind]))
 
-    def evaluate(self, params: Any, splits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-        """Metrics per split (see jaxpe.train.evaluate) of one run's params (a Trainer without seeds)."""
+    def evaluate(self, params: Any, splits: Mapping[str, Any], *,
+                 on_batch: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
+        """Metrics per split (see jaxpe.train.evaluate) of one run's params (a Trainer without seeds);
+        `on_batch(rows)` after each batch (a progress bar)."""
         if self.seeds is not None:
             raise ValueError(f"this Trainer holds {self.members} stacked runs (seeds={self.seeds}); "
                              "use evaluate_members")
-        return self.evaluate_members(params, splits)[0]
+        return self.evaluate_members(params, splits, on_batch=on_batch)[0]
 
-    def evaluate_members(self, params: Any, splits: Mapping[str, Any]) -> list[dict[str, dict[str, float]]]:
+    def evaluate_members(self, params: Any, splits: Mapping[str, Any], *,
+                         on_batch: Callable[[int], None] | None = None) -> list[dict[str, dict[str, float]]]:
         """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
-        seeds); batches cut by `pad` unless run.pad_to is "block"."""
+        seeds); batches cut by `pad` unless run.pad_to is "block"; `on_batch(rows)` after each batch."""
         pad = None if self.pad_to == "block" else lambda batch: self.pad(batch, "eval")
         sums = {
             name: evaluate.split_sums(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
-                put_batch=self.put, to_host=distributed.to_host, pad=pad,
+                put_batch=self.put, to_host=distributed.to_host, pad=pad, on_batch=on_batch,
             )
             for name, split in splits.items()
         }

@@ -3,14 +3,18 @@
 `WorkdirLock(workdir)` holds an exclusive `fcntl.flock` on `workdir/.jaxpe.lock` (the holder's pid written in it) for
 as long as a run writes there; a second writer is refused at once. The kernel drops the lock when its holder dies, so
 a killed run never blocks its restart; `locked_workdir` is the block a run writes in (the main process holding the
-lock). `check_same_run(workdir, config)` refuses a config that differs from the one
+lock). `check_same_run(workdir, config, task)` refuses a config that differs from the one
 saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
-saved config. `write_json` writes a workdir's JSON files atomically.
+saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
+filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
+unresolved.
+`write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -18,7 +22,8 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from jaxpe.train.config import TrainConfig, load_config, to_dict
+from jaxpe.train.config import TrainConfig, load_config, resolve_config, resolve_task, to_dict
+from jaxpe.train.tasks import Task
 
 LOCK_NAME = ".jaxpe.lock"
 
@@ -98,8 +103,22 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_differences(saved: TrainConfig, new: TrainConfig) -> list[str]:
-    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ."""
+def resolved_pair(saved: TrainConfig, new: TrainConfig, task: Task) -> tuple[TrainConfig, TrainConfig]:
+    """`saved` and `new` resolved for comparing: `new` with `task` (the task it names, resolve_config), `saved` with
+    its task options filled in, and with `task` too when that makes its task the same (else that is the difference;
+    a saved option the task no longer has is left as it is, a difference)."""
+    new = resolve_config(new, task)
+    try:
+        saved = dataclasses.replace(saved, task=resolve_task(saved.task))
+    except (TypeError, ValueError):
+        return saved, new
+    return (resolve_config(saved, task) if saved.task == new.task else saved), new
+
+
+def config_differences(saved: TrainConfig, new: TrainConfig, task: Task) -> list[str]:
+    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ, once both
+    are resolved (resolved_pair)."""
+    saved, new = resolved_pair(saved, new, task)
     old, now = _flat(to_dict(saved)), _flat(to_dict(new))
     allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
     changed = sorted(k for k in old.keys() | now.keys() if k not in allowed and old.get(k) != now.get(k))
@@ -120,11 +139,11 @@ def check_workdir(workdir: pathlib.Path) -> None:
         raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory; give a directory (new or a run's)")
 
 
-def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
-    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` in anything
-    but RESUMABLE_RUN_FIELDS, or run state without a config.json, or a checkpoint past `config.run.steps` that the
-    run would resume. The saved config is read back first, so that a field added since it was written (with its
-    default) is no difference."""
+def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
+    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
+    resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
+    config.json, or a checkpoint past `config.run.steps` that the run would resume. The saved config is read back
+    first, so that a field added since it was written (with its default) is no difference."""
     check_workdir(workdir)
     path = workdir / "config.json"
     if not path.is_file():
@@ -133,7 +152,7 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig) -> None:
             raise ValueError(f"workdir {str(workdir)!r} holds {', '.join(present)} but no config.json: state of an "
                              "unknown run; use a new workdir")
         return
-    differences = config_differences(load_config(path), config)
+    differences = config_differences(load_config(path), config, task)
     if differences:
         raise ValueError(f"workdir {str(workdir)!r} holds a run with another config ({', '.join(differences)}); "
                          "use a new workdir, or the saved config (--config <workdir>/config.json) to resume it")

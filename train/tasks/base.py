@@ -9,7 +9,8 @@ elsewhere (padding, context).
 
 Tasks pad on the right to their full length L; the trainer then cuts each batch to the length it needs
 (`scored_lengths`, rounded up by `bucket_length` as run.pad_to says, `trim_batch`), so that only a few shapes
-compile. Only counting has sequences shorter than their split's L; the others are cut to L itself, a no-op.
+compile. Counting has sequences shorter than their split's L, and so has lm where a document is shorter than a
+window; flip-flop and selective copy are cut to L itself, a no-op.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def scored_lengths(weights: np.ndarray) -> np.ndarray:
 
     That prefix is all the loss and the metrics read, and under causal attention the positions after it cannot
     change the ones before, so a batch cut to its longest prefix scores exactly as the whole batch. For counting it
-    is the sequence's unpadded length of input/target pairs (the answer ends the sequence, padding follows it);
-    flip-flop, selective copy and lm score their last position, so theirs is always the full length L.
+    is the sequence's unpadded length of input/target pairs (the answer ends the sequence, padding follows it), for
+    lm the length of the window's document part; flip-flop and selective copy score their last position, so theirs
+    is always the full length L.
     """
     weights = np.asarray(weights)
     used = weights > 0  # [B, L]

@@ -1,27 +1,43 @@
 """Byte-level language modelling.
 
-Tokens are bytes (vocab 256); documents are concatenated as they are, with no
-separator. Sources (`source` option):
+Tokens are bytes (vocab 256). Sources (`source` option):
 - `"stdlib"` (default, no download): the running interpreter's standard-library
   `.py` files (site-packages, test directories and caches left out);
-- local text files or directories (a path or a tuple of paths; directories are
-  walked for files ending in one of `suffixes`);
+- local files or directories (a path or a tuple of paths; directories are
+  walked for files ending in one of `suffixes`, `()` for every file);
 - `"hf:<name>[:<config>]"`: a Hugging Face dataset (`pip install datasets`),
   either a directory written by `save_to_disk` or a hub name; its `text_field`
-  column holds the documents.
+  column holds the documents (one a row).
 
-Documents are split into train/valid/test by a hash of their name (the file's
-relative path), so the split of a file never depends on which other files are
-present; a dataset's own validation/test splits are used when it has them.
-The corpus is capped at `max_bytes`: documents are taken in a fixed
-pseudo-random order (another hash of the name) while they fit. `fingerprint`
-is the sha256 of the sorted document names and sizes.
+A file (or a dataset row) is a document. The corpus is capped at `max_bytes`:
+documents are taken in a fixed pseudo-random order (a hash of the name) while
+they fit. `fingerprint` is the sha256 of the sorted document names and sizes.
+Splits (`split_by`), a dataset's own validation/test splits used when it has them:
+- `"document"`: each document goes wholly to train, valid or test by a hash of
+  its name, so its split never depends on which other documents are present;
+- `"bytes"`: the documents, in corpus order (files by name, dataset rows in
+  order), are read as one run of bytes, cut
+  into three contiguous ranges: the first 1 − valid_fraction − test_fraction of
+  the bytes train, the next valid_fraction valid, the rest test (a document at
+  a cut is shared, each piece named `name[start:end]`); one file is enough;
+- `"auto"` (default): "document" for the standard library (split by file, as it
+  always was) and for a corpus of at least 100 documents
+  (MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT), else "bytes".
 
-Training batches are windows at random offsets of the training stream
-(seeded by (seed, step)); evaluation splits are consecutive windows of the
-held-out streams: `valid` and `test` at the training length L and `len_x2`,
-`len_x4` (test data) at 2·L and 4·L. Metric: bits per byte over every byte.
-Windows are fixed-length and every byte is scored: no padding, so run.pad_to changes nothing here.
+Documents are kept apart (`documents="separate"`, default): every window
+starts inside one document and holds only its bytes, the rest of a window that
+runs past the document's end being padding (weight 0), so attention and every
+position (CoPE's counts included) start afresh with each document and no byte
+is predicted from another document. `documents="joined"` reads each split as
+one run of bytes (windows cross documents, padding only at the split's end: for
+corpora of very short documents, e.g. a dataset of one line a row).
+
+Training batches are windows at random starts (seeded by (seed, step)), every
+byte of a document but its last equally likely; evaluation splits are
+consecutive windows, document after document, over the first eval_bytes of the
+held-out data: `valid` and `test` at the training length L and `len_x2`, `len_x4` (test
+data) at 2·L and 4·L. Metric: bits per byte over every byte predicted from its
+own document (weights 1), padding left out (weights 0).
 """
 
 from __future__ import annotations
@@ -40,8 +56,12 @@ from jaxpe.train.tasks.base import (Batch, Split, check_int, check_probability, 
                               make_batch)
 
 SPLITS = ("train", "valid", "test")
+SPLIT_BY = ("auto", "document", "bytes")
+DOCUMENTS = ("separate", "joined")
+MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT = 100  # split_by="auto" cuts a corpus of fewer documents by byte ranges
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-Documents = dict[str, list[tuple[str, bytes]]]  # split -> [(document name, content)]
+Document = tuple[str, bytes]  # (name, content)
+Documents = dict[str, list[Document]]  # split -> documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +72,27 @@ class LMConfig:
     source: str | tuple[str, ...] = "stdlib"  # "stdlib", local paths, or "hf:<name>[:<config>]"
     seq_len: int = 512  # training length L in bytes
     max_bytes: int = 4_000_000  # cap on the corpus size (per split of a Hugging Face dataset)
-    valid_fraction: float = 0.05  # share of documents (by name hash) held out for `valid`
-    test_fraction: float = 0.05  # share of documents held out for `test` and the longer splits
+    valid_fraction: float = 0.05  # share of the corpus held out for `valid` (of its documents or of its bytes)
+    test_fraction: float = 0.05  # share held out for `test` and the longer splits
     eval_multiples: tuple[int, ...] = (2, 4)  # longer test splits `len_x{m}` at m·L
-    eval_bytes: int = 65_536  # bytes scored in each evaluation split (fewer if the held-out data is shorter)
-    suffixes: tuple[str, ...] = (".py", ".txt", ".md", ".rst")  # file endings taken from a walked directory
+    eval_bytes: int = 65_536  # each evaluation split is eval_bytes // its length windows (at least one)
+    suffixes: tuple[str, ...] = (".py", ".txt", ".md", ".rst")  # endings taken from a walked directory; [] every file
     text_field: str = "text"  # the text column of a Hugging Face dataset
+    split_by: str = "auto"  # "document" (by name hash), "bytes" (byte ranges), "auto" (see the module docstring)
+    documents: str = "separate"  # "separate": no window crosses a document; "joined": each split one run of bytes
 
     def __post_init__(self) -> None:
         for field in ("source", "eval_multiples", "suffixes"):  # lists (from JSON or a command line) as tuples
             if isinstance(getattr(self, field), list):
                 object.__setattr__(self, field, tuple(getattr(self, field)))
+        if isinstance(self.suffixes, str):  # task.suffixes=.bin,.dat on a command line
+            object.__setattr__(self, "suffixes", tuple(s for s in self.suffixes.split(",") if s))
         if not (isinstance(self.source, (str, os.PathLike)) or
                 (isinstance(self.source, tuple) and self.source and
                  all(isinstance(s, (str, os.PathLike)) for s in self.source))):
             raise TypeError(f"source={self.source!r} must be 'stdlib', 'hf:<name>', a path or a tuple of paths")
+        if not all(isinstance(s, str) for s in self.suffixes):
+            raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
         check_int("seed", self.seed, 0)
         check_int("seq_len", self.seq_len, 1)
         check_int("max_bytes", self.max_bytes, 1)
@@ -78,6 +104,15 @@ class LMConfig:
         for m in self.eval_multiples:
             check_int("eval_multiples entry", m, 2)
         check_int("eval_bytes", self.eval_bytes, 1)
+        if self.split_by not in SPLIT_BY:
+            raise ValueError(f"split_by={self.split_by!r} must be one of {', '.join(SPLIT_BY)}")
+        if self.documents not in DOCUMENTS:
+            raise ValueError(f"documents={self.documents!r} must be one of {', '.join(DOCUMENTS)}")
+
+    def fraction(self, split: str) -> float:
+        """The share of the corpus that `split` ("train", "valid" or "test") holds."""
+        return {"train": 1 - self.valid_fraction - self.test_fraction, "valid": self.valid_fraction,
+                "test": self.test_fraction}[split]
 
 
 def _hash_fraction(salt: str, name: str) -> float:
@@ -91,6 +126,32 @@ def split_of(name: str, valid_fraction: float, test_fraction: float) -> str:
     return "valid" if u < valid_fraction else "test" if u < valid_fraction + test_fraction else "train"
 
 
+def split_corpus(documents: Sequence[Document], config: LMConfig) -> tuple[Documents, str]:
+    """The documents (in corpus order) by split as config.split_by says, and the rule used ("document", "bytes")."""
+    split_by = config.split_by
+    if split_by == "auto":
+        many = config.source == "stdlib" or len(documents) >= MIN_DOCUMENTS_TO_SPLIT_BY_DOCUMENT
+        split_by = "document" if many else "bytes"
+    docs: Documents = {split: [] for split in SPLITS}
+    if split_by == "document":
+        for name, content in documents:
+            docs[split_of(name, config.valid_fraction, config.test_fraction)].append((name, content))
+        return docs, split_by
+    total = sum(len(content) for _, content in documents)
+    cuts = np.round(np.cumsum([0.0, *(config.fraction(s) for s in SPLITS)]) * total).astype(int)  # [4]
+    cuts[-1] = total
+    offset = 0
+    for name, content in documents:
+        end = offset + len(content)
+        for split, lo, hi in zip(SPLITS, cuts[:-1], cuts[1:]):
+            a, b = max(int(lo), offset), min(int(hi), end)
+            if a < b:
+                piece = name if (a, b) == (offset, end) else f"{name}[{a - offset}:{b - offset}]"
+                docs[split].append((piece, content[a - offset:b - offset]))
+        offset = end
+    return docs, split_by
+
+
 def stdlib_files() -> tuple[Path, list[str]]:
     """The standard library's root and its `.py` files (posix paths relative to it, sorted)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -98,32 +159,52 @@ def stdlib_files() -> tuple[Path, list[str]]:
 
 
 def _walk(root: Path, suffixes: Sequence[str]) -> list[str]:
+    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted."""
     names = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith("."))
         rel = Path(dirpath).relative_to(root)
-        names += [(rel / f).as_posix() for f in filenames if f.endswith(tuple(suffixes))]
+        names += [(rel / f).as_posix() for f in filenames if not suffixes or f.endswith(tuple(suffixes))]
     return sorted(names)
 
 
-def _file_documents(config: LMConfig) -> tuple[Documents, str]:
-    """Documents of files (stdlib or local paths) by split, and the fingerprint."""
+def _local_files(config: LMConfig) -> dict[str, Path]:
+    """{document name: path} of the local paths in config.source (directories walked for config.suffixes)."""
+    paths = (config.source,) if isinstance(config.source, (str, os.PathLike)) else config.source
+    files: dict[str, Path] = {}
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes)}
+            if not found:
+                raise ValueError(_no_suffix_match(path, config.suffixes))
+        elif path.is_file():
+            found = {path.name: path}
+        else:
+            raise ValueError(f"source path {str(path)!r} does not exist")
+        if clash := sorted(found.keys() & files.keys()):
+            raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
+        files.update(found)
+    return files
+
+
+def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
+    """Why a walked directory gave no document, and the setting that takes its files."""
+    others = _walk(directory, ())
+    if not others:
+        return f"source directory {str(directory)!r} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
+    endings = sorted({Path(name).suffix for name in others})
+    setting = f"task.suffixes={','.join(endings)}" if all(endings) else "task.suffixes=[] (every file)"
+    return (f"source directory {str(directory)!r} holds no file ending in {', '.join(suffixes)} (task.suffixes) but "
+            f"{len(others)} other file(s), e.g. {others[0]!r}; set {setting} to take them")
+
+
+def _file_documents(config: LMConfig) -> tuple[list[Document], str]:
+    """The documents of a file source (stdlib or local paths) in name order, and the fingerprint."""
     if config.source == "stdlib":
         root, names = stdlib_files()
         files = {name: root / name for name in names}
     else:
-        paths = (config.source,) if isinstance(config.source, (str, os.PathLike)) else config.source
-        files = {}
-        for path in map(Path, paths):
-            if path.is_dir():
-                found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes)}
-            elif path.is_file():
-                found = {path.name: path}
-            else:
-                raise ValueError(f"source path {str(path)!r} does not exist")
-            if clash := sorted(found.keys() & files.keys()):
-                raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
-            files.update(found)
+        files = _local_files(config)
     sizes = {name: path.stat().st_size for name, path in files.items()}
     chosen, total = [], 0
     for name in sorted(files, key=lambda n: _hash_fraction("order", n)):
@@ -131,17 +212,19 @@ def _file_documents(config: LMConfig) -> tuple[Documents, str]:
             chosen.append(name)
             total += sizes[name]
     if not chosen:
-        raise ValueError(f"source={config.source!r} holds no file of at most max_bytes={config.max_bytes} bytes")
+        smallest = min(sizes, key=sizes.__getitem__)
+        raise ValueError(f"source={config.source!r}: every file is larger than max_bytes={config.max_bytes} (the "
+                         f"smallest, {smallest!r}, has {sizes[smallest]} bytes); raise task.max_bytes")
+    if total == 0:
+        raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
     chosen.sort()
-    docs: Documents = {split: [] for split in SPLITS}
-    for name in chosen:
-        docs[split_of(name, config.valid_fraction, config.test_fraction)].append((name, files[name].read_bytes()))
     listing = "".join(f"{name}\t{sizes[name]}\n" for name in chosen)
-    return docs, hashlib.sha256(listing.encode()).hexdigest()
+    return [(name, files[name].read_bytes()) for name in chosen], hashlib.sha256(listing.encode()).hexdigest()
 
 
-def _hf_documents(config: LMConfig) -> tuple[Documents, str]:
-    """Documents of a Hugging Face dataset by split, and the fingerprint."""
+def _hf_documents(config: LMConfig) -> tuple[Documents | list[Document], str]:
+    """A Hugging Face dataset's documents by split when it has its own validation and test splits, else all of
+    them in row order; and the fingerprint."""
     try:
         import datasets  # an optional extra (jaxpe[hf]), needed only for hf: sources
     except ImportError:
@@ -174,19 +257,33 @@ def _hf_documents(config: LMConfig) -> tuple[Documents, str]:
                 if total + len(content) > config.max_bytes:
                     break
                 total += len(content)
-                doc = f"{part}/{row}"
-                split = renamed[part] if own_splits else split_of(doc, config.valid_fraction, config.test_fraction)
-                docs[split].append((doc, content))
+                docs[renamed[part] if own_splits else "train"].append((f"{part}/{row}", content))
                 row += 1
             else:
                 continue
             break
     listing = "".join(f"{doc}\t{len(content)}\n" for split in SPLITS for doc, content in sorted(docs[split]))
-    return docs, hashlib.sha256(f"{config.source}\n{listing}".encode()).hexdigest()
+    fingerprint = hashlib.sha256(f"{config.source}\n{listing}".encode()).hexdigest()
+    return (docs if own_splits else docs["train"]), fingerprint
+
+
+def cut_windows(stream: np.ndarray, starts: np.ndarray, ends: np.ndarray, length: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs, targets, weights) [N, length] of the windows of `length` + 1 bytes at `starts` [N], each inside its
+    document, which ends at `ends` [N]: bytes past the end are padding (0), weight 1 where the target is a byte of
+    the document."""
+    positions = starts[:, None] + np.arange(length + 1)  # [N, length + 1]
+    inside = positions < ends[:, None]  # [N, length + 1]
+    tokens = np.where(inside, stream[np.minimum(positions, stream.size - 1)], 0)
+    return tokens[:, :-1], tokens[:, 1:], inside[:, 1:].astype(np.float32)
 
 
 class LMTask:
-    """Byte-level language modelling with evaluation at L, 2·L and 4·L."""
+    """Byte-level language modelling with evaluation at L, 2·L and 4·L.
+
+    streams[split]: uint8 [S], the split's documents end to end; bounds[split]: int64 [D + 1], where each of its D
+    documents starts, and the end (documents="joined": one document, [0, S]).
+    """
 
     name = "lm"
     metric = "bits_per_byte"
@@ -196,33 +293,68 @@ class LMTask:
         self.config = config
         self.seq_len = config.seq_len
         is_hf = isinstance(config.source, str) and config.source.startswith("hf:")
-        docs, self.fingerprint = _hf_documents(config) if is_hf else _file_documents(config)
+        loaded, self.fingerprint = _hf_documents(config) if is_hf else _file_documents(config)
+        if isinstance(loaded, dict):
+            docs, self.split_by = loaded, "own"
+        else:
+            docs, self.split_by = split_corpus(loaded, config)
         self.split_documents = {split: tuple(name for name, _ in docs[split]) for split in SPLITS}
         self.streams = {split: np.frombuffer(b"".join(c for _, c in docs[split]), np.uint8) for split in SPLITS}
-        for split in SPLITS:  # every split must hold at least one window at L
-            if self.streams[split].size < self.seq_len + 1:
-                raise ValueError(f"the {split} split of source={config.source!r} has {self.streams[split].size} "
-                                 f"bytes, fewer than seq_len + 1 = {self.seq_len + 1}; raise max_bytes or the "
-                                 "split's fraction, or lower seq_len")
+        self.bounds = {}
+        for split in SPLITS:
+            sizes = [len(c) for _, c in docs[split]] if config.documents == "separate" else [self.streams[split].size]
+            self.bounds[split] = np.cumsum([0, *sizes], dtype=np.int64)
+            if not (np.diff(self.bounds[split]) >= 2).any():  # no byte to predict from one before it
+                raise ValueError(self._too_short(split, len(docs[split])))
+
+    def _too_short(self, split: str, count: int) -> str:
+        """Why `split` holds nothing to predict, and the settings that fix it."""
+        c = self.config
+        what = (f"the {split} split of source={c.source!r} has {self.streams[split].size} bytes in {count} "
+                "document(s): no byte to predict (that takes a document of 2 bytes or more)")
+        fraction = ("lower task.valid_fraction, task.test_fraction" if split == "train"
+                    else f"raise task.{split}_fraction")
+        if self.split_by == "document":
+            return (f"{what}; split_by=document sends each document wholly to one split, by a hash of its name; set "
+                    f"task.split_by=bytes to cut the corpus into byte ranges, or {fraction}")
+        if self.split_by == "own":
+            return f"{what} (the dataset's own {split} split); raise task.max_bytes"
+        total = sum(s.size for s in self.streams.values())
+        return (f"{what} (its {c.fraction(split):g} of the corpus' {total} bytes); {fraction}, or give a larger "
+                "corpus (task.source, task.max_bytes)")
+
+    @functools.cached_property
+    def _train_starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first start, number of starts) [D] per training document: every byte but its last (a window starting
+        there has a byte to predict; past the document's end it is padding), none for a document under 2 bytes."""
+        bounds = self.bounds["train"]
+        sizes = np.diff(bounds)  # [D]
+        return bounds[:-1], np.maximum(sizes - 1, 0)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
-        """Windows at random offsets of the training bytes, seeded by (seed, step); each [B, L]."""
+        """Windows at random starts inside the training documents, every start with a byte to predict equally
+        likely (so every byte is scored equally often, but for a document's first L), seeded by (seed, step);
+        each [B, L]. A window that runs past its document's end is padded there (weight 0)."""
         check_step(step, batch_size)
-        stream = self.streams["train"]
+        firsts, counts = self._train_starts
+        ends = np.cumsum(counts)  # [D]
         rng = np.random.default_rng(derive_seed(self.config.seed, "lm", "train", step))
-        starts = rng.integers(0, stream.size - self.seq_len, size=batch_size)  # [B]
-        window = stream[starts[:, None] + np.arange(self.seq_len + 1)]  # [B, L + 1]
-        return make_batch(window[:, :-1], window[:, 1:], np.ones((batch_size, self.seq_len), np.float32))
+        draws = rng.integers(0, ends[-1], size=batch_size)  # [B]
+        doc = np.searchsorted(ends, draws, side="right")  # [B]
+        starts = firsts[doc] + draws - (ends[doc] - counts[doc])
+        return make_batch(*cut_windows(self.streams["train"], starts, self.bounds["train"][doc + 1], self.seq_len))
 
     def _windows(self, name: str, split: str, length: int) -> Split:
-        """Consecutive windows of `length` + 1 bytes (stride `length`) over the first eval_bytes of `split`."""
-        stream = self.streams[split]
-        n = min(self.config.eval_bytes, stream.size - 1) // length
-        if n < 1:
-            raise ValueError(f"the {split} split ({stream.size} bytes) is too short for one window of "
-                             f"{length} bytes (split {name!r}); raise max_bytes or test_fraction")
-        window = stream[np.arange(n)[:, None] * length + np.arange(length + 1)]  # [n, length + 1]
-        return Split(name, window[:, :-1], window[:, 1:], np.ones((n, length), np.float32))
+        """The first eval_bytes // length (at least one) consecutive windows of `length` + 1 bytes (stride
+        `length`), document after document, of `split`; a document's last window may be partly padding."""
+        bounds = self.bounds[split]
+        sizes = np.diff(bounds)  # [D]
+        per_doc = np.where(sizes >= 2, -(-(sizes - 1) // length), 0)  # [D] windows that hold a target
+        doc = np.repeat(np.arange(sizes.size), per_doc)  # [W]
+        index = np.arange(doc.size) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)  # [W] window within doc
+        n = max(self.config.eval_bytes // length, 1)
+        starts, ends = bounds[doc[:n]] + index[:n] * length, bounds[doc[:n] + 1]
+        return Split(name, *cut_windows(self.streams[split], starts, ends, length))
 
     @functools.cached_property
     def _eval_splits(self) -> dict[str, Split]:

@@ -1,0 +1,114 @@
+"""The lm task on a user's own corpus: one file or a handful split by byte ranges, documents kept apart in every
+window, and errors that name their cause and the setting that fixes it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpe.train.tasks import make_task
+
+SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
+
+
+def document(letter: str, size: int) -> bytes:
+    """`size` bytes of one letter: a window's bytes say which document they came from."""
+    return letter.encode() * size
+
+
+def test_one_file_is_cut_into_contiguous_byte_ranges(tmp_path):
+    text = bytes(range(32, 127)) * 40  # 3800 bytes
+    (tmp_path / "book.txt").write_bytes(text)
+    task = make_task("lm", source=str(tmp_path / "book.txt"), **SMALL)
+    assert task.split_by == "bytes"
+    # 90 % / 10 % / 10 % of 3800 bytes: [0, 3040), [3040, 3420), [3420, 3800)
+    assert task.split_documents == {"train": ("book.txt[0:3040]",), "valid": ("book.txt[3040:3420]",),
+                                    "test": ("book.txt[3420:3800]",)}
+    for split, (lo, hi) in {"train": (0, 3040), "valid": (3040, 3420), "test": (3420, 3800)}.items():
+        assert task.streams[split].tobytes() == text[lo:hi]
+    valid = task.eval_splits()["valid"]  # 64 // 16 = 4 consecutive windows of the valid range
+    assert valid.inputs.shape == (4, 16)
+    assert bytes(valid.inputs[1].astype(np.uint8)) == text[3056:3072]
+    assert bytes(valid.targets[1].astype(np.uint8)) == text[3057:3073]
+    batch = task.train_batch(0, 8)
+    for x, y, w in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        n = int(w.sum())  # the scored prefix: the window's bytes of the train range
+        assert n >= 1 and bytes(np.append(x[:n], y[n - 1]).astype(np.uint8)) in text[:3040]
+    assert make_task("lm", source=str(tmp_path / "book.txt"), **SMALL).fingerprint == task.fingerprint
+
+
+def test_five_files_split_by_bytes_in_name_order(tmp_path):
+    sizes = {"a.txt": 500, "b.md": 300, "c.py": 700, "d.rst": 200, "e.txt": 300}  # 2000 bytes
+    for (name, size), letter in zip(sizes.items(), "abcde"):
+        (tmp_path / name).write_bytes(document(letter, size))
+    task = make_task("lm", source=str(tmp_path), **SMALL)
+    name = tmp_path.name
+    # 80 % / 10 % / 10 %: cuts at 1600 (inside d.rst, bytes 1500..1700) and 1800 (inside e.txt, 1700..2000)
+    assert task.split_documents == {
+        "train": (f"{name}/a.txt", f"{name}/b.md", f"{name}/c.py", f"{name}/d.rst[0:100]"),
+        "valid": (f"{name}/d.rst[100:200]", f"{name}/e.txt[0:100]"), "test": (f"{name}/e.txt[100:300]",)}
+    np.testing.assert_array_equal(task.bounds["train"], [0, 500, 800, 1500, 1600])
+    np.testing.assert_array_equal(task.bounds["valid"], [0, 100, 200])
+    assert task.streams["test"].tobytes() == document("e", 200)
+    # split_by=document sends each file wholly to one split: with 5 files some split is empty, and the error says so
+    with pytest.raises(ValueError, match=r"split_by=document .* set task\.split_by=bytes"):
+        make_task("lm", source=str(tmp_path), split_by="document", **SMALL)
+
+
+def test_windows_never_cross_documents(tmp_path):
+    sizes = {"a.txt": 40, "b.txt": 5, "c.txt": 1, "d.txt": 60}  # b shorter than a window, c has nothing to predict
+    for (name, size), letter in zip(sizes.items(), "abcd"):
+        (tmp_path / name).write_bytes(document(letter, size))
+    task = make_task("lm", source=str(tmp_path), split_by="bytes", valid_fraction=0.05, test_fraction=0.05,
+                     seq_len=16, eval_bytes=1000)
+    # train holds a, b, c and d[0:49] (90 % of 106 bytes = 95.4, rounded to 95)
+    np.testing.assert_array_equal(task.bounds["train"], [0, 40, 45, 46, 95])
+    batch = task.train_batch(3, 256)
+    seen = set()
+    for x, y, w in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        scored = w > 0
+        letters = set(bytes(x[scored].astype(np.uint8))) | set(bytes(y[scored].astype(np.uint8)))
+        assert len(letters) == 1  # one document per window
+        seen |= letters
+        np.testing.assert_array_equal(scored, np.arange(16) < scored.sum())  # padding only after the document
+        np.testing.assert_array_equal(x[~scored][1:], 0)
+        if letters == {ord("b")}:  # 5 bytes: a window starting at its k-th byte makes 4 - k predictions
+            assert 1 <= scored.sum() <= 4
+    assert seen == {ord("a"), ord("b"), ord("d")}
+    # evaluation: consecutive windows inside each document; test is d[55:60]: one window, 4 predictions
+    test = task.eval_splits()["test"]
+    assert test.inputs.shape == (1, 16) and test.weights.sum() == 4
+    # joined (the documents as one run of bytes): windows cross from a to b
+    joined = make_task("lm", source=str(tmp_path), split_by="bytes", valid_fraction=0.05, test_fraction=0.05,
+                       seq_len=16, eval_bytes=1000, documents="joined")
+    np.testing.assert_array_equal(joined.bounds["train"], [0, 95])
+    rows = joined.train_batch(3, 256)
+    assert any(len(set(y[w > 0].tolist())) > 1 for y, w in zip(rows["targets"], rows["weights"]))
+
+
+def test_binary_files_and_the_suffix_filter(tmp_path):
+    for k in range(3):
+        (tmp_path / f"part{k}.bin").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"no file ending in \.py, \.txt, \.md, \.rst \(task\.suffixes\) but 3 "
+                                         r"other file\(s\), e\.g\. 'part0\.bin'; set task\.suffixes=\.bin"):
+        make_task("lm", source=str(tmp_path), **SMALL)
+    task = make_task("lm", source=str(tmp_path), suffixes=".bin", **SMALL)  # as task.suffixes=.bin parses
+    assert task.config.suffixes == (".bin",)
+    assert sum(s.size for s in task.streams.values()) == 3 * 1024
+    assert make_task("lm", source=str(tmp_path), suffixes=[], **SMALL).fingerprint == task.fingerprint  # every file
+    (tmp_path / "README").write_text("no ending")
+    with pytest.raises(ValueError, match=r"set task\.suffixes=\[\] \(every file\)"):
+        make_task("lm", source=str(tmp_path), suffixes=".txt", **SMALL)
+    with pytest.raises(ValueError, match=r"every file is larger than max_bytes=5 \(the smallest, '\S*README', has 9 "
+                                         r"bytes\); raise task\.max_bytes"):
+        make_task("lm", source=str(tmp_path), suffixes=[], max_bytes=5, **SMALL)
+
+
+def test_empty_files(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds no bytes: its 1 file\(s\) are empty"):
+        make_task("lm", source=str(tmp_path / "empty.txt"), **SMALL)
+    (tmp_path / "text.txt").write_bytes(document("t", 400))
+    task = make_task("lm", source=str(tmp_path), **SMALL)  # an empty file beside others changes nothing
+    assert task.streams["train"].tobytes() == document("t", 320)
+    with pytest.raises(ValueError, match=r"the test split .* has 0 bytes .*; raise task\.test_fraction"):
+        make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
