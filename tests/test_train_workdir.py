@@ -102,6 +102,7 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
                                                       "'flipflop'; choose from valid, ood_sparse, ood_dense"),
     (cli.train_main, ["model.pe_options.theta=0"], "theta=0 must be > 0 and finite"),
     (cli.train_main, ["task.nvars=3"], "unknown option 'nvars' for task 'flipflop'"),
+    (cli.train_main, ["model.causal=false"], "model.causal=False: every task trains next-token prediction"),
     (cli.compare_main, ["--pe", "rope,bogus"], "unknown encoding(s) ['bogus']"),
     (cli.compare_main, ["--pe", "rope,alibi,rope"], "'rope,alibi,rope' repeats rope"),
     (cli.compare_main, ["--seeds", "0,1,0"], "'0,1,0' repeats 0"),

@@ -134,6 +134,12 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)  # how to fit it
     run: RunConfig = dataclasses.field(default_factory=RunConfig)  # how long, how often, where
 
+    def __post_init__(self):
+        if not self.model.causal:
+            raise ValueError("model.causal=False: every task trains next-token prediction, which bidirectional "
+                             "attention would answer by reading the target; keep model.causal=true (encoder "
+                             "layers are for models of your own)")
+
 
 def _packaged_presets() -> Traversable:
     """The presets/ folder shipped inside the jaxpe.train package (works from a wheel or a zip)."""
