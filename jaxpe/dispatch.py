@@ -147,3 +147,24 @@ def run_for_platform(choice: Choice, run: Callable[[str, bool], jax.Array]) -> j
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+# The encodings without fused kernels: "auto" runs their dense reference below this length (while
+# batch_heads·L² <= DENSE_MAX_ENTRIES) and "blockwise" from it on, on every platform. A first setting, not yet
+# measured as BLOCKWISE_MIN_LENGTH is.
+UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 1024, "stickbreaking": 1024}
+
+
+def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:
+    """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference" or
+    "blockwise" as asked, "auto" by length (above); "pallas" and "triton" are a ValueError (no fused kernel yet)."""
+    check_impl(impl)
+    if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
+        raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
+    if impl in ("pallas", "triton"):
+        raise ValueError(f"impl={impl!r}: {encoding} has no fused kernel yet; use impl='blockwise' (O(L·block) "
+                         "memory), 'reference' (dense) or 'auto'")
+    if impl != "auto":
+        return impl
+    small = length < UNFUSED_BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
+    return "reference" if small else "blockwise"
