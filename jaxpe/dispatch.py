@@ -157,7 +157,8 @@ UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 1024, "stickbreaking": 1024}
 
 def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:
     """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference" or
-    "blockwise" as asked, "auto" by length (above); "pallas" and "triton" are a ValueError (no fused kernel yet)."""
+    "blockwise" as asked, "auto" by length (above), or "reference" at a symbolic length or batch (jax.export: the
+    blockwise tiling needs static sizes); "pallas" and "triton" are a ValueError (no fused kernel yet)."""
     check_impl(impl)
     if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
         raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
@@ -166,5 +167,7 @@ def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: 
                          "memory), 'reference' (dense) or 'auto'")
     if impl != "auto":
         return impl
+    if not isinstance(length, int) or not isinstance(batch_heads, int):  # symbolic shapes (jax.export)
+        return "reference"
     small = length < UNFUSED_BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
     return "reference" if small else "blockwise"
