@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_unfused_impl
 from jaxpe.kernels._common import compute_dtype
-from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise
+from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise, suffix_sums
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import qk_logits, repeat_kv, visibility_mask
@@ -42,7 +42,7 @@ def stickbreaking_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, 
     z = sm_scale * qk_logits(q, k)  # [B, Hq, Lq, Lk]
     attended = mask[:, None]
     log_keep = jnp.where(attended, jax.nn.log_sigmoid(-z), 0.0)
-    after = jax.lax.cumsum(log_keep, axis=3, reverse=True) - log_keep  # Σ_{k > j} log σ(−z_ik)
+    after = suffix_sums(log_keep) - log_keep  # Σ_{k > j} log σ(−z_ik)
     weights = jnp.where(attended, jnp.exp(jax.nn.log_sigmoid(z) + after), 0.0)
     v = repeat_kv(v, q.shape[2] // v.shape[2]).astype(weights.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)

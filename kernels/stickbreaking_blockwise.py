@@ -11,7 +11,7 @@ attend_current), log A_ij = log σ(z_ij) + Σ_{attended k > j} log σ(−z_ik), 
 same number, without the cancellation of 1 − Σ).
 
 Forward: for each query block (lax.map), key blocks walked in reverse from the diagonal, carrying the suffix sum R of
-log σ(−z) over the keys seen so far; inside a block the keys after j add total − cumsum. No softmax: A ≤ 1, no maximum
+log σ(−z) over the keys seen so far; inside a block the keys after j add their reverse running sum. No softmax: A ≤ 1, no maximum
 to carry. Keeps out and R.
 
 Backward, with w_ij = do_i·v_j and ρ_i = drem_i·exp(R_i) (the remainder's cotangent times it):
@@ -63,10 +63,15 @@ def _tile(q_b, k_b, rows, index, size, seg_b, seg, r, length: int, config: _Conf
     mask &= (cols[None, :] < rows[:, None] + int(config.attend_current))[None, None, None]
     z = jnp.einsum("bkgtd,bksd->bkgts", q_b, k_b)
     log_keep = jnp.where(mask, jax.nn.log_sigmoid(-z), 0.0)
-    csum = jnp.cumsum(log_keep, axis=-1)
-    total = csum[..., -1]
-    log_a = jax.nn.log_sigmoid(z) + r[..., None] + (total[..., None] - csum)
-    return mask, z, jnp.where(mask, jnp.exp(log_a), 0.0), total
+    suffix = suffix_sums(log_keep)
+    log_a = jax.nn.log_sigmoid(z) + r[..., None] + (suffix - log_keep)
+    return mask, z, jnp.where(mask, jnp.exp(log_a), 0.0), suffix[..., 0]
+
+
+def suffix_sums(x: jax.Array) -> jax.Array:
+    """Σ_{j' ≥ j} x[..., j'] along the last axis (a reverse running sum: each sum is as accurate as its own terms,
+    where total − cumsum would lose the small ones to the total's rounding)."""
+    return lax.cumsum(x, axis=x.ndim - 1, reverse=True)
 
 
 def _sb_fwd(q, k, v, sm_scale, segment_ids, config: _Config):
@@ -113,12 +118,12 @@ def _sb_bwd(config: _Config, residuals, cotangents):
             k_b, v_b = kb.key_block(kt, index, size, 2), kb.key_block(vt, index, size, 2)
             mask, z, a, total = _tile(q_b, k_b, rows, index, size, seg_b, seg, r, length, config)
             aw = a * jnp.einsum("bkgtd,bksd->bkgts", do_b, v_b)
-            csum = jnp.cumsum(aw, axis=-1)
-            from_j = s[..., None] + csum[..., -1:] - csum + aw  # S_ij = Σ_{j' ≥ j} A·w
+            in_block = suffix_sums(aw)
+            from_j = s[..., None] + in_block  # S_ij = Σ_{j' ≥ j} A·w
             dz = jnp.where(mask, aw * jax.nn.sigmoid(-z) - jax.nn.sigmoid(z) * (before_b[..., None] - from_j), 0.0)
             dk = kb.add_key_block(dk, jnp.einsum("bkgts,bkgtd->bksd", dz, q_b), index, 2)
             dv = kb.add_key_block(dv, jnp.einsum("bkgts,bkgtd->bksd", a, do_b), index, 2)
-            return dq + jnp.einsum("bkgts,bksd->bkgtd", dz, k_b), r + total, s + csum[..., -1], (dk, dv)
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", dz, k_b), r + total, s + in_block[..., 0], (dk, dv)
 
         rowshape = q_b.shape[:-1]
         init = (carry_init(0.0, q_b.shape, q_b.dtype, q_b), carry_init(0.0, rowshape, q_b.dtype, q_b),
