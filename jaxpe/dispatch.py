@@ -149,22 +149,26 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-# The encodings without fused kernels: "auto" runs their dense reference below this length (while
-# batch_heads·L² <= DENSE_MAX_ENTRIES) and "blockwise" from it on, on every platform. A first setting, not yet
-# measured as BLOCKWISE_MIN_LENGTH is.
+# The encodings whose fused kernels "auto" does not pick (not yet compiled and timed on a GPU): "auto" runs their
+# dense reference below this length (while batch_heads·L² <= DENSE_MAX_ENTRIES) and "blockwise" from it on, on
+# every platform. A first setting, not yet measured as BLOCKWISE_MIN_LENGTH is.
 UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 1024, "stickbreaking": 1024}
+# The fused paths they have, run only when asked for by name.
+UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ()}
 
 
 def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:
-    """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference" or
-    "blockwise" as asked, "auto" by length (above), or "reference" at a symbolic length or batch (jax.export: the
-    blockwise tiling needs static sizes); "pallas" and "triton" are a ValueError (no fused kernel yet)."""
+    """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference",
+    "blockwise" or a fused path of UNFUSED_KERNELS as asked, "auto" by length (above), or "reference" at a symbolic
+    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks is a
+    ValueError."""
     check_impl(impl)
     if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
         raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
-    if impl in ("pallas", "triton"):
-        raise ValueError(f"impl={impl!r}: {encoding} has no fused kernel yet; use impl='blockwise' (O(L·block) "
-                         "memory), 'reference' (dense) or 'auto'")
+    if impl in ("pallas", "triton") and impl not in UNFUSED_KERNELS[encoding]:
+        fused = " or ".join(repr(name) for name in UNFUSED_KERNELS[encoding])
+        raise ValueError(f"impl={impl!r}: {encoding} has no such fused kernel; use impl='blockwise' (O(L·block) "
+                         f"memory), 'reference' (dense), 'auto'{' or ' + fused if fused else ''}")
     if impl != "auto":
         return impl
     if not isinstance(length, int) or not isinstance(batch_heads, int):  # symbolic shapes (jax.export)

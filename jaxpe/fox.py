@@ -84,8 +84,9 @@ def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: ja
     sm_scale: None (D^−½), a number > 0 or a traced scalar (differentiable). causal=False: bidirectional (module
     docstring). segment_ids [B, L] int: packed documents; window: each query sees itself and the window − 1 keys
     before it (and after it when bidirectional). impl: "reference" (dense, the ground truth), "blockwise" (pure
-    JAX, O(L·block) memory, custom VJP) or "auto" (the dense path for short sequences, `blockwise` from
-    jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on); no fused kernel yet ("pallas" and "triton" are refused).
+    JAX, O(L·block) memory, custom VJP), "pallas" (fused kernels, causal; interpret mode off GPU; not yet compiled
+    on a GPU) or "auto" (the dense path for short sequences, "blockwise" from
+    jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on; never "pallas" yet); "triton" is refused.
     """
     check_qkv(q, k, v)
     if q.shape[1] != k.shape[1]:
@@ -94,6 +95,9 @@ def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: ja
     check_sm_scale(sm_scale)
     empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
     impl = resolve_unfused_impl(impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * q.shape[2])
+    if impl == "pallas" and not causal:
+        raise ValueError("impl='pallas' runs causal forgetting attention only; for causal=False use "
+                         "impl='blockwise', 'reference' or 'auto'")
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     return _forgetting_attention(q, k, v, forget_gate_cumsum(log_fgate), sm_scale=sm_scale, causal=causal,
@@ -109,6 +113,9 @@ def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array
     if impl == "blockwise":
         return forgetting_attention_blockwise(q, k, v, c, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids,
                                               window=window)
+    if impl == "pallas":
+        from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when the kernel runs
+        return forgetting_attention_pallas(q, k, v, c, sm_scale=sm_scale, segment_ids=segment_ids, window=window)
     if causal:
         mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
     else:
@@ -151,5 +158,5 @@ class FoXConfig(PEConfig):
     """Forgetting attention: a per-head forget gate σ(w·x + b) from the layer input (no position tables)."""
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        resolve_unfused_impl(impl, 1, encoding="fox", batch_heads=1)  # refuses a fused impl at construction
+        resolve_unfused_impl(impl, 1, encoding="fox", batch_heads=1)  # refuses "triton" at construction
         return FoXCore(impl=impl)

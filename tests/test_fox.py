@@ -1,7 +1,7 @@
 """jaxpe.forgetting_attention (jaxpe/fox.py, kernels/fox_blockwise.py): both impls against a NumPy restatement of the
 formula (GQA, documents, windows, bidirectional), gates all 1 against jax.nn.dot_product_attention, blockwise against
 the reference in value and gradient on lengths that are no multiple of the block, bf16 inputs, jit/vmap, the
-registry's layer in decoding, and the input checks."""
+layer's gate, the fused Pallas kernels (interpreter on CPU) against the reference, and the input checks."""
 import chex
 import flax.linen as nn
 import jax
@@ -13,6 +13,7 @@ import jaxpe
 import numpy_reference as ref
 from jaxpe.fox import forget_gate_cumsum, forgetting_attention_reference
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
+from jaxpe.kernels.fox_pallas import BlockSizes, forgetting_attention_pallas
 
 
 def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: int = 2, d: int = 8,
@@ -160,7 +161,8 @@ def test_layer_equals_the_function_with_its_gates(key):
 BAD = [
     (dict(log_fgate=jnp.full((2, 11, 4), 0.5)), "log_fgate must be <= 0"),
     (dict(log_fgate=jnp.zeros((2, 11, 2))), "log_fgate must have shape"),
-    (dict(impl="pallas"), "impl='pallas'"),
+    (dict(impl="triton"), "impl='triton'"),
+    (dict(impl="pallas", causal=False), "impl='pallas' runs causal"),
     (dict(window=0), "window=0"),
     (dict(causal=1), "causal=1"),
     (dict(sm_scale=-1.0), "sm_scale"),
@@ -174,3 +176,55 @@ def test_bad_inputs_raise_value_errors_naming_them(options, match, key):
     log_fgate = options.pop("log_fgate", log_fgate)
     with pytest.raises(ValueError, match=match):
         jaxpe.forgetting_attention(q, k, v, log_fgate, **options)
+
+
+class _PallasSweep:
+    """The fused kernels against the dense reference, value and gradient (q, k, v, the gates' running sums and a
+    traced temperature); INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU). L = 37 is no
+    multiple of the 16-row blocks; GQA (4 query heads on 2 kv heads)."""
+
+    INTERPRET: bool
+    TOLERANCE = 5e-5
+
+    @pytest.mark.parametrize("case", ["causal", "segments", "window"])
+    def test_matches_the_reference(self, case, key):
+        q, k, v, log_fgate = inputs(key, length=37)
+        c = forget_gate_cumsum(log_fgate)
+        window = 5 if case == "window" else None
+        segments = jnp.asarray(np.repeat(np.arange(3), 13)[None, :37].repeat(2, 0), jnp.int32) if case == "segments" \
+            else None
+        mask = jaxpe.softmax_attention.visibility_mask(37, 37, segment_ids=segments, window=window)
+
+        def dense(q, k, v, c, scale):
+            return forgetting_attention_reference(q, k, v, c, c, sm_scale=scale, mask=mask)
+
+        def fused(q, k, v, c, scale):
+            return forgetting_attention_pallas(q, k, v, c, sm_scale=scale, block_sizes=BlockSizes(16, 16, 16, 16),
+                                               interpret=self.INTERPRET, segment_ids=segments, window=window)
+
+        scale = jnp.float32(0.3)
+        np.testing.assert_allclose(fused(q, k, v, c, scale), dense(q, k, v, c, scale), atol=self.TOLERANCE,
+                                   rtol=self.TOLERANCE)
+        for got, want in zip(loss_grads(fused, q, k, v, c, scale), loss_grads(dense, q, k, v, c, scale)):
+            np.testing.assert_allclose(got, want, atol=10 * self.TOLERANCE, rtol=10 * self.TOLERANCE)
+
+
+@pytest.mark.gpu
+class TestFoXPallas(_PallasSweep):
+    INTERPRET = False
+    TOLERANCE = 2e-2  # TF32 products
+
+
+class TestFoXPallasInterpret(_PallasSweep):
+    INTERPRET = True
+
+
+def test_pallas_through_the_public_function(key):
+    """impl="pallas" from jaxpe.forgetting_attention equals the NumPy restatement (bf16 inputs: bf16 outputs)."""
+    q, k, v, log_fgate = inputs(key, length=19)
+    out = jaxpe.forgetting_attention(q, k, v, log_fgate, impl="pallas")
+    np.testing.assert_allclose(out, ref.forgetting_attention(*map(np.asarray, (q, k, v, log_fgate))), atol=2e-5,
+                               rtol=2e-5)
+    half = jaxpe.forgetting_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), log_fgate, impl="pallas")
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(half.astype(jnp.float32), out, atol=5e-2, rtol=5e-2)
