@@ -67,8 +67,8 @@ def loss(fn, weights):
     return lambda *a: jnp.sum(fn(*a)[0] * weights) + jnp.sum(jnp.sin(3.0 * fn(*a)[1]))
 
 
-@pytest.mark.parametrize("block", [4, 5])
-@pytest.mark.parametrize("case", ["default", "attend_current", "segments", "window"])
+@pytest.mark.parametrize(("case", "block"), [("default", 4), ("attend_current", 5), ("segments", 4),
+                                             ("window", 5)])
 def test_blockwise_matches_the_reference_in_value_and_gradient(case, block, key):
     """L = 11 is no multiple of the blocks; a loss of both the output and the remainder; gradients with respect to
     q, k, v and the temperature."""
