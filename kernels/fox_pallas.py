@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jaxpe.kernels._checks import check_pallas_settings
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, output_struct,
                                    resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
+from jaxpe.kernels._pallas_rows import first_order_only, key_blocks, padded_inputs, row_specs, visible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,23 +78,6 @@ class _Config:
         return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
 
 
-def _visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
-             seg_cols: jax.Array | None) -> jax.Array:
-    """Mask [block_q, block_k]: key `cols` visible from row `rows` (causal, inside the window, same document)."""
-    mask = cols[None, :] <= rows[:, None]
-    if window is not None:
-        mask &= rows[:, None] - cols[None, :] < window
-    if seg_rows is not None:
-        mask &= seg_rows[:, None] == seg_cols[None, :]
-    return mask
-
-
-def _key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None) -> tuple[jax.Array, jax.Array]:
-    """[first, end) key blocks the rows row0 .. row0 + block_q − 1 can see."""
-    first = 0 if window is None else jnp.maximum(row0 - (window - 1), 0) // block_k
-    return first, (row0 + block_q + block_k - 1) // block_k
-
-
 def _logits(q, k, c_rows, c_keys, mask, sm_scale):
     """sm_scale·q·kᵀ + c_i − c_j [block_q, block_k] float32, MASK_VALUE where masked."""
     s = sm_scale * dot(q, k, trans_b=True) + (c_rows[:, None] - c_keys[None, :])
@@ -113,7 +97,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     def tile(index, carry):
         m, l, acc = carry
         keys = pl.ds(index * block_k, block_k)
-        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+        mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
                         None if seg_k_ref is None else seg_k_ref[keys])
         logits = _logits(q, k_ref[keys, :], c_rows, c_k_ref[keys], mask, config.sm_scale)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -122,7 +106,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
         v = v_ref[keys, :]
         return m_new, l * correction + jnp.sum(probs, axis=1), acc * correction[:, None] + dot(probs.astype(v.dtype), v)
 
-    first, end = _key_blocks(row0, block_q, block_k, config.window)
+    first, end = key_blocks(row0, block_q, block_k, config.window)
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     m, l, acc = lax.fori_loop(first, end, tile, init)
@@ -145,7 +129,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref
     def tile(index, carry):
         dq, dc_rows = carry
         keys = pl.ds(index * block_k, block_k)
-        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+        mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
                         None if seg_k_ref is None else seg_k_ref[keys])
         k, v = k_ref[keys, :], v_ref[keys, :]
         probs = jnp.where(mask, jnp.exp(_logits(q, k, c_rows, c_k_ref[keys], mask, sm_scale) - lse[:, None]), 0.0)
@@ -155,46 +139,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref
         jax.ref.addupdate(dck_ref, (keys,), -jnp.sum(ds, axis=0))
         return dq + sm_scale * dot(ds.astype(k.dtype), k), dc_rows + jnp.sum(ds, axis=1)
 
-    first, end = _key_blocks(row0, block_q, block_k, config.window)
+    first, end = key_blocks(row0, block_q, block_k, config.window)
     dq, dc_rows = lax.fori_loop(first, end, tile, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,),
                                                                                                jnp.float32)))
     dq_ref[...] = dq
     dcq_ref[...] = dc_rows
 
 
-@dataclasses.dataclass(frozen=True)
-class _RowSpecs:
-    """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
-    (Lp / bq, B, Hq)."""
-
-    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
-    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head n // G
-    stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
-    stat_full: pl.BlockSpec  # [Lp] of [B, Hq, Lp]
-    grid: tuple[int, int, int]
-    seg_rows: pl.BlockSpec  # [bq] of document ids [B, Lp]
-    seg_keys: pl.BlockSpec  # [Lp] of document ids [B, Lp]
-
-
-def _row_specs(q: jax.Array, k: jax.Array, bq: int) -> _RowSpecs:
-    batch, padded, num_heads, dp = q.shape
-    groups = num_heads // k.shape[2]
-    return _RowSpecs(
-        row=pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
-        kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h // groups, 0)),
-        stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        stat_full=pl.BlockSpec((None, None, padded), lambda i, b, h: (b, h, 0)),
-        grid=(padded // bq, batch, num_heads),
-        seg_rows=pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-        seg_keys=pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),
-    )
-
-
 def _forward_call(config: _Config, q, k, v, c, seg):
     """o [B, Lp, Hq, Dp] and lse [B, Hq, Lp]; seg may be None."""
     batch, padded, num_heads, _ = q.shape
-    specs = _row_specs(q, k, config.blocks.block_q)
-    segs = [specs.seg_rows, specs.seg_keys] if seg is not None else [None, None]
+    specs = row_specs(q, k, config.blocks.block_q)
+    segs = specs.segments(seg)
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config), grid=specs.grid,
         in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.stat, specs.stat_full, *segs],
@@ -207,8 +163,8 @@ def _forward_call(config: _Config, q, k, v, c, seg):
 def _backward_call(config: _Config, q, k, v, c, seg, do, lse, delta):
     """dq [B, Lp, Hq, Dp], d c (query side) [B, Hq, Lp], dk, dv [B, Lp, Hkv, Dp], d c (key side) [B, Hq, Lp], all
     float32."""
-    specs = _row_specs(q, k, config.blocks.block_q_bwd)
-    segs = [specs.seg_rows, specs.seg_keys] if seg is not None else [None, None]
+    specs = row_specs(q, k, config.blocks.block_q_bwd)
+    segs = specs.segments(seg)
     zeros = [jnp.zeros_like(k, jnp.float32), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(c, jnp.float32)]
     inputs = [q, k, v, c, c, seg, seg, do, lse, delta]
     accumulated = [specs.kv_full, specs.kv_full, specs.stat_full]
@@ -226,33 +182,15 @@ def _backward_call(config: _Config, q, k, v, c, seg, do, lse, delta):
 
 
 def _padded(q, k, v, c, segment_ids, blocks: BlockSizes):
-    """Zero-pad L to a multiple of every block and D to a power of two; c [B, L, Hq] -> [B, Hq, Lp] float32."""
-    length, d = q.shape[1], q.shape[3]
-    multiple = max(dataclasses.astuple(blocks))
-    padded, dp = -(-length // multiple) * multiple, tile_extent(d)
-    pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    c = jnp.pad(jnp.swapaxes(c.astype(jnp.float32), 1, 2), [(0, 0), (0, 0), (0, padded - length)])
-    seg = None if segment_ids is None else jnp.pad(segment_ids, [(0, 0), (0, padded - length)])
-    return q, k, v, c, seg
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _first_order_only(call, *operands):
-    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated forwards or
-    twice (the kernels are differentiated once, by `_fox_pallas`'s custom VJP)."""
-    return call(*operands)
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(call, primals, tangents):
-    raise NotImplementedError("impl='pallas' is differentiable once (reverse mode): for second-order derivatives "
-                              "use impl='blockwise' or 'reference', and for forward mode (jax.jvp) impl='reference'")
+    """`padded_inputs` to a multiple of every block; c [B, L, Hq] -> [B, Hq, Lp] float32."""
+    q, k, v, seg = padded_inputs(q, k, v, segment_ids, max(dataclasses.astuple(blocks)))
+    c = jnp.swapaxes(c.astype(jnp.float32), 1, 2)
+    return q, k, v, jnp.pad(c, [(0, 0), (0, 0), (0, q.shape[1] - c.shape[2])]), seg
 
 
 def _fox_pallas_fwd(q, k, v, c, segment_ids, config: _Config):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
-    out, lse = _first_order_only(functools.partial(_forward_call, config), qp, kp, vp, cp, seg)
+    out, lse = first_order_only(functools.partial(_forward_call, config), qp, kp, vp, cp, seg)
     return out[:, :config.length, :, :q.shape[3]], (q, k, v, c, segment_ids, out, lse)
 
 
@@ -261,7 +199,7 @@ def _fox_pallas_bwd(config: _Config, residuals, dout):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dc_q, dk, dv, dc_k = _first_order_only(functools.partial(_backward_call, config), qp, kp, vp, cp, seg,
+    dq, dc_q, dk, dv, dc_k = first_order_only(functools.partial(_backward_call, config), qp, kp, vp, cp, seg,
                                                do.astype(q.dtype), lse, delta)
     length, d = config.length, q.shape[3]
     dc = jnp.swapaxes((dc_q + dc_k)[:, :, :length], 1, 2)
