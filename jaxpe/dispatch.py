@@ -154,7 +154,7 @@ def _warn_once(message: str) -> None:
 # every platform. A first setting, not yet measured as BLOCKWISE_MIN_LENGTH is.
 UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 1024, "stickbreaking": 1024}
 # The fused paths they have, run only when asked for by name.
-UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ()}
+UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas",)}
 
 
 def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:

@@ -14,6 +14,9 @@ visible key all belong to their document.
 The layer ("fox" in the registry) projects the layer input to one gate logit per query head, a Dense with bias,
 weights N(0, 0.02²) and bias 0 as the authors' code initialises it (github zhixuan-lin/forgetting-transformer), so
 f = 1/2 at the start. While decoding, the keys' running sums c are cached: O(S) work per token.
+
+Paths: the dense reference here, kernels/fox_blockwise.py (pure JAX, O(L·block) memory) and kernels/fox_pallas.py
+(fused, causal; asked for by name only until compiled and timed on a GPU).
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ window) and j < i (j ≤ i with attend_current); keys that are not break nothing
 The layer ("stickbreaking" in the registry) adds the remainder times a learned per-head vector to the output, as the
 authors' layer does (github shawntan/stickbreaking-attention), zero at the start. While decoding, the dense
 reference runs over the cached keys: O(S) work per token.
+
+Paths: the dense reference here, kernels/stickbreaking_blockwise.py (pure JAX, O(L·block) memory) and
+kernels/stickbreaking_pallas.py (fused; asked for by name only until compiled and timed on a GPU).
 """
 from __future__ import annotations
 
@@ -58,9 +61,10 @@ def stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scal
 
     sm_scale: None (D^−½), a number > 0 or a traced scalar (differentiable). attend_current: query i attends key i
     too. segment_ids [B, L] int: packed documents; window: each query sees itself and the window − 1 keys before
-    it. impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory, custom VJP) or "auto"
-    (the dense path for short sequences, "blockwise" from jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on); no fused
-    kernel yet ("pallas" and "triton" are refused).
+    it. impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory, custom VJP),
+    "pallas" (fused kernels; interpret mode off GPU; not yet compiled on a GPU) or "auto" (the dense path for short
+    sequences, "blockwise" from jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on; never "pallas" yet); "triton" is
+    refused.
     """
     check_qkv(q, k, v)
     if q.shape[1] != k.shape[1]:
@@ -95,6 +99,11 @@ def _stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_sca
     if impl == "blockwise":
         return stickbreaking_attention_blockwise(q, k, v, sm_scale=sm_scale, attend_current=attend_current,
                                                  segment_ids=segment_ids, window=window)
+    if impl == "pallas":
+        from jaxpe.kernels.stickbreaking_pallas import stickbreaking_attention_pallas  # loads Pallas
+        out, remainder = stickbreaking_attention_pallas(q, k, v, sm_scale=sm_scale, attend_current=attend_current,
+                                                        segment_ids=segment_ids, window=window)
+        return out, remainder.astype(q.dtype)
     visible = visibility_mask(length, length, segment_ids=segment_ids, window=window)
     mask = attended_mask(visible, jnp.arange(length, dtype=jnp.int32)[None], attend_current=attend_current)
     out, remainder = stickbreaking_attention_reference(q, k, v, sm_scale=sm_scale, mask=mask)
@@ -139,5 +148,5 @@ class StickBreakingConfig(PEConfig):
         check_bool("attend_current", self.attend_current)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses a fused impl at once
+        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses "triton" at construction
         return StickBreakingCore(attend_current=self.attend_current, impl=impl)

@@ -1,7 +1,8 @@
 """jaxpe.stickbreaking_attention (jaxpe/stickbreaking.py, kernels/stickbreaking_blockwise.py): both impls against a
 NumPy restatement of the formula (GQA, attend_current, documents, windows), weights and remainder summing to 1,
 blockwise against the reference in value and gradient (the remainder's too) on lengths that are no multiple of the
-block, bf16 inputs, jit/vmap, the layer's remainder bias, and the input checks."""
+block, bf16 inputs, jit/vmap, the layer's remainder bias, the fused Pallas kernels (interpreter on CPU) against the
+reference, and the input checks."""
 import chex
 import flax.linen as nn
 import jax
@@ -12,6 +13,7 @@ import pytest
 import jaxpe
 import numpy_reference as ref
 from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise
+from jaxpe.kernels.stickbreaking_pallas import BlockSizes, stickbreaking_attention_pallas
 from jaxpe.stickbreaking import attended_mask, stickbreaking_attention_reference
 from jaxpe.softmax_attention import visibility_mask
 
@@ -147,3 +149,57 @@ def test_bad_inputs_raise_value_errors_naming_them(options, match, key):
     q, k, v = inputs(key)
     with pytest.raises(ValueError, match=match):
         jaxpe.stickbreaking_attention(q, k, v, **options)
+
+
+class _PallasSweep:
+    """The fused kernels against the dense reference, value and gradient (q, k, v and a traced temperature, through a
+    loss of the output and the remainder); INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering
+    (GPU). L = 37 is no multiple of the 16-row blocks; GQA (4 query heads on 2 kv heads)."""
+
+    INTERPRET: bool
+    TOLERANCE = 5e-5
+
+    @pytest.mark.parametrize("case", ["default", "window", "segments-attend_current"])
+    def test_matches_the_reference(self, case, key):
+        q, k, v = inputs(key, length=37)
+        window = 5 if case == "window" else None
+        segments = jnp.asarray(np.repeat(np.arange(3), 13)[None, :37].repeat(2, 0), jnp.int32) \
+            if case.startswith("segments") else None
+        attend_current = case.endswith("attend_current")
+        mask = attended_mask(visibility_mask(37, 37, segment_ids=segments, window=window), jnp.arange(37)[None],
+                             attend_current=attend_current)
+
+        def dense(q, k, v, scale):
+            return stickbreaking_attention_reference(q, k, v, sm_scale=scale, mask=mask)
+
+        def fused(q, k, v, scale):
+            return stickbreaking_attention_pallas(q, k, v, sm_scale=scale, attend_current=attend_current,
+                                                  block_sizes=BlockSizes(16, 16, 16, 16), interpret=self.INTERPRET,
+                                                  segment_ids=segments, window=window)
+
+        scale = jnp.float32(0.5)
+        for got, want in zip(fused(q, k, v, scale), dense(q, k, v, scale)):
+            np.testing.assert_allclose(got, want, atol=self.TOLERANCE, rtol=self.TOLERANCE)
+        weights = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+        grads = lambda fn: jax.grad(loss(fn, weights), argnums=(0, 1, 2, 3))(q, k, v, scale)
+        for got, want in zip(grads(fused), grads(dense)):
+            np.testing.assert_allclose(got, want, atol=10 * self.TOLERANCE, rtol=10 * self.TOLERANCE)
+
+
+@pytest.mark.gpu
+class TestStickBreakingPallas(_PallasSweep):
+    INTERPRET = False
+    TOLERANCE = 2e-2  # TF32 products
+
+
+class TestStickBreakingPallasInterpret(_PallasSweep):
+    INTERPRET = True
+
+
+def test_pallas_through_the_public_function(key):
+    """impl="pallas" from jaxpe.stickbreaking_attention equals the NumPy restatement, remainder included."""
+    q, k, v = inputs(key, length=19)
+    out, remainder = jaxpe.stickbreaking_attention(q, k, v, impl="pallas", return_remainder=True)
+    want, want_remainder = ref.stickbreaking_attention(*map(np.asarray, (q, k, v)))
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(remainder, want_remainder, atol=2e-6, rtol=2e-5)
