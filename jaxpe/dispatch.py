@@ -151,8 +151,10 @@ def _warn_once(message: str) -> None:
 
 # The encodings whose fused kernels "auto" does not pick (not yet compiled and timed on a GPU): "auto" runs their
 # dense reference below this length (while batch_heads·L² <= DENSE_MAX_ENTRIES) and "blockwise" from it on, on
-# every platform. A first setting, not yet measured as BLOCKWISE_MIN_LENGTH is.
-UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 1024, "stickbreaking": 1024}
+# every platform. From one noisy CPU measurement (2 shared cores; forward+backward, B 1, H 4, D 32), not yet a
+# committed benchmark as BLOCKWISE_MIN_LENGTH's: blockwise / dense took 3.7 / 8.1 ms (FoX) and 11.5 / 87.9 ms
+# (stick-breaking) at L = 256, 46 / 779 and 194 / 3289 ms at L = 1024; below 256 the two were within the noise.
+UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 256, "stickbreaking": 256}
 # The fused paths they have, run only when asked for by name.
 UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas",)}
 
