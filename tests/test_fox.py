@@ -2,6 +2,8 @@
 formula (GQA, documents, windows, bidirectional), gates all 1 against jax.nn.dot_product_attention, blockwise against
 the reference in value and gradient on lengths that are no multiple of the block, bf16 inputs, jit/vmap, the
 layer's gate, the fused Pallas kernels (interpreter on CPU) against the reference, and the input checks."""
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -11,9 +13,11 @@ import pytest
 
 import jaxpe
 import numpy_reference as ref
+from jaxpe.dispatch import resolve_unfused_impl
 from jaxpe.fox import forget_gate_cumsum, forgetting_attention_reference
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kernels.fox_pallas import BlockSizes, forgetting_attention_pallas
+from kernel_harness import square_intermediates_of_grad
 
 
 def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: int = 2, d: int = 8,
@@ -227,3 +231,29 @@ def test_pallas_through_the_public_function(key):
     half = jaxpe.forgetting_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), log_fgate, impl="pallas")
     assert half.dtype == jnp.bfloat16
     np.testing.assert_allclose(half.astype(jnp.float32), out, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_backward_never_builds_a_length_squared_array(impl):
+    """jax.grad's jaxpr holds no [.., L, .., L, ..] value (L = 1000); the dense reference does (the probe works)."""
+    length = 1000
+    q, k, v, log_fgate = inputs(jax.random.PRNGKey(1), b=1, length=length, hq=2, hkv=1, d=16)
+    c = forget_gate_cumsum(log_fgate)
+    kernel = {"blockwise": functools.partial(forgetting_attention_blockwise, sm_scale=0.2, block=64),
+              "pallas": functools.partial(forgetting_attention_pallas, sm_scale=0.2, interpret=True)}[impl]
+    mask = jnp.tril(jnp.ones((length, length), bool))[None]
+    dense = functools.partial(forgetting_attention_reference, sm_scale=0.2, mask=mask)
+    assert square_intermediates_of_grad(lambda q, k, v, c: dense(q, k, v, c, c), q, k, v, c, size=length)
+    assert square_intermediates_of_grad(kernel, q, k, v, c, size=length) == []
+
+
+def test_auto_runs_dense_below_the_measured_length_and_blockwise_from_it():
+    """jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH (256): dense below, blockwise from it, dense at a symbolic length
+    (jax.export), and a fused path only when asked for by name."""
+    for encoding in ("fox", "stickbreaking"):
+        pick = functools.partial(resolve_unfused_impl, encoding=encoding, batch_heads=8)
+        assert (pick("auto", 255), pick("auto", 256), pick("pallas", 8)) == ("reference", "blockwise", "pallas")
+        symbolic, = jax.export.symbolic_shape("l")
+        assert pick("auto", symbolic) == "reference"
+        with pytest.raises(ValueError, match="impl='triton'"):
+            pick("triton", 8)

@@ -3,6 +3,8 @@ NumPy restatement of the formula (GQA, attend_current, documents, windows), weig
 blockwise against the reference in value and gradient (the remainder's too) on lengths that are no multiple of the
 block, bf16 inputs, jit/vmap, the layer's remainder bias, the fused Pallas kernels (interpreter on CPU) against the
 reference, and the input checks."""
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -16,6 +18,7 @@ from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockw
 from jaxpe.kernels.stickbreaking_pallas import BlockSizes, stickbreaking_attention_pallas
 from jaxpe.stickbreaking import attended_mask, stickbreaking_attention_reference
 from jaxpe.softmax_attention import visibility_mask
+from kernel_harness import square_intermediates_of_grad
 
 
 def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: int = 2, d: int = 8,
@@ -203,3 +206,18 @@ def test_pallas_through_the_public_function(key):
     want, want_remainder = ref.stickbreaking_attention(*map(np.asarray, (q, k, v)))
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(remainder, want_remainder, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_backward_never_builds_a_length_squared_array(impl):
+    """jax.grad's jaxpr (of the output and the remainder) holds no [.., L, .., L, ..] value (L = 1000); the dense
+    reference does (the probe works)."""
+    length = 1000
+    q, k, v = inputs(jax.random.PRNGKey(1), b=1, length=length, hq=2, hkv=1, d=16)
+    kernel = {"blockwise": functools.partial(stickbreaking_attention_blockwise, sm_scale=0.2, block=64),
+              "pallas": functools.partial(stickbreaking_attention_pallas, sm_scale=0.2, interpret=True)}[impl]
+    mask = jnp.tril(jnp.ones((length, length), bool), -1)[None]
+    both = lambda fn: lambda *a: jnp.sum(fn(*a)[0]) + jnp.sum(fn(*a)[1])
+    dense = functools.partial(stickbreaking_attention_reference, sm_scale=0.2, mask=mask)
+    assert square_intermediates_of_grad(both(dense), q, k, v, size=length)
+    assert square_intermediates_of_grad(both(kernel), q, k, v, size=length) == []
