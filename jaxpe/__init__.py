@@ -1,4 +1,5 @@
-"""jaxpe: positional encodings for JAX/Flax, contextual (CoPE, Co-RoPE) and classic.
+"""jaxpe: positional encodings for JAX/Flax, contextual (CoPE, Co-RoPE), data-dependent attention (FoX,
+stick-breaking) and classic.
 
 Pure functions first, thin linen modules on top; every encoding is also selectable by name (`PE_NAMES`).
 Shapes: B batch, L length, H heads (Hq query, Hkv key/value), D head dim.

@@ -151,6 +151,7 @@ def _fox_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array, sm_sc
 
 
 _fox_blockwise.defvjp(_fox_fwd, _fox_bwd)
+_fox_blockwise_jit = jax.jit(_fox_blockwise, static_argnums=(6,))  # eager calls reuse one compiled program
 
 
 def forgetting_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate_cumsum: jax.Array, *,
@@ -166,4 +167,4 @@ def forgetting_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, log
     """
     check_positive_int("block", block)
     operands = vary_alike(q, k, v, log_fgate_cumsum, jnp.asarray(sm_scale, compute_dtype(q, k, v)), segment_ids)
-    return _fox_blockwise(*operands, _Config(int(block), causal, window)).astype(q.dtype)
+    return _fox_blockwise_jit(*operands, _Config(int(block), causal, window)).astype(q.dtype)

@@ -148,6 +148,7 @@ def _sb_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: jax.Array,
 
 
 _sb_blockwise.defvjp(_sb_fwd, _sb_bwd)
+_sb_blockwise_jit = jax.jit(_sb_blockwise, static_argnums=(5,))  # eager calls reuse one compiled program
 
 
 def stickbreaking_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array,
@@ -163,5 +164,5 @@ def stickbreaking_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, 
     """
     check_positive_int("block", block)
     operands = vary_alike(q, k, v, jnp.asarray(sm_scale, compute_dtype(q, k, v)), segment_ids)
-    out, remainder = _sb_blockwise(*operands, _Config(int(block), attend_current, window))
+    out, remainder = _sb_blockwise_jit(*operands, _Config(int(block), attend_current, window))
     return out.astype(q.dtype), remainder.astype(q.dtype)
