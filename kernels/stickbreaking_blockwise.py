@@ -11,8 +11,8 @@ attend_current), log A_ij = log σ(z_ij) + Σ_{attended k > j} log σ(−z_ik), 
 same number, without the cancellation of 1 − Σ).
 
 Forward: for each query block (lax.map), key blocks walked in reverse from the diagonal, carrying the suffix sum R of
-log σ(−z) over the keys seen so far; inside a block the keys after j add their reverse running sum. No softmax: A ≤ 1, no maximum
-to carry. Keeps out and R.
+log σ(−z) over the keys seen so far; inside a block the keys after j add their reverse running sum. No softmax:
+A ≤ 1, no maximum to carry. Keeps out and R.
 
 Backward, with w_ij = do_i·v_j and ρ_i = drem_i·exp(R_i) (the remainder's cotangent times it):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(Σ_{attended j' < j} A_ij'·w_ij' + ρ_i), and
