@@ -147,3 +147,33 @@ def run_for_platform(choice: Choice, run: Callable[[str, bool], jax.Array]) -> j
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+# The encodings whose fused kernels "auto" does not pick (not yet compiled and timed on a GPU): "auto" runs their
+# dense reference below this length (while batch_heads·L² <= DENSE_MAX_ENTRIES) and "blockwise" from it on, on
+# every platform. From one noisy CPU measurement (2 shared cores; forward+backward, B 1, H 4, D 32), not yet a
+# committed benchmark as BLOCKWISE_MIN_LENGTH's: blockwise / dense took 3.7 / 8.1 ms (FoX) and 11.5 / 87.9 ms
+# (stick-breaking) at L = 256, 46 / 779 and 194 / 3289 ms at L = 1024; below 256 the two were within the noise.
+UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 256, "stickbreaking": 256}
+# The fused paths they have, run only when asked for by name.
+UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas",)}
+
+
+def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:
+    """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference",
+    "blockwise" or a fused path of UNFUSED_KERNELS as asked, "auto" by length (above), or "reference" at a symbolic
+    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks is a
+    ValueError."""
+    check_impl(impl)
+    if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
+        raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
+    if impl in ("pallas", "triton") and impl not in UNFUSED_KERNELS[encoding]:
+        fused = " or ".join(repr(name) for name in UNFUSED_KERNELS[encoding])
+        raise ValueError(f"impl={impl!r}: {encoding} has no such fused kernel; use impl='blockwise' (O(L·block) "
+                         f"memory), 'reference' (dense), 'auto'{' or ' + fused if fused else ''}")
+    if impl != "auto":
+        return impl
+    if not isinstance(length, int) or not isinstance(batch_heads, int):  # symbolic shapes (jax.export)
+        return "reference"
+    small = length < UNFUSED_BLOCKWISE_MIN_LENGTH[encoding] and batch_heads * length**2 <= DENSE_MAX_ENTRIES
+    return "reference" if small else "blockwise"

@@ -11,6 +11,8 @@ Sources:
 - CoPE: Golovneva et al., "Contextual Position Encoding", arXiv:2405.18719, and the official code, github
   facebookresearch/RAM, projects/cope.
 - Co-RoPE: github Superposition09m/Co-RoPE, corope-exp/corope_attn_gqa_pytorch.py (leader-head mileage under GQA).
+- forgetting attention: Lin et al., "Forgetting Transformer: Softmax Attention with a Forget Gate", arXiv:2503.02130.
+- stick-breaking attention: Tan et al., "Scaling Stick-Breaking Attention", arXiv:2410.17980.
 - AM-SPE and the CoPE gate network: this repository's own encodings, restated from the definitions in the docstrings
   of jaxpe/amspe.py and jaxpe/cope_gated.py.
 
@@ -270,3 +272,59 @@ def corope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, theta: floa
                         total += e_a * math.cos(phi) - e_b * math.sin(phi)
                     scores[bi, h, i, j] = sm_scale * total
     return causal_attention(scores, v)
+
+
+# --- the rest of the data-dependent family -------------------------------------------------------------------------
+
+def _visible(bi: int, i: int, j: int, *, causal: bool, segment_ids: np.ndarray | None, window: int | None) -> bool:
+    """Key j visible to query i: j <= i (when causal), the same document, |i − j| < window."""
+    return ((j <= i or not causal) and (segment_ids is None or segment_ids[bi, i] == segment_ids[bi, j])
+            and (window is None or abs(i - j) < window))
+
+
+def forgetting_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_fgate: np.ndarray, *,
+                         sm_scale: float | None = None, causal: bool = True, segment_ids: np.ndarray | None = None,
+                         window: int | None = None) -> np.ndarray:
+    """FoX [B, L, Hq, D]: softmax over visible keys of sm_scale·q_i·k_j + Σ log f_l over the positions l strictly
+    after the earlier of (i, j) up to the later one; log_fgate [B, L, Hq]."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    b, length, hq, dim = q.shape
+    groups = hq // k.shape[2]
+    out = np.zeros((b, length, hq, dim))
+    for bi in range(b):
+        for h in range(hq):
+            for i in range(length):
+                keys = [j for j in range(length)
+                        if _visible(bi, i, j, causal=causal, segment_ids=segment_ids, window=window)]
+                logits = []
+                for j in keys:
+                    first, last = min(i, j), max(i, j)
+                    decay = sum(log_fgate[bi, l, h] for l in range(first + 1, last + 1))
+                    logits.append(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups]) + decay)
+                p = np.exp(np.array(logits) - max(logits))
+                p /= p.sum()
+                out[bi, i, h] = sum(p_j * v[bi, j, h // groups] for p_j, j in zip(p, keys))
+    return out
+
+
+def stickbreaking_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, sm_scale: float | None = None,
+                            attend_current: bool = False, segment_ids: np.ndarray | None = None,
+                            window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Stick-breaking (out [B, L, Hq, D], remainder [B, L, Hq]): over the visible keys j < i (j <= i with
+    attend_current), A_ij = β_ij·Π_{k > j} (1 − β_ik), β = sigmoid(sm_scale·q·k); remainder 1 − Σ_j A_ij."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    b, length, hq, dim = q.shape
+    groups = hq // k.shape[2]
+    out = np.zeros((b, length, hq, dim))
+    remainder = np.ones((b, length, hq))
+    for bi in range(b):
+        for h in range(hq):
+            for i in range(length):
+                keys = [j for j in range(i + 1) if (j < i or attend_current)
+                        and _visible(bi, i, j, causal=True, segment_ids=segment_ids, window=window)]
+                beta = {j: sigmoid(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups])) for j in keys}
+                for j in keys:
+                    weight = beta[j] * math.prod(1.0 - beta[t] for t in keys if t > j)
+                    out[bi, i, h] += weight * v[bi, j, h // groups]
+                    remainder[bi, i, h] -= weight
+    return out, remainder

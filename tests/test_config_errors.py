@@ -39,6 +39,8 @@ BAD_OPTIONS = {
     "cope_rope": {"max_pos": [1, 0], "theta": [0, "1e4"]},
     "corope": {"theta": [0, "x", math.nan], "rotary_dim": [5, -2, False],
                "scaling": [({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'")]},
+    "fox": {},
+    "stickbreaking": {"attend_current": [1, "yes", None]},
 }
 CASES = [(pe, option, *(bad if isinstance(bad, tuple) else (bad, f"{option}={bad!r}")))
          for pe, options in BAD_OPTIONS.items() for option, values in options.items() for bad in values]

@@ -659,7 +659,7 @@ def test_table_helpers_reject_bad_sizes():
 def test_registry_lists_every_encoding_in_documented_order():
     """PE_NAMES: no encoding, the additive ones, those acting inside attention, the contextual ones last."""
     assert jaxpe.PE_NAMES == ("none", "learned", "sinusoidal", "amspe", "rope", "alibi", "relative", "cope",
-                              "cope_gated", "cope_rope", "corope")
+                              "cope_gated", "cope_rope", "corope", "fox", "stickbreaking")
 
 
 def test_cope_positions_validates_inputs():

@@ -1,0 +1,165 @@
+"""Forgetting attention (FoX; Lin et al., "Forgetting Transformer: Softmax Attention with a Forget Gate",
+arXiv:2503.02130): softmax attention whose logits are down-weighted by data-dependent forget gates.
+
+B batch, Lq/Lk query/key length (L in self-attention), Hq query heads, Hkv key/value heads (G = Hq // Hkv), D head
+dim. A forget gate f_t = σ(w·x_t + b) ∈ (0, 1) per query head and token; c_t = Σ_{l ≤ t} log f_l (the running sum,
+float32); logits sm_scale·q_i·k_j + c_i − c_j = sm_scale·q_i·k_j + Σ_{l=j+1..i} log f_l for j ≤ i, softmax, times v.
+Gates all 1 (log f = 0) give plain causal softmax attention. Bidirectional (causal=False): key j > i gets
+c_j − c_i = Σ_{l=i+1..j} log f_l, the gates between key and query either way.
+
+Packed documents and sliding windows: key j is visible to query i iff j ≤ i (either side when bidirectional), the
+same document (segment_ids) and |i − j| < window. Documents are contiguous, so the gates between a query and a
+visible key all belong to their document.
+
+The layer ("fox" in the registry) projects the layer input to one gate logit per query head, a Dense with bias,
+weights N(0, 0.02²) and bias 0 as the authors' code initialises it (github zhixuan-lin/forgetting-transformer), so
+f = 1/2 at the start. While decoding, the keys' running sums c are cached: O(S) work per token.
+
+Paths: the dense reference here, kernels/fox_blockwise.py (pure JAX, O(L·block) memory) and kernels/fox_pallas.py
+(fused, causal; asked for by name only until compiled and timed on a GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpe.attention_core import AttentionContext
+from jaxpe.cope import bidirectional_mask
+from jaxpe.dispatch import resolve_unfused_impl
+from jaxpe.kernels._common import compute_dtype
+from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
+from jaxpe.kv_cache import update_cache
+from jaxpe.registry import PEConfig, register
+from jaxpe.sharding import partitioned
+from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, visibility_mask
+from jaxpe.validation import check_array, check_float, check_qkv, check_sm_scale, open_attention
+
+
+def check_log_fgate(log_fgate: jax.Array, q: jax.Array) -> None:
+    """log_fgate: a float array [B, L, Hq] matching q [B, L, Hq, D]; where concrete, every entry <= 0 (the log of a
+    gate in (0, 1])."""
+    check_array("log_fgate", log_fgate, "B L Hq")
+    check_float("log_fgate", log_fgate)
+    if tuple(log_fgate.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"log_fgate must have shape [B, L, Hq]={tuple(q.shape[:3])}, got "
+                         f"log_fgate.shape={tuple(log_fgate.shape)}")
+    if isinstance(log_fgate, jax.core.Tracer) or not log_fgate.size:
+        return
+    largest = float(np.max(np.asarray(log_fgate, np.float64)))
+    if not largest <= 0.0:
+        raise ValueError(f"log_fgate must be <= 0 (the log of forget gates in (0, 1]), got max(log_fgate)={largest}")
+
+
+def forget_gate_cumsum(log_fgate: jax.Array) -> jax.Array:
+    """c [B, L, H] = Σ_{l ≤ t} log_fgate[:, l] in `compute_dtype` (float32; float64 for float64 gates)."""
+    return jnp.cumsum(log_fgate.astype(compute_dtype(log_fgate)), axis=1)
+
+
+def forgetting_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, c_q: jax.Array, c_k: jax.Array, *,
+                                   sm_scale: float | jax.Array, mask: jax.Array, causal: bool = True) -> jax.Array:
+    """Dense forgetting attention, the ground truth: O(Lq·Lk) memory. Returns [B, Lq, Hq, D] in v's dtype.
+
+    q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; c_q [B, Lq, Hq] and c_k [B, Lk, Hq] the running sums of the log gates at
+    the queries and the keys; mask [B|1, Lq, Lk] bool, the visible keys. causal=False (Lq == Lk): keys after the
+    query get c_j − c_i.
+    """
+    c_q, c_k = (jnp.swapaxes(c, 1, 2) for c in (c_q, c_k))  # [B, Hq, L]
+    bias = c_q[..., :, None] - c_k[..., None, :]  # [B, Hq, Lq, Lk]
+    if not causal:
+        length = q.shape[1]
+        after = jnp.arange(length)[None, :] > jnp.arange(length)[:, None]
+        bias = jnp.where(after[None, None], -bias, bias)
+    logits = sm_scale * qk_logits(q, k) + bias.astype(compute_dtype(q, k))
+    return masked_softmax_attention(logits, v, mask)
+
+
+def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array, *,
+                         sm_scale: float | jax.Array | None = None, causal: bool = True,
+                         segment_ids: jax.Array | None = None, window: int | None = None,
+                         impl: str = "auto") -> jax.Array:
+    """Forgetting attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (GQA: Hkv divides Hq), log_fgate [B, L, Hq] (the
+    log of the forget gates, <= 0) -> [B, L, Hq, D] in q's dtype.
+
+    sm_scale: None (D^−½), a number > 0 or a traced scalar (differentiable). causal=False: bidirectional (module
+    docstring). segment_ids [B, L] int: packed documents; window: each query sees itself and the window − 1 keys
+    before it (and after it when bidirectional). impl: "reference" (dense, the ground truth), "blockwise" (pure
+    JAX, O(L·block) memory, custom VJP), "pallas" (fused kernels, causal; interpret mode off GPU; not yet compiled
+    on a GPU) or "auto" (the dense path for short sequences, "blockwise" from
+    jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on; never "pallas" yet); "triton" is refused.
+    """
+    check_qkv(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
+    check_log_fgate(log_fgate, q)
+    check_sm_scale(sm_scale)
+    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    impl = resolve_unfused_impl(impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * q.shape[2])
+    if impl == "pallas" and not causal:
+        raise ValueError("impl='pallas' runs causal forgetting attention only; for causal=False use "
+                         "impl='blockwise', 'reference' or 'auto'")
+    if empty:
+        return jnp.zeros(q.shape, q.dtype)
+    return _forgetting_attention(q, k, v, forget_gate_cumsum(log_fgate), sm_scale=sm_scale, causal=causal,
+                                 segment_ids=segment_ids, window=window, impl=impl)
+
+
+def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array, *,
+                          sm_scale: float | jax.Array | None, causal: bool, segment_ids: jax.Array | None,
+                          window: int | None, impl: str) -> jax.Array:
+    """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    length = q.shape[1]
+    if impl == "blockwise":
+        return forgetting_attention_blockwise(q, k, v, c, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids,
+                                              window=window)
+    if impl == "pallas":
+        from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when the kernel runs
+        return forgetting_attention_pallas(q, k, v, c, sm_scale=sm_scale, segment_ids=segment_ids, window=window)
+    if causal:
+        mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
+    else:
+        mask = bidirectional_mask(length, segment_ids=segment_ids, window=window)
+    return forgetting_attention_reference(q, k, v, c, c, sm_scale=sm_scale, mask=mask, causal=causal)
+
+
+class FoXCore(nn.Module):
+    """Forgetting attention inside a layer: owns the forget-gate projection "fgate" (Dense d_model -> Hq, with bias).
+    While decoding (`ctx.mask` given) the running sums of the cached keys come from the cache "fgate_cumsum"
+    [B, S, Hq] and the dense reference runs on the mask: O(S) per token."""
+
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
+        hq = q.shape[2]
+        gate = nn.Dense(hq, kernel_init=partitioned(nn.initializers.normal(0.02), "embed", "heads"),
+                        bias_init=partitioned(nn.initializers.zeros, "heads"), name="fgate")
+        logits = gate(ctx.x)  # [B, Lq, Hq]
+        c = forget_gate_cumsum(jax.nn.log_sigmoid(logits.astype(compute_dtype(logits))))
+        c_k = c
+        if ctx.decode:
+            index = ctx.cache_index
+            if self.has_variable("cache", "fgate_cumsum"):  # continue the running sum of the cached tokens
+                cached = self.get_variable("cache", "fgate_cumsum")  # [B, S, Hq]
+                prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
+                c = c + jnp.where(index > 0, prev, 0.0)[:, None]
+            c_k = update_cache(self, "fgate_cumsum", c, index)
+        if ctx.mask is not None:  # keys from the cache, documents and window folded into the mask
+            return forgetting_attention_reference(q, k, v, c, c_k, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
+        impl = resolve_unfused_impl(self.impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * hq)
+        return _forgetting_attention(q, k, v, c, sm_scale=None, causal=True, segment_ids=ctx.segment_ids,
+                                     window=ctx.window, impl=impl)
+
+
+@register("fox")
+@dataclasses.dataclass(frozen=True)
+class FoXConfig(PEConfig):
+    """Forgetting attention: a per-head forget gate σ(w·x + b) from the layer input (no position tables)."""
+
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        resolve_unfused_impl(impl, 1, encoding="fox", batch_heads=1)  # refuses "triton" at construction
+        return FoXCore(impl=impl)

@@ -1,0 +1,91 @@
+"""What the Pallas kernels of forgetting attention and stick-breaking attention share: one program per (query block,
+batch, query head), its BlockSpecs, the visibility of a tile and the key blocks a query block walks, and the rule
+that keeps the kernels first-order.
+
+Letters: B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head dim (Dp padded to
+a power of two). Tiles are [block_q, block_k].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxpe.kernels._common import tile_extent
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpecs:
+    """BlockSpecs of a kernel with one program per (query block of `bq` rows, batch, query head): grid
+    (Lp / bq, B, Hq)."""
+
+    row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
+    kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head n // G
+    stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
+    stat_full: pl.BlockSpec  # [Lp] of [B, Hq, Lp]
+    grid: tuple[int, int, int]
+    seg_rows: pl.BlockSpec  # [bq] of document ids [B, Lp]
+    seg_keys: pl.BlockSpec  # [Lp] of document ids [B, Lp]
+
+    def segments(self, seg: jax.Array | None) -> list[pl.BlockSpec | None]:
+        """The specs of the rows' and the keys' document ids (two Nones without documents)."""
+        return [self.seg_rows, self.seg_keys] if seg is not None else [None, None]
+
+
+def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
+    """The specs for q [B, Lp, Hq, Dp] and k [B, Lp, Hkv, Dp] with query blocks of `bq` rows."""
+    batch, padded, num_heads, dp = q.shape
+    groups = num_heads // k.shape[2]
+    return RowSpecs(
+        row=pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+        kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h // groups, 0)),
+        stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        stat_full=pl.BlockSpec((None, None, padded), lambda i, b, h: (b, h, 0)),
+        grid=(padded // bq, batch, num_heads),
+        seg_rows=pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        seg_keys=pl.BlockSpec((None, padded), lambda i, b, h: (b, 0)),
+    )
+
+
+def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, multiple: int
+                  ) -> tuple[jax.Array, ...]:
+    """q, k, v with L zero-padded to a multiple of `multiple` and D to a power of two; document ids [B, Lp] (padded
+    keys take id 0: no real row sees a padded key, which is after it) or None."""
+    length, d = q.shape[1], q.shape[3]
+    padded, dp = -(-length // multiple) * multiple, tile_extent(d)
+    pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
+    seg = None if segment_ids is None else jnp.pad(segment_ids, [(0, 0), (0, padded - length)])
+    return (*(jnp.pad(x, pad) for x in (q, k, v)), seg)
+
+
+def visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
+            seg_cols: jax.Array | None) -> jax.Array:
+    """Mask [block_q, block_k]: key `cols` visible from row `rows` (causal, inside the window, same document)."""
+    mask = cols[None, :] <= rows[:, None]
+    if window is not None:
+        mask &= rows[:, None] - cols[None, :] < window
+    if seg_rows is not None:
+        mask &= seg_rows[:, None] == seg_cols[None, :]
+    return mask
+
+
+def key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None) -> tuple[jax.Array, jax.Array]:
+    """[first, end) key blocks the rows row0 .. row0 + block_q − 1 can see."""
+    first = 0 if window is None else jnp.maximum(row0 - (window - 1), 0) // block_k
+    return first, (row0 + block_q + block_k - 1) // block_k
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def first_order_only(call, *operands):
+    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated forwards or
+    twice (the kernels are differentiated once, by their op's custom VJP)."""
+    return call(*operands)
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(call, primals, tangents):
+    raise NotImplementedError("impl='pallas' is differentiable once (reverse mode): for second-order derivatives "
+                              "use impl='blockwise' or 'reference', and for forward mode (jax.jvp) impl='reference'")
