@@ -18,7 +18,8 @@ bound per logit, in SM clocks, is the largest over the SM's pipes (issue, FP32, 
 shared memory, tensor cores) of the work per logit over the pipe's rate (RATES: NVIDIA's numbers, with their sources).
 jax's own Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, MHA: it has no GQA) compiled the same
 way at the same tiles, and at its defaults, is the plain attention the kernels are compared with. TARGETS are the costs
-the kernels are held to, checked per path (`targets`). docs/kernel_cost.md explains the method and reads the table.
+the kernels are held to, checked per path (`targets`). docs/reports/kernel_cost.md explains the method and reads the
+table.
 
 A benchmark script beside the library (not in the wheel); it needs what tools/compile_report.py needs (.venv-compile:
 jax 0.10 with jax-cuda13-plugin, nvidia-cuda-nvcc, triton and jax-triton 0.3.1 for the native path) and
@@ -1176,7 +1177,7 @@ def _targets_table(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def summary(data: dict[str, Any]) -> str:
-    """The short table of docs/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
+    """The short table of docs/reports/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
     logit: instructions, the bound and its pipe (CoPE's clamped tiles beside), and the ratios to plain attention."""
     lines = ["| path | op | dtype | D | kernel | BQ×BK×H/warps | inst/logit | clk/logit (pipe) | clamped clk/logit "
              "| plain clk/logit | ratio | plain defaults clk/logit | ratio to defaults |",

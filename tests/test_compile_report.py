@@ -6,7 +6,7 @@ both), each kernel of each configuration of the report (CoPE and Co-RoPE; f32/bf
 are installed too) compiles to PTX and then to SASS, and is held to two checks: it would launch (compiles; shared
 memory within sm_90's 232448 bytes), and it spills no more than its budget (none in forward kernels, at most 512 bytes
 per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
-(results/compile/sm90a.json, docs/kernels.md's table) belongs to the kernel sources as they are and finds every
+(results/compile/sm90a.json, docs/reports/kernels.md's table) belongs to the kernel sources as they are and finds every
 kernel within budget, and the report's own pieces (lowering, recording the Triton launches, ptxas parsing, verdicts,
 the errors without a toolchain) work.
 """
@@ -128,7 +128,7 @@ def test_committed_report_is_current_and_within_budget():
 
 
 def test_committed_markdown_is_the_report():
-    """sm90a.md is what `markdown` makes of sm90a.json (docs/kernels.md's table comes from the same rows)."""
+    """sm90a.md is what `markdown` makes of sm90a.json (docs/reports/kernels.md's table comes from the same rows)."""
     data = json.loads(REPORT.read_text())
     assert REPORT.with_suffix(".md").read_text() == cr.markdown(data)
 
