@@ -19,7 +19,7 @@ The rotary score of a tile: per chunk of BD pairs, the phases [BD, BQ, BK] = ω[
 reduction and two polynomials), the keys rotated once for the H heads (kc, ks [BD, BQ, BK]), and q1·kc + q2·ks of
 each head accumulated in a [BD, H, BQ, BK] float32 tile (two FMAs per element), summed over the pairs once after
 the last chunk. The chunks' q, k and ω load straight from memory (L1-resident; Triton cannot slice registers).
-The cost per logit of each kernel, read from its SASS, is in docs/reports/kernel_cost.md. Gate logits
+The cost per logit of each kernel, read from its SASS, is in docs/kernel_cost.md. Gate logits
 are float32-accurate for float32 inputs (TF32×3 dots); the softmax runs in base 2 (log2 e folded into sm_scale; the
 saved row statistic is lse·log2 e).
 

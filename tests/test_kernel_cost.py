@@ -9,7 +9,6 @@ sources as they are and three of its kernels compiled again give the same entrie
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -18,18 +17,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "cost" / "kernel_cost.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchmarks/kernel_cost.py, a script beside the library
+import kernel_cost as kc  # noqa: E402
 
-
-def _load_tool():
-    """benchmarks/kernel_cost.py, a script beside the library, loaded from its path."""
-    spec = importlib.util.spec_from_file_location("kernel_cost", ROOT / "benchmarks" / "kernel_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-kc = _load_tool()
 cr = kc.cr
 
 
