@@ -186,6 +186,13 @@ def _ratio(row: dict, base: dict | None) -> str:
     return f"{row['time_ms'] / base['time_ms']:.2f}"
 
 
+def write_report(out: Path, stem: str, report: dict, text: str) -> None:
+    """out/stem.json (the report) and out/stem.md (its Markdown `text`); benchmarks/tiles.py writes its own so."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
+
+
 def markdown(rows: list[dict], header: str) -> str:
     """Markdown table; ratios are to the RoPE anchor and to the reference of the same op, both from this run."""
     def key(r, **kw):
@@ -296,13 +303,10 @@ def main(argv: list[str] | None = None) -> None:
                    for k, v in vars(args).items() if k not in ("case", "out", "name")},
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"bench_{jax.default_backend()}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     header = (f"## Attention benchmark: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
               f"{report['date']}\n\nB={args.batch}, Hq={args.heads}, npos={args.npos}, dtype={args.dtype}; "
               f"peak memory from {report['memory_source']}.")
-    (args.out / f"{stem}.md").write_text(markdown(rows, header))
+    write_report(args.out, args.name or f"bench_{jax.default_backend()}", report, markdown(rows, header))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ bound per logit, in SM clocks, is the largest over the SM's pipes (issue, FP32, 
 shared memory, tensor cores) of the work per logit over the pipe's rate (RATES: NVIDIA's numbers, with their sources).
 jax's own Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, MHA: it has no GQA) compiled the same
 way at the same tiles, and at its defaults, is the plain attention the kernels are compared with. TARGETS are the costs
-the kernels are held to, checked per path (`targets`). docs/kernel_cost.md explains the method and reads the table.
+the kernels are held to, checked per path (`targets`). docs/reports/kernel_cost.md explains the method and reads the
+table.
 
 A benchmark script beside the library (not in the wheel); it needs what tools/compile_report.py needs (.venv-compile:
 jax 0.10 with jax-cuda13-plugin, nvidia-cuda-nvcc, triton and jax-triton 0.3.1 for the native path) and
@@ -42,7 +43,6 @@ import pathlib
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,18 +56,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_compile_report() -> Any:
-    """tools/compile_report.py (a script, not a package), loaded from its path once per process."""
-    if "compile_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules["compile_report"]
-
-
-cr = _load_compile_report()
-from jaxpe.kernels import cope_pallas, corope_pallas  # noqa: E402  (after the tool, which imports them too)
+# The compile report's grid, lowering and compilers (tools/compile_report.py) and the CUDA tools they both find
+# (tools/cuda_tools.py): modules beside the library, not in the wheel, on the path from tools/.
+sys.path.insert(0, str(ROOT / "tools"))
+import compile_report as cr  # noqa: E402
+from cuda_tools import ToolchainMissing, cuda_tool_version, find_cuda_tool  # noqa: E402
+from jaxpe.kernels import cope_pallas, corope_pallas  # noqa: E402
 from jaxpe.kernels._common import tile_extent  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------- the device
@@ -812,34 +806,17 @@ class Tools:
     nvdisasm_version: str
 
 
-def _find_nvdisasm(explicit: str | None) -> str | None:
-    if explicit or os.environ.get("NVDISASM"):
-        path = explicit or os.environ["NVDISASM"]
-        return path if os.access(path, os.X_OK) else None
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm"):
-            path = os.path.join(root, sub)
-            if os.access(path, os.X_OK):
-                return path
-    return shutil.which("nvdisasm")
-
-
 def find_tools(ptxas: str | None = None, nvdisasm: str | None = None) -> Tools:
     """The compile report's toolchain and nvdisasm ($NVDISASM, the nvidia-cuda-nvdisasm wheel, PATH), or
-    cr.ToolchainMissing saying how to install them."""
+    ToolchainMissing saying how to install them."""
     toolchain = cr.find_toolchain(ptxas)
-    path = _find_nvdisasm(nvdisasm)
+    path = find_cuda_tool("nvdisasm", nvdisasm, ("cu13/bin", "cuda_nvdisasm/bin"))
     install = (f"install it with:\n    pip install --no-deps 'nvidia-cuda-nvdisasm=={toolchain.ptxas_version}'\n"
                "(the version of ptxas) into the venv of `make test-compile` (.venv-compile)")
     if path is None:
-        raise cr.ToolchainMissing(f"nvdisasm not found (looked at $NVDISASM, the nvidia-cuda-nvdisasm wheel and "
-                                  f"PATH); {install}")
-    out = subprocess.run([path, "--version"], capture_output=True, text=True)
-    version = re.search(r"V(\d+\.\d+\.\d+)", out.stdout)
-    if out.returncode != 0 or version is None:
-        raise cr.ToolchainMissing(f"{path} --version failed: {out.stderr.strip() or out.stdout.strip()}")
-    return Tools(toolchain, path, version.group(1))
+        raise ToolchainMissing(f"nvdisasm not found (looked at $NVDISASM, the nvidia-cuda-nvdisasm wheel and PATH); "
+                               f"{install}")
+    return Tools(toolchain, path, cuda_tool_version(path))
 
 
 def compile_sass(job: Job, tools: Tools, *, timeout: float = 1800.0,
@@ -1176,7 +1153,7 @@ def _targets_table(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def summary(data: dict[str, Any]) -> str:
-    """The short table of docs/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
+    """The short table of docs/reports/kernel_cost.md: GQA 8/2 (CoPE: npos 64), the forward and the backward kernel, per
     logit: instructions, the bound and its pipe (CoPE's clamped tiles beside), and the ratios to plain attention."""
     lines = ["| path | op | dtype | D | kernel | BQ×BK×H/warps | inst/logit | clk/logit (pipe) | clamped clk/logit "
              "| plain clk/logit | ratio | plain defaults clk/logit | ratio to defaults |",
@@ -1319,13 +1296,7 @@ def earlier_authors(path: pathlib.Path) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python benchmarks/kernel_cost.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--ops", type=cr._csv(str), default=cr.OPS, help="cope,corope")
-    parser.add_argument("--paths", type=cr._csv(str), default=cr.PATHS, help="pallas,triton (the kernels' paths)")
-    parser.add_argument("--dtypes", type=cr._csv(cr._dtype), default=cr.DTYPES, help="float32,bfloat16 (f32,bf16)")
-    parser.add_argument("--head-dims", type=cr._csv(int), default=cr.HEAD_DIMS, help="64,128,256")
-    parser.add_argument("--heads", type=cr._csv(cr._heads), default=cr.HEADS, help="query/kv heads: 8/2,8/8")
-    parser.add_argument("--npos", type=cr._csv(int), default=cr.NPOS, help="CoPE table rows: 64,513")
-    parser.add_argument("--quick", action="store_true", help="D 64, heads 8/2, npos 64 only")
+    cr.add_grid_arguments(parser)
     parser.add_argument("--no-plain", action="store_true", help="skip plain attention (no ratios)")
     parser.add_argument("--authors-file", type=pathlib.Path, metavar="PY",
                         help=f"also compile the Co-RoPE authors' forward from this file ({AUTHORS_SOURCE})")
@@ -1348,19 +1319,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out is None and not (args.no_write or args.compile_authors):
         parser.error("--out DIR is required (or --no-write to print the table only)")
-    for op in args.ops:
-        if op not in cr.OPS:
-            parser.error(f"--ops: {op!r} is not one of {cr.OPS}")
-    for path in args.paths:
-        if path not in cr.PATHS:
-            parser.error(f"--paths: {path!r} is not one of {cr.PATHS}")
     if args.authors_file and args.authors_from:
         parser.error("--authors-file and --authors-from: give one")
-    full = (args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.paths) == (
-        cr.OPS, cr.DTYPES, cr.HEAD_DIMS, cr.HEADS, cr.NPOS, cr.PATHS)
-    if args.quick:
-        args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
-    args.name = args.name or ("kernel_cost-quick" if args.quick else "kernel_cost" if full else "kernel_cost-subset")
+    args.name = cr.grid_name(parser, args, "kernel_cost")
     return args
 
 
@@ -1372,7 +1333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         tools = find_tools(args.ptxas, args.nvdisasm)
-    except cr.ToolchainMissing as e:
+    except ToolchainMissing as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     jax.config.update("jax_platforms", "cpu")  # lowering for CUDA needs no GPU; do not start CUDA here
@@ -1399,13 +1360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = report(kernels, plains, tools, authors=authors, seconds=time.perf_counter() - start, paths=args.paths,
                   settings={"jobs": args.jobs, "timeout_s": args.timeout, "authors_timeout_s": args.authors_timeout},
                   command=shlex.join(["python", "benchmarks/kernel_cost.py", *argv]))
-    text = markdown(data)
-    print(text)
-    if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
-        (args.out / f"{args.name}.md").write_text(text)
-        print(f"wrote {args.out / args.name}.json and .md", file=sys.stderr)
+    cr.show_and_write(data, markdown(data), None if args.no_write else args.out, args.name)
     return 1 if any(e["error"] for e in kernels + plains) else 0
 
 

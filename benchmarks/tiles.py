@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from attention import write_report  # benchmarks/attention.py, beside this file
 
 OPS = ("cope", "corope")
 
@@ -175,13 +176,10 @@ def main(argv: list[str] | None = None) -> None:
               "triton_version": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"tiles_{jax.default_backend()}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     header = (f"## Native Triton kernels, tile and warp variants: {device.device_kind}, jax {jax.__version__}, "
               f"triton {triton.__version__}, {report['date']}\n\nB 1, L {args.length}, Hq {args.heads}, "
               f"Hkv {args.kv_heads}, causal; forward and backward timed apart.")
-    (args.out / f"{stem}.md").write_text(markdown(rows, header))
+    write_report(args.out, f"tiles_{jax.default_backend()}", report, markdown(rows, header))
 
 
 if __name__ == "__main__":

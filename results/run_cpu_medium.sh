@@ -4,7 +4,8 @@
 # for CoPE, relative, learned, RoPE, no positions and Co-RoPE, 3 seeds: 36 runs, the two variable counts side by side
 # with one XLA thread and one device each (53 minutes in all on this 2-core machine).
 # Usage: bash results/run_cpu_medium.sh [counting_3var|counting_5var ...]   (resumes; PES=... SEEDS=... narrow it)
-# Tables: compare.json goes to results/cpu_medium/<setting>/; `bash results/tables.sh` prints docs/results.md's tables.
+# Tables: compare.json goes to results/cpu_medium/<setting>/; `bash results/tables.sh` prints docs/reports/results.md's
+# tables.
 # The same runs at other settings: NAME=... runs in runs/NAME/ and copies to results/NAME/ (COPY=0: no copy; ROOT=...
 # runs in ROOT/NAME/ instead of runs/NAME/), OVERRIDES="key=value ..." adds configuration overrides
 # (results/run_cpu_medium_converged.sh is one such).

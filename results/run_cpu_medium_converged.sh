@@ -3,8 +3,8 @@
 # statements in 128-token blocks, 10k training programs) trained until it stops improving: CoPE, relative, learned,
 # RoPE, no positions and Co-RoPE x 3 and 5 variables x seeds 0, 1, 2, each 20000 steps at a constant learning rate
 # of 3e-4 after warmup (optim.min_lr_ratio=1), evaluated on the valid and len_x2 splits every 250 steps, so that every
-# run is also a learning curve. The budget and the rate were chosen from learning curves (docs/results.md, "Counting
-# trained until it stops improving"), results/cpu_medium_converged/lr_curves/, which these commands reproduce:
+# run is also a learning curve. The budget and the rate were chosen from learning curves (docs/reports/results.md,
+# "Counting trained until it stops improving"), results/cpu_medium_converged/lr_curves/, which these commands reproduce:
 #   LR=3e-3 ROOT=runs NAME=cpu_medium_lr3e-3 PES=cope,relative,learned SEEDS=0 bash results/run_cpu_medium_converged.sh
 #   for LR in 1e-2 1e-3 3e-4 1e-4; do LR=$LR ROOT=runs NAME=cpu_medium_lr$LR STEPS=10000 PES=cope,relative SEEDS=0 \
 #     bash results/run_cpu_medium_converged.sh counting_5var; done      (1e-2 was stopped at step 4250)

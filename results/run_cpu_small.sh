@@ -7,7 +7,7 @@
 #        reuses runs that finished; COMPARE=path/to/jaxpe-compare to use another entry point, PES=... SEEDS=... to
 #        narrow the sweep, JOBS=1 for one setting at a time with XLA's default threads; a setting's own --pe wins)
 # Tables: each setting's compare.json is copied to results/cpu_small/<setting>/; `bash results/tables.sh` prints
-# docs/results.md's tables from them.
+# docs/reports/results.md's tables from them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PES=${PES:-none,learned,sinusoidal,amspe,rope,alibi,relative,cope,cope_gated,corope}

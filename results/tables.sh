@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prints docs/results.md's tables from the committed compare.json files (python -m jaxpe.train.report); paste its
-# output there after a rerun (tests/test_readme_results.py compares the two).
+# Prints docs/reports/results.md's tables from the committed compare.json files (python -m jaxpe.train.report); paste
+# its output there after a rerun (tests/test_readme_results.py compares the two).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -1,6 +1,18 @@
 """Shared test settings: 8 simulated CPU devices (XLA's CPU backend set to compile fast), strict rank promotion,
 Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` (a sample of each test's parametrized
-cases, for the other jax versions' runs)."""
+cases, for the other jax versions' runs).
+
+What each leg of CI (.ci/run, about 25 minutes on 2 cores) runs of this suite:
+- main, `make test`: every file, Python 3.11 with jax 0.10, two xdist workers; every parametrized case. The tests
+  that need jax's CUDA plugin, ptxas or nvdisasm skip, saying why.
+- newest jax, `make test-newest` (.ci/newest_jax): Python 3.12 with the newest jax and flax; the files of the public
+  API, the kernels' launch through jax, the transformations, decoding, export and the README, with
+  `--each-value-once`; then a model lowered and exported for CUDA (test_cuda_lowering.py).
+- compile, `make test-compile`: test_compile_report.py, test_cuda_lowering.py, test_kernel_cost.py and
+  test_triton_ownership.py with the CUDA plugin, ptxas and nvdisasm (.venv-compile): every kernel compiled for an
+  H100 and held to its budgets and cost model.
+- the wheel smokes, `make test-wheel`, run no tests of this folder (.ci/wheel_smoke).
+Tests marked `gpu` run on a GPU only (`pytest -m gpu`)."""
 import importlib.metadata
 import os
 import subprocess

@@ -12,6 +12,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Compile time dominates these tests; the speed of the compiled test programs does not matter.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -49,6 +50,14 @@ def float32_products(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 GPU_TOLERANCE = {"float32": {"out": (2e-2, 1e-2), "grad": (6e-2, 2e-2)},
                  "bfloat16": {"out": (3e-2, 2e-2), "grad": (1.5e-1, 3e-2)}}
+
+
+def gpu_and_interpreted(sweep: type, name: str) -> tuple[type, type]:
+    """A kernel sweep's two test classes, `name` (compiled: marked `gpu`, held to GPU_TOLERANCE) and `name`Interpret
+    (the interpreter, on CPU too: TOLERANCE); `sweep` reads its INTERPRET and TOLERANCE. Siblings rather than one a
+    subclass of the other: pytest collects marks along the MRO, so a subclass of the `gpu` class would skip on CPU."""
+    compiled = type(name, (sweep,), {"INTERPRET": False, "TOLERANCE": GPU_TOLERANCE})
+    return pytest.mark.gpu(compiled), type(f"{name}Interpret", (sweep,), {"INTERPRET": True, "TOLERANCE": TOLERANCE})
 
 
 def assert_close(got: jax.Array, want: jax.Array, *, tolerance: tuple[float, float], context: str) -> None:

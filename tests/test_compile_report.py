@@ -6,7 +6,7 @@ both), each kernel of each configuration of the report (CoPE and Co-RoPE; f32/bf
 are installed too) compiles to PTX and then to SASS, and is held to two checks: it would launch (compiles; shared
 memory within sm_90's 232448 bytes), and it spills no more than its budget (none in forward kernels, at most 512 bytes
 per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
-(results/compile/sm90a.json, docs/kernels.md's table) belongs to the kernel sources as they are and finds every
+(results/compile/sm90a.json, docs/reports/kernels.md's table) belongs to the kernel sources as they are and finds every
 kernel within budget, and the report's own pieces (lowering, recording the Triton launches, ptxas parsing, verdicts,
 the errors without a toolchain) work.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import importlib.util
 import json
 import os
 import pathlib
@@ -25,18 +24,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPORT = ROOT / "results" / "compile" / "sm90a.json"
-
-
-def _load_tool():
-    """tools/compile_report.py, a script beside the library (not installed with it), loaded from its path."""
-    spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-cr = _load_tool()
+sys.path.insert(0, str(ROOT / "tools"))  # tools/compile_report.py, a script beside the library (not in the wheel)
+import compile_report as cr  # noqa: E402
 
 
 def _toolchain() -> cr.Toolchain | str:
@@ -128,7 +117,7 @@ def test_committed_report_is_current_and_within_budget():
 
 
 def test_committed_markdown_is_the_report():
-    """sm90a.md is what `markdown` makes of sm90a.json (docs/kernels.md's table comes from the same rows)."""
+    """sm90a.md is what `markdown` makes of sm90a.json (docs/reports/kernels.md's table comes from the same rows)."""
     data = json.loads(REPORT.read_text())
     assert REPORT.with_suffix(".md").read_text() == cr.markdown(data)
 
@@ -177,13 +166,13 @@ def test_recorded_launches_compile_to_what_jax_triton_runs(op, tmp_path):
     rows = [cr.compile_kernel(kernel, TOOLCHAIN, timeout=600, ptx_dir=tmp_path / "report")
             for kernel in cr.record_triton_kernels(case)[1:]]
     assert [row.error for row in rows] == [None, None]
-    script = ("import importlib.util, sys\n"
-              "spec = importlib.util.spec_from_file_location('compile_report', sys.argv[1])\n"
-              "cr = importlib.util.module_from_spec(spec); sys.modules[spec.name] = cr; spec.loader.exec_module(cr)\n"
+    script = ("import sys\n"
+              "sys.path.insert(0, sys.argv[1])\n"
+              "import compile_report as cr\n"
               f"fn, args = cr._attention(cr.{case!r}, 'triton')\n"
               "cr._lowered_for_gpu(cr._gradient(fn, len(args)), args)\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0", JAX_TRITON_DUMP_DIR=str(tmp_path / "dump"))
-    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "tools" / "compile_report.py")], env=env,
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "tools")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     dumped = sorted((tmp_path / "dump").rglob("*.ptx"))

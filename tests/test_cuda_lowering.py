@@ -8,7 +8,7 @@ baseline's dense attention shows that the search finds one).
 
 Needs one of jax's CUDA plugins (for jax-triton, and so that "auto" stages the CUDA branch): `make test-compile` runs
 it in .venv-compile with `JAX_PLATFORMS=cpu TRITON_INTERPRET=0`; elsewhere it skips. What remains for a GPU is
-compiling these programs and their numerics (`pytest -m gpu`, docs/kernels.md).
+compiling these programs and their numerics (`pytest -m gpu`, docs/reports/kernels.md).
 """
 from __future__ import annotations
 

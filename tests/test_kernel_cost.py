@@ -2,14 +2,13 @@
 
 Everywhere: the SASS reader on hand-written listings, checked against counts made by hand (parser, control-flow
 graph, loop nesting, trip counts read from loop counters, instruction classes, pipe clocks, the per-logit scaling);
-the committed Markdown and docs/kernel_cost.md's table are renderings of the committed JSON.
+the committed Markdown and docs/reports/kernel_cost.md's table are renderings of the committed JSON.
 Where jax's CUDA plugin, ptxas and nvdisasm are installed (.venv-compile with `pip install --no-deps
 nvidia-cuda-nvdisasm`), elsewhere skipped saying why: the committed results/cost/kernel_cost.json belongs to the kernel
 sources as they are and three of its kernels compiled again give the same entries.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -18,18 +17,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "cost" / "kernel_cost.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchmarks/kernel_cost.py, a script beside the library
+import kernel_cost as kc  # noqa: E402
 
-
-def _load_tool():
-    """benchmarks/kernel_cost.py, a script beside the library, loaded from its path."""
-    spec = importlib.util.spec_from_file_location("kernel_cost", ROOT / "benchmarks" / "kernel_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-kc = _load_tool()
 cr = kc.cr
 
 
@@ -274,12 +264,12 @@ def test_fence_targets_count_gpu_scope_fences_only():
 
 
 def test_committed_markdown_and_docs_table_are_the_report():
-    """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/kernel_cost.md shows its `summary` and
-    its targets table; the targets in the JSON are `targets` of its entries."""
+    """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/reports/kernel_cost.md shows its `summary`
+    and its targets table; the targets in the JSON are `targets` of its entries."""
     data = json.loads(COMMITTED.read_text())
     assert data["targets"] == kc.targets(data)
     assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
-    doc = (ROOT / "docs" / "kernel_cost.md").read_text()
+    doc = (ROOT / "docs" / "reports" / "kernel_cost.md").read_text()
     assert "\n" + kc.summary(data) + "<!-- end of summary -->" in doc
     assert "\n" + "\n".join(kc._targets_table(data["targets"])) + "\n<!-- end of targets -->" in doc
     assert kc._authors_sentence(data["authors"]) in doc.replace("\n> ", " ")

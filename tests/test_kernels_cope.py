@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,
+from kernel_harness import (TOLERANCE, assert_matches_elementwise, float32_products, gpu_and_interpreted,
                             outputs_and_grads, square_intermediates_of_grad)
 
 import jaxpe
@@ -109,13 +109,10 @@ def test_blockwise_matches_reference(case: Case):
 
 
 class _PallasSweep:
-    """The kernel sweep; INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU).
-
-    Two siblings rather than a subclass of the GPU class: pytest collects marks along the MRO, so a subclass of
-    a `gpu`-marked class would be skipped on CPU too."""
+    """The kernel sweep; INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU)."""
 
     INTERPRET: bool
-    TOLERANCE = TOLERANCE
+    TOLERANCE: dict
 
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference(self, case: Case):
@@ -126,27 +123,18 @@ class _PallasSweep:
         assert_matches_reference(case, got, self.TOLERANCE)
 
 
-@pytest.mark.gpu
-class TestCopePallas(_PallasSweep):
-    INTERPRET = False
-    TOLERANCE = GPU_TOLERANCE
+TestCopePallas, TestCopePallasInterpret = gpu_and_interpreted(_PallasSweep, "TestCopePallas")
 
 
-class TestCopePallasInterpret(_PallasSweep):
-    INTERPRET = True
-
-
-@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
-def test_backward_never_builds_a_length_squared_array(impl: str):
+@pytest.mark.parametrize("kernel", [
+    functools.partial(cope_attention_blockwise, sm_scale=0.2, block_k=64, block_q=128),
+    functools.partial(cope_attention_pallas, sm_scale=0.2, interpret=True)], ids=["blockwise", "pallas"])
+def test_backward_never_builds_a_length_squared_array(kernel):
     """jax.grad's jaxpr holds no [.., L, .., L, ..] value (L = 1000); the dense reference does (the probe works)."""
     length, d = 1000, 32
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
     q, k, v = (jax.random.normal(kk, (1, length, 2, d)) for kk in keys[:3])
     pos_emb = jax.random.normal(keys[3], (16, d))
-    kernel = {
-        "blockwise": functools.partial(cope_attention_blockwise, sm_scale=0.2, block_k=64, block_q=128),
-        "pallas": functools.partial(cope_attention_pallas, sm_scale=0.2, interpret=True),
-    }[impl]
     reference_fn = functools.partial(jaxpe.cope_attention, sm_scale=0.2, impl="reference")
     assert square_intermediates_of_grad(reference_fn, q, k, v, pos_emb, size=length)
     assert square_intermediates_of_grad(kernel, q, k, v, pos_emb, size=length) == []

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches_elementwise, float32_products,
+from kernel_harness import (TOLERANCE, assert_matches_elementwise, float32_products, gpu_and_interpreted,
                             outputs_and_grads, square_intermediates_of_grad)
 
 import jaxpe
@@ -110,10 +110,11 @@ def assert_matches_reference(case: Case, attention, table: dict = TOLERANCE):
 
 
 class _PallasSweep:
-    """Pallas kernel sweep; INTERPRET chooses the Pallas interpreter (CPU) or the Triton lowering (GPU)."""
+    """Pallas kernel sweep; INTERPRET chooses the Pallas interpreter (CPU) or the Triton lowering (GPU, where float32
+    dots outside the gates may run in TF32: GPU_TOLERANCE)."""
 
     INTERPRET: bool
-    TOLERANCE = TOLERANCE
+    TOLERANCE: dict
 
     @pytest.mark.parametrize("case, block_sizes, block_k", PALLAS_SWEEP, ids=PALLAS_IDS)
     def test_matches_reference(self, case, block_sizes, block_k):
@@ -123,18 +124,7 @@ class _PallasSweep:
         assert_matches_reference(case, attention, self.TOLERANCE)
 
 
-@pytest.mark.gpu
-class TestCoRoPEPallas(_PallasSweep):
-    """Compiled through Triton. float32 dots outside the gates may run in TF32 on the GPU: looser float32."""
-
-    INTERPRET = False
-    TOLERANCE = GPU_TOLERANCE
-
-
-class TestCoRoPEPallasInterpret(_PallasSweep):
-    """The same sweep in interpret mode (a sibling, not a subclass: pytest marks are inherited along the MRO)."""
-
-    INTERPRET = True
+TestCoRoPEPallas, TestCoRoPEPallasInterpret = gpu_and_interpreted(_PallasSweep, "TestCoRoPEPallas")
 
 
 class TestCoRoPEBlockwise:
@@ -146,26 +136,21 @@ class TestCoRoPEBlockwise:
         assert_matches_reference(case, attention)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
-def test_backward_never_builds_length_squared(impl, key):
+@pytest.mark.parametrize("kernel", [
+    functools.partial(corope_attention_blockwise, theta=THETA, sm_scale=0.2, block_k=64),
+    functools.partial(corope_attention_pallas, theta=THETA, sm_scale=0.2, interpret=True)], ids=["blockwise", "pallas"])
+def test_backward_never_builds_length_squared(kernel, key):
     """jax.grad's jaxpr holds no [.., L, .., L, ..] value (L = 512); the dense reference does (the probe works)."""
     length = 512
     q, k, v, _ = make_inputs(Case(length, 32, 1, 2, "float32"), key)
-    kernel = {
-        "blockwise": lambda q, k, v: corope_attention_blockwise(q, k, v, theta=THETA, sm_scale=0.2, block_k=64),
-        "pallas": lambda q, k, v: corope_attention_pallas(q, k, v, theta=THETA, sm_scale=0.2, interpret=True),
-    }[impl]
     assert square_intermediates_of_grad(reference, q, k, v, size=length)
     assert square_intermediates_of_grad(kernel, q, k, v, size=length) == []
 
 
 def test_block_sizes_validated():
-    with pytest.raises(ValueError, match="block_q=24"):
-        BlockSizes(block_q=24)
-    with pytest.raises(ValueError, match="block_q_bwd=8"):
-        BlockSizes(block_q_bwd=8)
-    with pytest.raises(ValueError, match="block_d=3"):
-        BlockSizes(block_d=3)
+    for field, value in (("block_q", 24), ("block_q_bwd", 8), ("block_d", 3)):
+        with pytest.raises(ValueError, match=f"{field}={value}"):
+            BlockSizes(**{field: value})
     BlockSizes(block_d=1)  # block_d is elementwise only: any power of two
 
 

@@ -1,5 +1,6 @@
-"""The README and docs/*.md as a reader uses them: the set-up commands open the README, the README stays short, every
-relative link resolves, the README's Layout names every module, and every Python block runs as written.
+"""The README and docs/ (the user guides, and the lab reports in docs/reports/) as a reader uses them: the set-up
+commands open the README, the README and its results at a glance stay short, every relative link resolves, the
+README's Layout names every module, and every Python block runs as written.
 
 A page's Python blocks run in order in one namespace, as a reader pastes them; a block right after a
 `<!-- signatures ... -->` comment lists call signatures instead, and each of its keywords and defaults is checked
@@ -22,9 +23,10 @@ import jaxpe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
 PAGES = [README, *DOCS]
 MAX_README_LINES = 250
+MAX_GLANCE_LINES = 15  # "Results at a glance": the headline results; the lab notes live in docs/reports/
 SIGNATURES = "<!-- signatures"
 NEEDS_RUN = "<!-- needs a trained run"
 # The packages whose module files the README's Layout names, and the folders it lists.
@@ -95,6 +97,12 @@ def test_setup_commands_open_the_readme():
 
 def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= MAX_README_LINES
+
+
+def test_results_at_a_glance_is_short():
+    """The section's lines between its heading and the next, surrounding blank lines not counted."""
+    text = README.read_text().split("\n## Results at a glance\n", 1)[1].split("\n## ", 1)[0]
+    assert len(text.strip("\n").splitlines()) <= MAX_GLANCE_LINES
 
 
 def _anchors(path: pathlib.Path) -> set[str]:

@@ -1,4 +1,5 @@
-"""docs/results.md's tables are what `bash results/tables.sh` prints from the committed results/*/compare.json."""
+"""docs/reports/results.md's tables are what `bash results/tables.sh` prints from the committed
+results/*/compare.json."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ def test_results_page_holds_the_tables_exactly():
                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"}, check=True).stdout
     tables = out.strip()
     assert tables.count("| pe |") >= 6, out
-    page = (REPO / "docs" / "results.md").read_text()
-    assert tables in page, "docs/results.md's tables differ from `bash results/tables.sh`; paste its output"
+    page = (REPO / "docs" / "reports" / "results.md").read_text()
+    assert tables in page, "docs/reports/results.md's tables differ from `bash results/tables.sh`; paste its output"
 
 
 def test_results_have_three_seeds_and_full_evaluation_sets():

@@ -5,6 +5,7 @@ References are identities that do not depend on how the code computes them: a pa
 by one; padding never changes the real tokens; a cached decode equals the full forward pass; a window of one key is
 attention to oneself; an independent NumPy restatement of windowed softmax attention.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +37,14 @@ def init(lm: jaxpe.TransformerLM, length: int = 8):
     return nn.meta.unbox(lm.init(jax.random.PRNGKey(1), jnp.zeros((1, length), jnp.int32))["params"])
 
 
+@functools.cache
+def built(pe: str, impl: str) -> tuple[jaxpe.TransformerLM, dict, object]:
+    """The model of CASES, its parameters and its jitted apply, made once per (pe, impl) for the tests that share
+    them."""
+    lm = model(pe, impl)
+    return lm, init(lm), jax.jit(lm.apply)
+
+
 def tokens(batch: int, length: int, seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, VOCAB)
 
@@ -46,9 +55,7 @@ def close(a, b, tol=2e-5):
 
 @pytest.mark.parametrize("pe,impl", CASES)
 def test_packed_row_equals_documents_run_separately(pe, impl):
-    lm = model(pe, impl)
-    params = init(lm)
-    apply = jax.jit(lm.apply)
+    _, params, apply = built(pe, impl)
     toks = tokens(2, 12)
     lengths = (5, 4, 3)  # three documents per row, boundaries inside and across kernel blocks
     segments = jnp.asarray(np.repeat(np.arange(3), lengths))[None].repeat(2, axis=0)
@@ -62,9 +69,7 @@ def test_packed_row_equals_documents_run_separately(pe, impl):
 
 @pytest.mark.parametrize("pe,impl", CASES)
 def test_padding_never_changes_real_tokens(pe, impl):
-    lm = model(pe, impl)
-    params = init(lm)
-    apply = jax.jit(lm.apply)
+    _, params, apply = built(pe, impl)
     toks = tokens(2, 9)
     real = apply({"params": params}, toks)
     pad = jnp.full((2, 3), 7, jnp.int32)  # any token id: padding is marked by the mask, not the id
@@ -78,8 +83,7 @@ def test_padding_never_changes_real_tokens(pe, impl):
 
 @pytest.mark.parametrize("pe,impl", CASES)
 def test_left_padded_generate_equals_each_prompt_alone(pe, impl):
-    lm = model(pe, impl)
-    params = init(lm)
+    lm, params, apply = built(pe, impl)
     short, long = tokens(1, 3, seed=2), tokens(1, 6, seed=3)
     batch = jnp.concatenate([jnp.concatenate([jnp.zeros((1, 3), jnp.int32), short], 1), long])
     mask = jnp.asarray([[False] * 3 + [True] * 3, [True] * 6])
@@ -87,7 +91,6 @@ def test_left_padded_generate_equals_each_prompt_alone(pe, impl):
     np.testing.assert_array_equal(together[0, 3:], jaxpe.generate(lm, params, short, max_new_tokens=4)[0])
     np.testing.assert_array_equal(together[1], jaxpe.generate(lm, params, long, max_new_tokens=4)[0])
     # and the logits of the generated sequence match an unpadded forward pass
-    apply = jax.jit(lm.apply)
     full = apply({"params": params}, together[:1, 3:])
     padded = apply({"params": params}, together[:1], padding_mask=jnp.arange(10)[None] >= 3)
     close(padded[:, 3:], full, tol=5e-5)
@@ -151,9 +154,10 @@ def test_window_of_one_is_attention_to_oneself_and_a_long_window_is_none(pe, imp
     layer = lambda window: jaxpe.Attention(num_heads=2, num_kv_heads=1, head_dim=8, pe=pe_config, max_len=MAX_LEN,
                                            impl=impl, window=window)
     params = layer(None).init(jax.random.PRNGKey(1), x)["params"]
-    close(layer(10).apply({"params": params}, x), layer(None).apply({"params": params}, x))
-    alone = jnp.stack([layer(None).apply({"params": params}, x[:, t:t + 1])[:, 0] for t in range(10)], axis=1)
-    close(layer(1).apply({"params": params}, x), alone)
+    apply = {window: jax.jit(functools.partial(layer(window).apply, {"params": params})) for window in (None, 1, 10)}
+    close(apply[10](x), apply[None](x))
+    alone = jnp.stack([apply[None](x[:, t:t + 1])[:, 0] for t in range(10)], axis=1)  # one compile, ten calls
+    close(apply[1](x), alone)
 
 
 @pytest.mark.parametrize("pe,impl", [("rope", "auto"), ("cope", "blockwise"), ("corope", "blockwise"),

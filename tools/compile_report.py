@@ -57,7 +57,6 @@ import pathlib
 import platform
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequenc
 import jax
 import jax.numpy as jnp
 
+from cuda_tools import ToolchainMissing, cuda_tool_version, find_cuda_tool  # tools/cuda_tools.py, beside this file
 from jaxpe.kernels import cope_pallas, corope_pallas
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -94,10 +94,6 @@ MAX_PTX_MIB = 12.0
 PTXAS_MEMORY_GIB = 8.0
 _RESULT_PREFIX = "@@compile_report "
 SCRIPT = pathlib.Path(__file__).resolve()  # the compile subprocesses run this file again, with --compile-one
-
-
-class ToolchainMissing(RuntimeError):
-    """The CUDA plugin of jax (XLA's Triton compiler) or ptxas is not installed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,14 +282,10 @@ def find_toolchain(ptxas: str | None = None) -> Toolchain:
                                "plugin registers it up to jax 0.10; from 0.11 on, XLA compiles Triton calls only "
                                "inside its own GPU compile): run the report with jax 0.10, as .venv-compile does "
                                "(make test-compile)")
-    path = _find_ptxas(ptxas)
+    path = find_cuda_tool("ptxas", ptxas, ("cu13/bin", "cuda_nvcc/bin"))
     if path is None:
         raise ToolchainMissing(f"ptxas not found (looked at $PTXAS, the nvidia-cuda-nvcc wheel and PATH); {install}")
-    out = subprocess.run([path, "--version"], capture_output=True, text=True)
-    version = re.search(r"V(\d+\.\d+\.\d+)", out.stdout)
-    if out.returncode != 0 or version is None:
-        raise ToolchainMissing(f"{path} --version failed: {out.stderr.strip() or out.stdout.strip()}")
-    return Toolchain(plugin, plugin_version, path, version.group(1))
+    return Toolchain(plugin, plugin_version, path, cuda_tool_version(path))
 
 
 def triton_unavailable() -> str | None:
@@ -306,19 +298,6 @@ def triton_unavailable() -> str | None:
         return (f"the native Triton kernels need triton and jax-triton ({type(e).__name__}: {e}); install them with:\n"
                 "    pip install triton\n    pip install --no-deps 'jax-triton==0.3.1' absl-py")
     return None
-
-
-def _find_ptxas(explicit: str | None) -> str | None:
-    if explicit or os.environ.get("PTXAS"):
-        path = explicit or os.environ["PTXAS"]
-        return path if os.access(path, os.X_OK) else None
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cu13/bin/ptxas", "cuda_nvcc/bin/ptxas"):
-            path = os.path.join(root, sub)
-            if os.access(path, os.X_OK):
-                return path
-    return shutil.which("ptxas")
 
 
 # ----------------------------------------------------------------------------------------------------- lowering
@@ -869,16 +848,36 @@ def _heads(text: str) -> tuple[int, int]:
     return int(n), int(k or n)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python tools/compile_report.py", description=__doc__.split("\n")[0])
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The grid's options, shared with benchmarks/kernel_cost.py: --ops, --paths, --dtypes, --head-dims, --heads,
+    --npos and --quick."""
     parser.add_argument("--ops", type=_csv(str), default=OPS, help="cope,corope")
     parser.add_argument("--paths", type=_csv(str), default=PATHS, help="pallas,triton (the kernels' paths)")
     parser.add_argument("--dtypes", type=_csv(_dtype), default=DTYPES, help="float32,bfloat16 (or f32,bf16)")
     parser.add_argument("--head-dims", type=_csv(int), default=HEAD_DIMS, help="64,128,256")
     parser.add_argument("--heads", type=_csv(_heads), default=HEADS, help="query/kv heads: 8/2,8/8")
     parser.add_argument("--npos", type=_csv(int), default=NPOS, help="CoPE table rows: 64,513")
-    parser.add_argument("--length", type=int, default=LENGTH)
     parser.add_argument("--quick", action="store_true", help="D 64, heads 8/2, npos 64 only")
+
+
+def grid_name(parser: argparse.ArgumentParser, args: argparse.Namespace, stem: str, *, full: bool = True) -> str:
+    """Checks --ops and --paths, narrows the grid for --quick, and names the output files: --name, else `stem` for
+    the whole grid (and `full`, what the caller's own options add), `stem`-quick or `stem`-subset."""
+    for option, values, known in (("--ops", args.ops, OPS), ("--paths", args.paths, PATHS)):
+        for value in values:
+            if value not in known:
+                parser.error(f"{option}: {value!r} is not one of {known}")
+    full = full and (args.paths, args.ops, args.dtypes, args.head_dims, args.heads, args.npos) == (
+        PATHS, OPS, DTYPES, HEAD_DIMS, HEADS, NPOS)
+    if args.quick:
+        args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
+    return args.name or (f"{stem}-quick" if args.quick else stem if full else f"{stem}-subset")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python tools/compile_report.py", description=__doc__.split("\n")[0])
+    add_grid_arguments(parser)
+    parser.add_argument("--length", type=int, default=LENGTH)
     parser.add_argument("--jobs", type=int, default=default_jobs(),
                         help="compiles at a time (default: a CPU and 10 GB of memory each)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile step")
@@ -899,16 +898,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out is None and not (args.no_write or args.compile_one or args.compile_triton):
         parser.error("--out DIR is required (or --no-write to print the table only)")
-    for option, values, known in (("--ops", args.ops, OPS), ("--paths", args.paths, PATHS)):
-        for value in values:
-            if value not in known:
-                parser.error(f"{option}: {value!r} is not one of {known}")
-    full = (args.paths, args.ops, args.dtypes, args.head_dims, args.heads, args.npos, args.length) == (
-        PATHS, OPS, DTYPES, HEAD_DIMS, HEADS, NPOS, LENGTH)
-    if args.quick:
-        args.head_dims, args.heads, args.npos = (64,), ((8, 2),), (64,)
-    args.name = args.name or ("sm90a-quick" if args.quick else "sm90a" if full else "sm90a-subset")
+    args.name = grid_name(parser, args, "sm90a", full=args.length == LENGTH)
     return args
+
+
+def show_and_write(data: dict[str, Any], text: str, out: pathlib.Path | None, name: str) -> None:
+    """Prints the report's Markdown `text`; writes out/name.json (`data`) and out/name.md unless `out` is None."""
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        (out / f"{name}.md").write_text(text)
+        print(f"wrote {out / name}.json and .md", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -954,13 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ptxas_memory_gib": args.ptxas_memory_gib or None}
     data = report(rows, toolchain, seconds=time.perf_counter() - start, settings=settings, skipped=skipped,
                   command=shlex.join(["python", "tools/compile_report.py", *argv]))
-    text = markdown(data)
-    print(text)
-    if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
-        (args.out / f"{args.name}.md").write_text(text)
-        print(f"wrote {args.out / args.name}.json and .md", file=sys.stderr)
+    show_and_write(data, markdown(data), None if args.no_write else args.out, args.name)
     return 1 if any(row.error for row in rows) else 0
 
 
