@@ -123,7 +123,7 @@ def test_explicit_flags_and_variables_pass_their_values_and_win(monkeypatch, cal
 
 
 def test_cli_flags_reach_jax(monkeypatch, calls, tmp_path):
-    def stop(config, workdir):
+    def stop(config, workdir, **options):
         raise loop.NonFiniteLossError("stopped by the test")
 
     monkeypatch.setattr(experiments, "train_and_evaluate", stop)

@@ -17,6 +17,7 @@ from jaxpe.dispatch import resolve_unfused_impl
 from jaxpe.fox import forget_gate_cumsum, forgetting_attention_reference
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kernels.fox_pallas import BlockSizes, forgetting_attention_pallas
+from jaxpe.softmax_attention import visibility_mask
 from kernel_harness import square_intermediates_of_grad
 
 
@@ -86,9 +87,7 @@ def test_blockwise_matches_the_reference_in_value_and_gradient(case, block, key)
     causal, window = options.pop("causal", True), options.pop("window", None)
     segments = options.pop("segment_ids", None)
     c = forget_gate_cumsum(log_fgate)
-    mask = jaxpe.cope.bidirectional_mask(11, segment_ids=segments, window=window)
-    if causal:
-        mask &= jnp.tril(jnp.ones((11, 11), bool))[None]
+    mask = visibility_mask(11, 11, segment_ids=segments, window=window, causal=causal)
 
     def dense(q, k, v, c, scale):
         return forgetting_attention_reference(q, k, v, c, c, sm_scale=scale, mask=mask, causal=causal)
