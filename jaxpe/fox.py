@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.cope import bidirectional_mask
 from jaxpe.dispatch import resolve_unfused_impl
 from jaxpe.kernels._common import compute_dtype
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
@@ -119,10 +118,7 @@ def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array
     if impl == "pallas":
         from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when the kernel runs
         return forgetting_attention_pallas(q, k, v, c, sm_scale=sm_scale, segment_ids=segment_ids, window=window)
-    if causal:
-        mask = visibility_mask(length, length, segment_ids=segment_ids, window=window)
-    else:
-        mask = bidirectional_mask(length, segment_ids=segment_ids, window=window)
+    mask = visibility_mask(length, length, segment_ids=segment_ids, window=window, causal=causal)
     return forgetting_attention_reference(q, k, v, c, c, sm_scale=sm_scale, mask=mask, causal=causal)
 
 

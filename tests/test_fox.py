@@ -86,7 +86,7 @@ def test_blockwise_matches_the_reference_in_value_and_gradient(case, block, key)
     causal, window = options.pop("causal", True), options.pop("window", None)
     segments = options.pop("segment_ids", None)
     c = forget_gate_cumsum(log_fgate)
-    mask = jaxpe.cope.bidirectional_mask(11, segment_ids=segments, window=window)
+    mask = jaxpe.softmax_attention.visibility_mask(11, 11, segment_ids=segments, window=window, causal=False)
     if causal:
         mask &= jnp.tril(jnp.ones((11, 11), bool))[None]
 
