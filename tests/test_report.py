@@ -90,9 +90,10 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err
 
 
-def configured_run(pe, seed, rate, steps=500):
+def configured_run(pe, seed, rate, steps=500, options=None):
     """One result.json with the config a merge checks: its valid split at `rate` on 1000 sequences."""
-    config = {"task": {"name": "copy", "options": {}}, "optim": {"learning_rate": 0.003}, "run": {"steps": steps}}
+    config = {"task": {"name": "selective_copy", "options": options or {}}, "optim": {"learning_rate": 0.003},
+              "run": {"steps": steps}}
     return {**run(pe, seed, valid=(rate, 1000)), "config": config}
 
 
@@ -100,9 +101,10 @@ def test_merge_adds_encodings_and_replaces_those_run_again(tmp_path):
     base = comparison(tmp_path, "base", "seq_error", runs=[
         configured_run("cope", 0, 0.1), configured_run("cope", 1, 0.2), configured_run("rope", 0, 0.3),
         configured_run("rope", 1, 0.5)], task="copy")
+    resolved = {"n_symbols": 16}  # the default, recorded by newer runs: the same setting
     new = comparison(tmp_path, "new", "seq_error", runs=[
-        configured_run("rope", 0, 0.0), configured_run("rope", 1, 0.02), configured_run("fox", 0, 0.4),
-        configured_run("fox", 1, 0.6)], task="copy")
+        configured_run(pe, seed, rate, options=resolved)
+        for pe, seed, rate in [("rope", 0, 0.0), ("rope", 1, 0.02), ("fox", 0, 0.4), ("fox", 1, 0.6)]], task="copy")
     assert report.main(["--merge-into", str(base), str(new)]) == 0
     merged = json.loads((base / "compare.json").read_text())
     assert [(r["pe"], r["seed"]) for r in merged["runs"]] == [("cope", 0), ("cope", 1), ("rope", 0), ("rope", 1),

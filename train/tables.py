@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpe.train.tasks import task_config_class
+
 PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
 
 
@@ -112,6 +114,12 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _task_config(task: Mapping[str, Any]) -> Any:
+    """A run's task config ({"name", "options"}) resolved: the options over the task's defaults, so that a record
+    of the overrides alone equals one of every option."""
+    return task_config_class(task["name"])(**task["options"])
+
+
 def merge_comparisons(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """One comparison from two compare.json contents of the same setting (task, metric, splits, task and optimizer
     configs, steps): each encoding `new` ran replaces all of that encoding's runs in `base`; base's other encodings
@@ -123,7 +131,7 @@ def merge_comparisons(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[s
     for key in ("task", "metric", "splits"):
         if base[key] != new[key]:
             raise ValueError(f"cannot merge comparisons with different {key}: {base[key]!r} and {new[key]!r}")
-    setting = [(run["config"]["task"], run["config"]["optim"], run["config"]["run"]["steps"])
+    setting = [(_task_config(run["config"]["task"]), run["config"]["optim"], run["config"]["run"]["steps"])
                for run in (base["runs"][0], new["runs"][0])]
     if setting[0] != setting[1]:
         raise ValueError(f"cannot merge runs of different settings (task, optim, steps): {setting[0]} and {setting[1]}")
