@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces results/cpu_small/: every encoding x 3 seeds at the cpu-small preset (evaluation sets of 1000 sequences
 # per split; language modelling scores 65536 bytes per split), one jaxpe-compare per task setting.
-# Time: the whole sweep (205 runs) took 62 minutes on this 2-core machine, two settings at a time (JOBS=2) with one XLA
-# thread each.
+# Time: the first sweep (205 runs, no fox or stickbreaking) took 62 minutes on this 2-core machine, two settings at a
+# time (JOBS=2) with one XLA thread each; fox and stickbreaking (30 runs: PES=fox,stickbreaking JOBS=1 over
+# selective_copy flipflop counting_1var counting_3var counting_5var, 50 steps a dispatch) took 21 minutes more on the
+# same machine shared with other work. Their lm runs are not committed yet (lm's table lacks them).
 # Usage: bash results/run_cpu_small.sh [setting ...]   (default: all settings; each resumes if interrupted and
 #        reuses runs that finished; COMPARE=path/to/jaxpe-compare to use another entry point, PES=... SEEDS=... to
 #        narrow the sweep, JOBS=1 for one setting at a time with XLA's default threads; a setting's own --pe wins)
