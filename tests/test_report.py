@@ -10,11 +10,11 @@ from jaxpe.train import report, tables
 from jaxpe.train.tables import interval95, summarize_seeds
 
 
-def comparison(tmp_path, name, metric, rows=None, runs=None):
+def comparison(tmp_path, name, metric, rows=None, runs=None, task=None):
     path = tmp_path / name
     path.mkdir()
     rows = rows if rows is not None else summarize_seeds(runs)
-    data = {"task": name, "metric": metric, "splits": list(rows[0]["splits"]), "rows": rows, "seeds": [0, 1]}
+    data = {"task": task or name, "metric": metric, "splits": list(rows[0]["splits"]), "rows": rows, "seeds": [0, 1]}
     if runs is not None:
         data["runs"] = runs
     (path / "compare.json").write_text(json.dumps(data))
@@ -88,3 +88,36 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     with pytest.raises(SystemExit) as exit_:
         report.main([str(tmp_path / "missing")])
     assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err
+
+
+def configured_run(pe, seed, rate, steps=500, options=None):
+    """One result.json with the config a merge checks: its valid split at `rate` on 1000 sequences."""
+    config = {"task": {"name": "selective_copy", "options": options or {}}, "optim": {"learning_rate": 0.003},
+              "run": {"steps": steps}}
+    return {**run(pe, seed, valid=(rate, 1000)), "config": config}
+
+
+def test_merge_adds_encodings_and_replaces_those_run_again(tmp_path):
+    base = comparison(tmp_path, "base", "seq_error", runs=[
+        configured_run("cope", 0, 0.1), configured_run("cope", 1, 0.2), configured_run("rope", 0, 0.3),
+        configured_run("rope", 1, 0.5)], task="copy")
+    resolved = {"n_symbols": 16}  # the default, recorded by newer runs: the same setting
+    new = comparison(tmp_path, "new", "seq_error", runs=[
+        configured_run(pe, seed, rate, options=resolved)
+        for pe, seed, rate in [("rope", 0, 0.0), ("rope", 1, 0.02), ("fox", 0, 0.4), ("fox", 1, 0.6)]], task="copy")
+    assert report.main(["--merge-into", str(base), str(new)]) == 0
+    merged = json.loads((base / "compare.json").read_text())
+    assert [(r["pe"], r["seed"]) for r in merged["runs"]] == [("cope", 0), ("cope", 1), ("rope", 0), ("rope", 1),
+                                                             ("fox", 0), ("fox", 1)]
+    means = {row["pe"]: row["splits"]["valid"]["seq_error"] for row in merged["rows"]}
+    assert means == pytest.approx({"cope": 0.15, "rope": 0.01, "fox": 0.5})  # rope's old runs are gone
+    cope_interval = merged["rows"][0]["splits"]["valid"]["seq_error_ci95"]
+    assert cope_interval == pytest.approx(interval95([0.1, 0.2], 1000, rate=True))
+    assert merged["rows"] == json.loads(json.dumps(summarize_seeds(merged["runs"])))  # as jaxpe-compare has them
+    table = (base / "compare.md").read_text().splitlines()
+    assert table[2] == "| pe | seeds | valid seq_error (%) |" and table[6].startswith("| fox | 0,1 | 50.00 [")
+    assert (base / "compare.png").stat().st_size > 0
+    longer = comparison(tmp_path, "longer", "seq_error", runs=[configured_run("alibi", 0, 0.1, steps=1500)],
+                        task="copy")
+    with pytest.raises(ValueError, match="different settings"):
+        tables.merge_comparisons(merged, json.loads((longer / "compare.json").read_text()))

@@ -432,16 +432,29 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
     results = [results[run_dir] for _, run_dir, _, _, _ in runs]
     metric = results[0]["metric"]
     splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
-    rows = summarize_seeds(results)
-    table = results_markdown(rows, metric=metric, splits=splits, label_keys=("pe", "seeds"))
-    task_name = configs[0].task.name
-    comparison = {"task": task_name, "metric": metric, "splits": splits, "rows": rows, "seeds": list(seeds),
-                  "environment": _environment(), "runs": results}
+    comparison = {"task": configs[0].task.name, "metric": metric, "splits": splits, "rows": summarize_seeds(results),
+                  "seeds": list(seeds), "environment": _environment(), "runs": results}
+    table = comparison_markdown(comparison)
     if jax.process_index() == 0:
-        write_json(workdir / "compare.json", comparison)
-        (workdir / "compare.md").write_text(f"# {task_name}: {metric}, lower is better\n\n{table}")
-        plots.result_bars(rows, metric=metric, splits=splits, path=workdir / "compare.png")
+        write_comparison(workdir, comparison)
     return {**comparison, "table": table}
+
+
+def comparison_markdown(comparison: Mapping[str, Any]) -> str:
+    """compare.md's table of a comparison: one row per encoding (pe, seeds, metric per split)."""
+    return results_markdown(comparison["rows"], metric=comparison["metric"], splits=comparison["splits"],
+                            label_keys=("pe", "seeds"))
+
+
+def write_comparison(directory: str | pathlib.Path, comparison: Mapping[str, Any]) -> None:
+    """Writes a comparison as jaxpe-compare leaves it: directory/compare.json, compare.md and compare.png."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json(directory / "compare.json", comparison)
+    (directory / "compare.md").write_text(
+        f"# {comparison['task']}: {comparison['metric']}, lower is better\n\n{comparison_markdown(comparison)}")
+    plots.result_bars(comparison["rows"], metric=comparison["metric"], splits=comparison["splits"],
+                      path=directory / "compare.png")
 
 
 def latest_checkpoint_step(run_dir: pathlib.Path) -> int | None:

@@ -3,7 +3,8 @@
 
 `summarize_seeds` turns per-seed results into rows (mean, spread and the 95 % interval of `interval95`: seed spread
 plus the evaluation set's binomial error); `results_markdown` is the table jaxpe-train, jaxpe-eval and jaxpe-compare
-print; `comparison_table` gathers several `jaxpe-compare` results (compare.json files) into one table, encodings as
+print; `merge_comparisons` adds a later jaxpe-compare's encodings to an earlier comparison of the same setting;
+`comparison_table` gathers several `jaxpe-compare` results (compare.json files) into one table, encodings as
 rows, the intervals recomputed from the per-seed runs each compare.json holds. A column's best mean is bold only when
 its interval overlaps no other row's interval in that column: a difference the seeds and the evaluation set cannot
 explain.
@@ -16,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxpe.train.tasks import task_config_class
 
 PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
 
@@ -109,6 +112,36 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{str(path)!r} is not a compare.json (run jaxpe-compare first)")
     return json.loads(path.read_text())
+
+
+def _task_config(task: Mapping[str, Any]) -> Any:
+    """A run's task config ({"name", "options"}) resolved: the options over the task's defaults, so that a record
+    of the overrides alone equals one of every option."""
+    return task_config_class(task["name"])(**task["options"])
+
+
+def merge_comparisons(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """One comparison from two compare.json contents of the same setting (task, metric, splits, task and optimizer
+    configs, steps): each encoding `new` ran replaces all of that encoding's runs in `base`; base's other encodings
+    keep their place, new ones follow. Rows are recomputed from the runs with `summarize_seeds`, as jaxpe-compare
+    computes them; seeds are both lists' union, the environment is new's."""
+    for name, comparison in (("base", base), ("new", new)):
+        if not comparison.get("runs"):
+            raise ValueError(f"{name} comparison of {comparison.get('task')!r} holds no per-seed runs to merge")
+    for key in ("task", "metric", "splits"):
+        if base[key] != new[key]:
+            raise ValueError(f"cannot merge comparisons with different {key}: {base[key]!r} and {new[key]!r}")
+    setting = [(_task_config(run["config"]["task"]), run["config"]["optim"], run["config"]["run"]["steps"])
+               for run in (base["runs"][0], new["runs"][0])]
+    if setting[0] != setting[1]:
+        raise ValueError(f"cannot merge runs of different settings (task, optim, steps): {setting[0]} and {setting[1]}")
+    replaced = {run["pe"] for run in new["runs"]}
+    runs = [run for run in base["runs"] if run["pe"] not in replaced] + list(new["runs"])
+    order = list(dict.fromkeys(run["pe"] for run in [*base["runs"], *new["runs"]]))
+    runs.sort(key=lambda run: order.index(run["pe"]))  # stable: each encoding's seeds stay in their order
+    return {"task": new["task"], "metric": new["metric"], "splits": list(new["splits"]),
+            "rows": summarize_seeds(runs), "seeds": list(dict.fromkeys([*base["seeds"], *new["seeds"]])),
+            "environment": new.get("environment", {}), "runs": runs}
 
 
 def _cell(split: dict[str, Any] | None, metric: str, bold: bool) -> str:
