@@ -69,6 +69,8 @@ def wide_values(fn: Callable, *args: jax.Array) -> list[str]:
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
 @pytest.mark.parametrize("encoding", ["cope", "corope"])
 def test_kernels_index_in_int32_under_x64(encoding, impl):
+    """In x64 mode no kernel of the forward or the gradient takes or computes a 64-bit value: indices, loop counters
+    and tiles stay 32-bit."""
     *args, _ = inputs(jnp.float32)
     with jax.enable_x64(True):
         kernels = [e for e in equations(jax.make_jaxpr(attention(encoding, impl))(*args).jaxpr)
