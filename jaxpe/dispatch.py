@@ -51,11 +51,12 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     D <= 256): the first of GPU_PREFERENCE[encoding] that runs here ("triton" with jax-triton installed, else
     "pallas"), or "blockwise" where that one refuses the inputs; on CPU the dense "reference" below
     BLOCKWISE_MIN_LENGTH[encoding] while batch_heads·L² <= DENSE_MAX_ENTRIES, "blockwise" otherwise; on any other
-    accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one warning that says why. Traced on CPU with a CUDA plugin installed
-    (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for CUDA what a GPU would pick (for
-    an H100): `run_for_platform` then lowers the one that fits the platform. A symbolic length or batch (`jax.export`
-    with shape polymorphism) is "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one
-    place that chooses; the entry points have refused what an explicit impl cannot run.
+    accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one warning that says why. Traced on CPU
+    with a CUDA plugin installed (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for
+    CUDA what a GPU would pick (for an H100): `run_for_platform` then lowers the one that fits the platform. A
+    symbolic length or batch (`jax.export` with shape polymorphism) is "blockwise" everywhere: it runs at any length
+    in O(L·block) memory. This is the one place that chooses; the entry points have refused what an explicit impl
+    cannot run.
 
     causal=False: "auto" never picks a fused path (the fused kernels are causal). dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
