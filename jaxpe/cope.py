@@ -288,9 +288,9 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels
     in Pallas, lowered to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter
     on CPU; `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "triton" when jax-triton is
-    installed, else "pallas", when lowered for CUDA; dense ones run by causal query blocks, `cope_attention_causal`:
-    the same result up to float rounding, which can move a position across an integer and so pick the other
-    one-sided slope of the interpolation).
+    installed, else "pallas", when lowered for CUDA, and "blockwise" for inputs that one refuses; dense ones run by
+    causal query blocks, `cope_attention_causal`: the same result up to float rounding, which can move a position
+    across an integer and so pick the other one-sided slope of the interpolation).
     A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)

@@ -155,7 +155,8 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels in Pallas, lowered
     to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter on CPU;
     `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "triton" when jax-triton is installed,
-    else "pallas", when lowered for CUDA); "auto" runs "blockwise" for inputs both fused paths refuse.
+    else "pallas", when lowered for CUDA; never "pallas" where jax-triton is installed); "auto" runs "blockwise" for
+    inputs that fused path refuses.
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])

@@ -25,10 +25,11 @@ BLOCKWISE_MIN_LENGTH = {"cope": 2048, "corope": 8}
 DENSE_MAX_ENTRIES = 2**26
 # The GPU that lowering for CUDA on a machine without one targets: an H100, as kernels/_triton_launch.py compiles for.
 LOWERING_COMPUTE_CAPABILITY = "9.0"
-# The fused paths "auto" tries on an NVIDIA GPU, in order: the faster first, by the cost per logit of every kernel
-# compiled for an H100 (benchmarks/kernel_cost.py's model, results/cost/kernel_cost.json; tests/test_kernel_cost.py
-# holds the two together) until a GPU timing says otherwise. "triton" needs jax-triton (`jaxpe[triton]`); without it,
-# or where its kernels refuse the inputs, the next.
+# The fused paths of an NVIDIA GPU, the faster first, by the cost per logit of every kernel compiled for an H100
+# (benchmarks/kernel_cost.py's model, results/cost/kernel_cost.json; tests/test_kernel_cost.py holds the two together)
+# and by timings on an H200 (results/bench/bench_gpu_h200_native_4096.md: forward+backward through the Pallas kernels
+# 2.3-3.4x the native ones'). "auto" runs the first one installed ("triton" needs jax-triton: `jaxpe[triton]`), and
+# "blockwise" where that one refuses the inputs: never a slower fused path where a faster one is installed.
 GPU_PREFERENCE = {"cope": ("triton", "pallas"), "corope": ("triton", "pallas")}
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # jax's CUDA plugins (jax[cuda13], jax[cuda12])
 
@@ -47,19 +48,20 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     batch × query heads.
 
     "auto" is a fused path where the fused kernels compile (an NVIDIA GPU of compute capability 8.0 or more,
-    D <= 256): the first of GPU_PREFERENCE[encoding] that runs here and takes the inputs ("triton" with jax-triton
-    installed, else "pallas"); on CPU the dense "reference" below BLOCKWISE_MIN_LENGTH[encoding] while
-    batch_heads·L² <= DENSE_MAX_ENTRIES, "blockwise" otherwise; on any other accelerator (TPU, ROCm, older GPUs,
-    larger heads) "blockwise", with one warning that says why. Traced on CPU with a CUDA plugin installed
-    (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for CUDA what a GPU would pick (for
-    an H100): `run_for_platform` then lowers the one that fits the platform. A symbolic length or batch (`jax.export`
-    with shape polymorphism) is "blockwise" everywhere: it runs at any length in O(L·block) memory. This is the one
-    place that chooses; the entry points have refused what an explicit impl cannot run.
+    D <= 256): the first of GPU_PREFERENCE[encoding] that runs here ("triton" with jax-triton installed, else
+    "pallas"), or "blockwise" where that one refuses the inputs; on CPU the dense "reference" below
+    BLOCKWISE_MIN_LENGTH[encoding] while batch_heads·L² <= DENSE_MAX_ENTRIES, "blockwise" otherwise; on any other
+    accelerator (TPU, ROCm, older GPUs, larger heads) "blockwise", with one warning that says why. Traced on CPU
+    with a CUDA plugin installed (`cuda_lowering`), "auto" is that CPU choice for every platform but CUDA, and for
+    CUDA what a GPU would pick (for an H100): `run_for_platform` then lowers the one that fits the platform. A
+    symbolic length or batch (`jax.export` with shape polymorphism) is "blockwise" everywhere: it runs at any length
+    in O(L·block) memory. This is the one place that chooses; the entry points have refused what an explicit impl
+    cannot run.
 
     causal=False: "auto" never picks a fused path (the fused kernels are causal). dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
     kernel_refusal: kernel_refusal(fused) gives the reason the fused path `fused` ("triton" or "pallas") refuses these
-    inputs (None: it runs them); "auto" then tries the next, and at the end runs "blockwise".
+    inputs (None: it runs them); "auto" then runs "blockwise".
     """
     check_impl(impl)
     if encoding not in ENCODINGS:
@@ -88,16 +90,12 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
 
 def _fused_unless_refused(reason: str | None, causal: bool, encoding: str,
                           kernel_refusal: Callable[[str], object | None] | None) -> str:
-    """The first fused path of GPU_PREFERENCE[encoding] that can run here and takes the inputs; "blockwise" when the
-    platform cannot run the fused kernels (`reason`), the call is bidirectional or every fused path refuses it."""
+    """The first fused path of GPU_PREFERENCE[encoding] that can run here, if it takes the inputs; "blockwise" when
+    the platform cannot run the fused kernels (`reason`), the call is bidirectional or that path refuses it."""
     if reason is not None or not causal:
         return "blockwise"
-    for fused in GPU_PREFERENCE[encoding]:
-        if fused == "triton" and not triton_compiles():
-            continue
-        if kernel_refusal is None or kernel_refusal(fused) is None:
-            return fused
-    return "blockwise"
+    fused = next(f for f in GPU_PREFERENCE[encoding] if f != "triton" or triton_compiles())
+    return fused if kernel_refusal is None or kernel_refusal(fused) is None else "blockwise"
 
 
 @functools.cache

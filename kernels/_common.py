@@ -125,6 +125,13 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def fori_loop32(lower: int | jax.Array, upper: int | jax.Array, body: Callable[[jax.Array, Any], Any], init: Any
+                ) -> Any:
+    """`lax.fori_loop` with an int32 index also under jax_enable_x64, where Python bounds would give an int64 one
+    and the Pallas kernels' Triton lowering would mix int32 and int64 indices."""
+    return lax.fori_loop(jnp.int32(lower), jnp.int32(upper), body, init)
+
+
 def carry_init(fill: float, shape: tuple[int, ...], dtype: jnp.dtype, *operands: jax.Array) -> jax.Array:
     """An array [shape] of `fill`, the initial value of a loop carry that the loop computes from `operands`. Under
     shard_map (check_vma) it varies over every mesh axis that an operand varies over, as the loop's result does (a

@@ -178,7 +178,7 @@ def _interpolation(z_ref, p: jax.Array, npos: int) -> tuple[jax.Array, jax.Array
     w = p - lo
     lo = lo.astype(jnp.int32)
     hi = jnp.minimum(lo + 1, npos - 1)
-    rows = jnp.arange(p.shape[0])[:, None]
+    rows = jnp.arange(p.shape[0], dtype=jnp.int32)[:, None]
     return lo, hi, w, z_ref[rows, lo], z_ref[rows, hi]
 
 
@@ -208,14 +208,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, o_
     the walk stopped) and e [bq] int32 (its first full key)."""
     sm_scale, npos, length, block_k = config.sm_scale, config.npos, config.length, config.blocks.block_k
     block_q = q_ref.shape[0]
-    rows = pl.program_id(0) * block_q + jnp.arange(block_q)
+    rows = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
     live = rows < length
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q = q_ref[...]
 
     def tile(index, carry, full: bool):
         keys = pl.ds(index * block_k, block_k)
-        mask = _visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+        mask = _visible(rows, index * block_k + jnp.arange(block_k, dtype=jnp.int32), config.window, seg_rows,
                         None if seg_k_ref is None else seg_k_ref[keys])
         k = k_ref[keys, :]
         if not full:
@@ -260,15 +260,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, d
     block_k = config.blocks.block_k_bwd
     block_q = q_ref.shape[0]
     row0 = pl.program_id(0) * block_q
-    rows = row0 + jnp.arange(block_q)
-    local = jnp.arange(block_q)[:, None]
+    rows = row0 + jnp.arange(block_q, dtype=jnp.int32)
+    local = jnp.arange(block_q, dtype=jnp.int32)[:, None]
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q, do, lse, delta, r, e = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], r_ref[...], e_ref[...]
 
     def tile(index, carry, full: bool):
         dq, dz_last, c, dp_before = carry
         keys = pl.ds(index * block_k, block_k)
-        cols = index * block_k + jnp.arange(block_k)
+        cols = index * block_k + jnp.arange(block_k, dtype=jnp.int32)
         mask = _visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
         k, v = k_ref[keys, :], v_ref[keys, :]
         if not full:

@@ -61,8 +61,8 @@ from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, open_attention
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, output_struct,
-                                   resolve_interpret, rotary_frequencies, sincos, tile_extent, triton_compiler_params,
-                                   vary_alike)
+                                   fori_loop32, resolve_interpret, rotary_frequencies, sincos, tile_extent,
+                                   triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 
@@ -176,17 +176,17 @@ def _visible(rows: jax.Array, cols: jax.Array, seg_rows: jax.Array | None, seg_c
 def _key_blocks(qb: jax.Array, block_q: int, block_k: int, config: _Config) -> tuple[jax.Array, jax.Array]:
     """(last, count): query block qb walks key blocks last, last − 1, ..., last − count + 1: from the one holding the
     diagonal of its last row down to the one holding key qb·BQ − window + 1 (key 0 without a window)."""
-    last = lax.div((qb + 1) * block_q - 1, block_k)
+    last = lax.div((qb + 1) * block_q - 1, jnp.int32(block_k))
     if config.window is None:
         return last, last + 1
-    return last, last + 1 - lax.div(jnp.maximum(qb * block_q - config.window + 1, 0), block_k)
+    return last, last + 1 - lax.div(jnp.maximum(qb * block_q - config.window + 1, 0), jnp.int32(block_k))
 
 
 def _column_chunks(config: _Config, body: Callable[[pl.Slice, Any], Any], init: Any) -> Any:
     """fori_loop of body(columns, carry) over the head dim in DC-wide slices (the dots' operands stay small)."""
     dc = config.dot_chunk
-    return lax.fori_loop(0, 2 * config.half // dc, lambda c, carry: body(pl.ds(pl.multiple_of(c * dc, dc), dc), carry),
-                         init)
+    return fori_loop32(0, 2 * config.half // dc, lambda c, carry: body(pl.ds(pl.multiple_of(c * dc, dc), dc), carry),
+                       init)
 
 
 def _gates(lead_ref, k_ref, keys: pl.Slice, mask: jax.Array, config: _Config) -> jax.Array:
@@ -237,7 +237,7 @@ class _Tile:
                          for a, (q1, q2) in zip(acc, (self.queries(h, lo) for h in range(self.heads))))
 
         zeros = tuple(jnp.zeros(self.delta.shape, jnp.float32) for _ in range(self.heads))
-        return [self.config.sm_scale * a for a in lax.fori_loop(0, self.config.chunks, chunk, zeros)]
+        return [self.config.sm_scale * a for a in fori_loop32(0, self.config.chunks, chunk, zeros)]
 
 
 def _key_tile(kb: jax.Array, rows: jax.Array, seg_rows: jax.Array | None, seg_k_ref, config: _Config, block_k: int
@@ -295,8 +295,9 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
     block_q, block_k, block_d = config.blocks.block_q_bwd, config.blocks.block_k_bwd, config.blocks.block_d
     half, sm_scale, heads = config.half, config.sm_scale, q_ref.shape[1]
     qb = pl.program_id(0)
-    first = lax.rem(pl.program_id(2) * heads, config.groups)  # the index of the program's first head in its group
+    first = lax.rem(pl.program_id(2) * heads, jnp.int32(config.groups))  # the program's first head in its group
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    all_rows = pl.ds(jnp.int32(0), block_q)  # slice(None) would start at an int64 0 under jax_enable_x64
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     last_kb, key_steps = _key_blocks(qb, block_q, block_k, config)
 
@@ -305,7 +306,7 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
         accurate products, since the Tot and −Suf parts of dz, added apart, may nearly cancel."""
         def chunk(cols, carry):
             k, lead = k_ref[keys, cols].astype(jnp.float32), lead_ref[:, cols].astype(jnp.float32)
-            plt.atomic_add(dq_ref, (slice(None), jnp.int32(0), cols),
+            plt.atomic_add(dq_ref, (all_rows, jnp.int32(0), cols),
                            sm_scale * dot(weight, k, accurate=True, interpret=config.interpret))
             plt.atomic_add(dk_ref, (keys, cols),
                            sm_scale * dot(weight, lead, trans_a=True, accurate=True, interpret=config.interpret))
@@ -337,16 +338,16 @@ def _backward_kernel(q_ref, lead_ref, k_ref, v_ref, do_ref, lse_ref, row_dot_ref
             for h, ds_h in enumerate(ds):
                 q1, q2 = tile.queries(h, lo)
                 dsq1, dsq2 = dsq1 + ds_h * q1, dsq2 + ds_h * q2
-                plt.atomic_add(dq_ref, (slice(None), first + h, pl.ds(lo, block_d)),
+                plt.atomic_add(dq_ref, (all_rows, first + h, pl.ds(lo, block_d)),
                                sm_scale * jnp.sum(ds_h * kc, axis=1))
-                plt.atomic_add(dq_ref, (slice(None), first + h, pl.ds(half + lo, block_d)),
+                plt.atomic_add(dq_ref, (all_rows, first + h, pl.ds(half + lo, block_d)),
                                sm_scale * jnp.sum(ds_h * ks, axis=1))
             plt.atomic_add(dk_ref, (keys, pl.ds(lo, block_d)), sm_scale * jnp.sum(dsq1 * cos - dsq2 * sin, axis=0))
             plt.atomic_add(dk_ref, (keys, pl.ds(half + lo, block_d)),
                            sm_scale * jnp.sum(dsq1 * sin + dsq2 * cos, axis=0))
             return d_delta + jnp.sum((dsq1 * ks - dsq2 * kc) * omega[None, None, :], axis=2)
 
-        d_delta = sm_scale * lax.fori_loop(0, config.chunks, chunk, jnp.zeros(mask.shape, jnp.float32))
+        d_delta = sm_scale * fori_loop32(0, config.chunks, chunk, jnp.zeros(mask.shape, jnp.float32))
         suffix = dd_suffix[:, None] + _suffix_exclusive(d_delta) + d_delta  # Σ_{j≥t} dΔ_ij, [BQ, BK]
         gate_grads(-suffix * z * (1.0 - z), keys)  # z' = z(1 − z) is 0 where invisible
         return z_suffix + jnp.sum(z, axis=1), dd_suffix + jnp.sum(d_delta, axis=1)
@@ -381,7 +382,7 @@ def _specs(config: _Config, block_q: int, heads: int, dp: int, seg: jax.Array | 
     their leader's, their group's, their k/v head (all rows), their row statistics [B, Hq, Lp], ω, and the ids of
     their query rows and of all keys (None without documents)."""
     g, lp = config.groups, config.padded
-    group = lambda h: lax.div(h * heads, g)
+    group = lambda h: lax.div(h * heads, jnp.int32(g))
     specs = {
         "heads": pl.BlockSpec((None, block_q, heads, dp), lambda i, b, h: (b, i, h, 0)),
         "leader": pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, group(h) * g, 0)),
@@ -475,8 +476,8 @@ _corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(5,))
 
 def pallas_refusal(q: jax.Array, *, sm_scale: float | jax.Array, causal: bool = True) -> Exception | None:
     """The error impl='pallas' raises for these inputs (None when it takes them): the fused kernels are causal, take
-    float32 or bfloat16, static shapes (not jax.export's symbolic ones) and compile sm_scale in (a concrete number);
-    they do not run with jax_enable_x64 (Pallas then mixes int32 and int64 indices). impl='blockwise' takes them all."""
+    float32 or bfloat16, static shapes (not jax.export's symbolic ones) and compile sm_scale in (a concrete number).
+    impl='blockwise' takes them all."""
     if not causal:
         return ValueError("causal=False is not supported by impl='pallas' (the fused kernels are causal); "
                           "impl='blockwise' and impl='reference' are bidirectional with causal=False")
@@ -486,9 +487,6 @@ def pallas_refusal(q: jax.Array, *, sm_scale: float | jax.Array, causal: bool = 
     if not all(isinstance(n, int) for n in q.shape):
         return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export): impl='pallas' needs static shapes; "
                           f"impl='blockwise' and impl='reference' export with a symbolic batch and length")
-    if jax.config.jax_enable_x64:
-        return ValueError("impl='pallas' does not run with jax_enable_x64=True (Pallas then mixes int32 and int64 "
-                          "indices); impl='blockwise' and impl='reference' do, computing in float32")
     try:
         float(sm_scale)
     except jax.errors.ConcretizationTypeError:
@@ -511,7 +509,8 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     Differentiable in q, k, v (one fused backward kernel). interpret: run the kernels in the Pallas interpreter
     (default: unless the backend is a GPU); block_sizes (None fields: defaults for D and dtype), num_warps and
     num_stages tune the Triton lowering (defaults: `BlockSizes.default`, `default_num_warps`, 2 stages).
-    causal=False, other dtypes, symbolic shapes, x64 mode and a traced sm_scale raise (`pallas_refusal`).
+    causal=False, other dtypes, symbolic shapes and a traced sm_scale raise (`pallas_refusal`); x64 mode changes
+    nothing (the kernels index in int32).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     refusal = pallas_refusal(q, sm_scale=sm_scale, causal=causal)

@@ -65,7 +65,8 @@ def same(impl: str) -> dispatch.Choice:
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_auto_on_cuda_is_triton_with_jax_triton_else_pallas(monkeypatch, cuda_plugin, encoding):
     """On a GPU one impl for every platform, plugin or not: the native Triton kernels where jax-triton compiles
-    them and they take the inputs, else the Pallas ones, else blockwise; silently."""
+    them, else the Pallas ones; blockwise for inputs that path refuses, never the slower Pallas kernels where the
+    native ones are installed; silently."""
     resolve = functools.partial(dispatch.resolve_impl, "auto", 4096, 128, encoding=encoding, batch_heads=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -73,15 +74,17 @@ def test_auto_on_cuda_is_triton_with_jax_triton_else_pallas(monkeypatch, cuda_pl
         assert resolve() == same("pallas")
         fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin, jax_triton=True)
         assert resolve() == same("triton")
-        assert resolve(kernel_refusal=lambda fused: "refused" if fused == "triton" else None) == same("pallas")
+        assert resolve(kernel_refusal=lambda fused: "refused" if fused == "triton" else None) == same("blockwise")
         assert resolve(kernel_refusal=lambda fused: "refused") == same("blockwise")
         assert resolve(causal=False) == same("blockwise")
+        fake_backend(monkeypatch, "gpu", "9.0", cuda_plugin=cuda_plugin)
+        assert resolve(kernel_refusal=lambda fused: "refused" if fused == "pallas" else None) == same("blockwise")
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_auto_asks_the_triton_kernels_what_they_refuse(monkeypatch, encoding):
-    """On a GPU with jax-triton, inputs the native kernels refuse (float64 under x64) go to the Pallas ones: the
-    refusal comes from the entry point itself, not from a list kept here."""
+    """On a GPU with jax-triton, "auto" asks the native kernels whether they take the inputs (not float64 under
+    x64: those run blockwise): the refusal comes from the entry point itself, not from a list kept here."""
     pytest.importorskip("triton")
     fake_backend(monkeypatch, "gpu", "9.0", jax_triton=True)
     asked = []
@@ -274,6 +277,18 @@ def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monke
     assert PALLAS_CALL not in cpu.as_text()
     for got_g, want_g in zip(cpu.compile()(*args), want):
         np.testing.assert_allclose(got_g, want_g, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("jax_triton", [False, True])
+def test_auto_lowered_for_cuda_never_picks_pallas_where_triton_is_installed(monkeypatch, jax_triton):
+    """CoPE at float64 under x64, which the Pallas kernels take and the native ones refuse, lowered for CUDA: without
+    jax-triton "auto" stages the Pallas kernels (forward and backward), with it blockwise (no kernel at all)."""
+    monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(dispatch, "triton_compiles", lambda: jax_triton)
+    with jax.enable_x64(True), jax.sharding.use_abstract_mesh(on_abstract_h100()):
+        args = tuple(x.astype(jnp.float64) for x in inputs(64))
+        cuda = jax.jit(grads("cope")).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(PALLAS_CALL) == (0 if jax_triton else 2)
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
