@@ -9,12 +9,59 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import tile_extent
+from jaxpe.kernels._common import check_block_sizes, filled, tile_extent, triton_compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the forward and of the backward kernel; None: the default (`default`). Powers of two >= 16
+    (Triton dots); blocks larger than the padded sequence shrink (`fitted`). A kernel with other default forward
+    query rows subclasses it with its own FORWARD_QUERIES."""
+
+    block_q: int | None = None  # forward: query rows per program
+    block_k: int | None = None  # forward: keys per tile
+    block_q_bwd: int | None = None  # backward: query rows per program
+    block_k_bwd: int | None = None  # backward: keys per tile
+    FORWARD_QUERIES: ClassVar[int] = 64
+
+    def __post_init__(self) -> None:
+        check_block_sizes(self)
+
+    @classmethod
+    def default(cls, head_dim: int) -> BlockSizes:
+        """FORWARD_QUERIES × 32 forward tiles and 32 × 32 backward ones, halved along the keys from Dp = 256
+        (unmeasured: flash attention's usual sizes for the register budget of an H100)."""
+        keys = 32 if tile_extent(head_dim) <= 128 else 16
+        return cls(cls.FORWARD_QUERIES, keys, 32, keys)
+
+    def fitted(self, *, length: int, head_dim: int) -> BlockSizes:
+        """Every size given (None: `default`'s), each capped at the next power of two >= length (and >= 16)."""
+        cap = tile_extent(length)
+        sizes = filled(self, type(self).default(head_dim))
+        return type(self)(**{name: min(size, cap) for name, size in sizes.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
+    non-differentiable one and the kernels' keyword argument); a kernel adds its own options in a subclass."""
+
+    sm_scale: float
+    length: int  # L, before padding
+    blocks: BlockSizes
+    interpret: bool
+    num_warps: int
+    num_stages: int | None  # None: 2 in the forward, 1 in the backward
+    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
+
+    def compiler_params(self, *, backward: bool) -> Any:
+        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
 
 
 @dataclasses.dataclass(frozen=True)

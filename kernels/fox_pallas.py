@@ -29,53 +29,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_pallas_settings
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, output_struct,
-                                   resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
-from jaxpe.kernels._pallas_rows import first_order_only, key_blocks, padded_inputs, row_specs, visible
+from jaxpe.kernels._common import (MASK_VALUE, check_head_dim, dot, output_struct, resolve_interpret, tile_extent,
+                                   vary_alike)
+from jaxpe.kernels._pallas_rows import (BlockSizes, RowConfig, first_order_only, key_blocks, padded_inputs, row_specs,
+                                        visible)
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes of the forward and of the backward kernel; None: the default (`BlockSizes.default`). Powers of two
-    >= 16 (Triton dots); blocks larger than the padded sequence shrink (`fitted`)."""
-
-    block_q: int | None = None  # forward: query rows per program
-    block_k: int | None = None  # forward: keys per tile
-    block_q_bwd: int | None = None  # backward: query rows per program
-    block_k_bwd: int | None = None  # backward: keys per tile
-
-    def __post_init__(self) -> None:
-        check_block_sizes(self)
-
-    @classmethod
-    def default(cls, head_dim: int) -> BlockSizes:
-        """64 × 32 forward tiles and 32 × 32 backward ones, halved along the keys from Dp = 256 (unmeasured: flash
-        attention's usual sizes for the register budget of an H100)."""
-        keys = 32 if tile_extent(head_dim) <= 128 else 16
-        return cls(64, keys, 32, keys)
-
-    def fitted(self, *, length: int, head_dim: int) -> BlockSizes:
-        """Every size given (None: `default`'s), each capped at the next power of two >= length (and >= 16)."""
-        cap = tile_extent(length)
-        sizes = filled(self, BlockSizes.default(head_dim))
-        return BlockSizes(**{name: min(size, cap) for name, size in sizes.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
-    non-differentiable one and the kernels' keyword argument)."""
-
-    sm_scale: float
-    length: int  # L, before padding
-    blocks: BlockSizes
-    interpret: bool
-    num_warps: int
-    num_stages: int | None  # None: 2 in the forward, 1 in the backward
-    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
-
-    def compiler_params(self, *, backward: bool):
-        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
 
 
 def _logits(q, k, c_rows, c_keys, mask, sm_scale):
@@ -85,7 +44,7 @@ def _logits(q, k, c_rows, c_keys, mask, sm_scale):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref, o_ref, lse_ref, *,
-                    config: _Config):
+                    config: RowConfig):
     """One query block against the key blocks it sees. Refs: q/o [bq, Dp], k/v [Lp, Dp], c_q [bq], c_k [Lp], row ids
     seg_q [bq] and key ids seg_k [Lp] (None without documents), lse [bq]."""
     block_q, block_k = q_ref.shape[0], config.blocks.block_k
@@ -116,7 +75,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref, do_ref, lse_ref, delta_ref,
-                     dk_in_ref, dv_in_ref, dck_in_ref, dq_ref, dcq_ref, dk_ref, dv_ref, dck_ref, *, config: _Config):
+                     dk_in_ref, dv_in_ref, dck_in_ref, dq_ref, dcq_ref, dk_ref, dv_ref, dck_ref, *, config: RowConfig):
     """One query block against the key blocks it sees. Refs as the forward's, do/dq [bq, Dp], lse/delta/dcq [bq], the
     zeros aliased to the outputs (the *_in refs, unread), dk/dv [Lp, Dp] and dck [Lp] (atomic adds)."""
     del dk_in_ref, dv_in_ref, dck_in_ref  # the same buffers as dk_ref, dv_ref, dck_ref
@@ -146,7 +105,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref
     dcq_ref[...] = dc_rows
 
 
-def _forward_call(config: _Config, q, k, v, c, seg):
+def _forward_call(config: RowConfig, q, k, v, c, seg):
     """o [B, Lp, Hq, Dp] and lse [B, Hq, Lp]; seg may be None."""
     batch, padded, num_heads, _ = q.shape
     specs = row_specs(q, k, config.blocks.block_q)
@@ -160,7 +119,7 @@ def _forward_call(config: _Config, q, k, v, c, seg):
     )(q, k, v, c, c, seg, seg)
 
 
-def _backward_call(config: _Config, q, k, v, c, seg, do, lse, delta):
+def _backward_call(config: RowConfig, q, k, v, c, seg, do, lse, delta):
     """dq [B, Lp, Hq, Dp], d c (query side) [B, Hq, Lp], dk, dv [B, Lp, Hkv, Dp], d c (key side) [B, Hq, Lp], all
     float32."""
     specs = row_specs(q, k, config.blocks.block_q_bwd)
@@ -188,13 +147,13 @@ def _padded(q, k, v, c, segment_ids, blocks: BlockSizes):
     return q, k, v, jnp.pad(c, [(0, 0), (0, 0), (0, q.shape[1] - c.shape[2])]), seg
 
 
-def _fox_pallas_fwd(q, k, v, c, segment_ids, config: _Config):
+def _fox_pallas_fwd(q, k, v, c, segment_ids, config: RowConfig):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
     out, lse = first_order_only(functools.partial(_forward_call, config), qp, kp, vp, cp, seg)
     return out[:, :config.length, :, :q.shape[3]], (q, k, v, c, segment_ids, out, lse)
 
 
-def _fox_pallas_bwd(config: _Config, residuals, dout):
+def _fox_pallas_bwd(config: RowConfig, residuals, dout):
     q, k, v, c, segment_ids, out, lse = residuals
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
@@ -209,7 +168,7 @@ def _fox_pallas_bwd(config: _Config, residuals, dout):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _fox_pallas(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array, segment_ids: jax.Array | None,
-                config: _Config) -> jax.Array:
+                config: RowConfig) -> jax.Array:
     return _fox_pallas_fwd(q, k, v, c, segment_ids, config)[0]
 
 
@@ -245,7 +204,7 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
         q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
         sm_scale = 1.0
     blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3])
-    config = _Config(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
+    config = RowConfig(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
                      num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages,
                      window=window)
     q, k, v, log_fgate_cumsum, segment_ids = vary_alike(q, k, v, log_fgate_cumsum, segment_ids)

@@ -28,54 +28,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_pallas_settings
-from jaxpe.kernels._common import (check_block_sizes, check_head_dim, dot, filled, output_struct, resolve_interpret,
-                                   tile_extent, triton_compiler_params, vary_alike)
-from jaxpe.kernels._pallas_rows import first_order_only, key_blocks, padded_inputs, row_specs, visible
+from jaxpe.kernels._common import check_head_dim, dot, output_struct, resolve_interpret, tile_extent, vary_alike
+from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
+from jaxpe.kernels._pallas_rows import RowConfig, first_order_only, key_blocks, padded_inputs, row_specs, visible
+
+
+class BlockSizes(RowBlockSizes):
+    """RowBlockSizes with 32 × 32 forward tiles (the triangular product adds a [block_k, block_k] operand);
+    unmeasured."""
+
+    FORWARD_QUERIES = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes of the forward and of the backward kernel; None: the default (`BlockSizes.default`). Powers of two
-    >= 16 (Triton dots); blocks larger than the padded sequence shrink (`fitted`)."""
+class _Config(RowConfig):
+    """RowConfig with stick-breaking's one option."""
 
-    block_q: int | None = None  # forward: query rows per program
-    block_k: int | None = None  # forward: keys per tile
-    block_q_bwd: int | None = None  # backward: query rows per program
-    block_k_bwd: int | None = None  # backward: keys per tile
-
-    def __post_init__(self) -> None:
-        check_block_sizes(self)
-
-    @classmethod
-    def default(cls, head_dim: int) -> BlockSizes:
-        """32 × 32 tiles (the triangular product adds a [block_k, block_k] operand), keys halved from Dp = 256;
-        unmeasured."""
-        keys = 32 if tile_extent(head_dim) <= 128 else 16
-        return cls(32, keys, 32, keys)
-
-    def fitted(self, *, length: int, head_dim: int) -> BlockSizes:
-        """Every size given (None: `default`'s), each capped at the next power of two >= length (and >= 16)."""
-        cap = tile_extent(length)
-        sizes = filled(self, BlockSizes.default(head_dim))
-        return BlockSizes(**{name: min(size, cap) for name, size in sizes.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static settings of one call, fitted to its shapes (hashable: the jit static argument, the custom_vjp's
-    non-differentiable one and the kernels' keyword argument)."""
-
-    sm_scale: float
-    length: int  # L, before padding
-    blocks: BlockSizes
-    interpret: bool
-    num_warps: int
-    num_stages: int | None  # None: 2 in the forward, 1 in the backward
-    attend_current: bool = False
-    window: int | None = None  # sliding window W (< L), None: the whole causal prefix
-
-    def compiler_params(self, *, backward: bool):
-        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
+    attend_current: bool = False  # the diagonal key takes part (j <= i) or not (j < i)
 
 
 def _log_sigmoid(x: jax.Array) -> jax.Array:
