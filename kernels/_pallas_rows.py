@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import check_block_sizes, filled, tile_extent, triton_compiler_params
+from jaxpe.kernels._checks import check_pallas_settings
+from jaxpe.kernels._common import check_block_sizes, check_head_dim, filled, tile_extent, triton_compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,19 @@ def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
     seg = None if segment_ids is None else jnp.pad(segment_ids, [(0, 0), (0, padded - length)])
     return (*(jnp.pad(x, pad) for x in (q, k, v)), seg)
+
+
+def check_entry(q: jax.Array, block_sizes: BlockSizes | None, blocks_type: type, *, num_warps: int | None,
+                num_stages: int | None) -> None:
+    """The refusals of a row kernel's entry: symbolic shapes, a dtype it does not take, its head dim and tuning."""
+    if not all(isinstance(size, int) for size in q.shape):
+        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
+                         f"impl='blockwise'")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32, bfloat16 or "
+                        f"float16")
+    check_head_dim(q.shape[3])
+    check_pallas_settings(block_sizes, blocks_type, num_warps=num_warps, num_stages=num_stages)
 
 
 def visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,

@@ -28,11 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_pallas_settings
-from jaxpe.kernels._common import (MASK_VALUE, check_head_dim, dot, output_struct, resolve_interpret, tile_extent,
+from jaxpe.kernels._common import (MASK_VALUE, dot, output_struct, resolve_interpret, tile_extent,
                                    vary_alike)
-from jaxpe.kernels._pallas_rows import (BlockSizes, RowConfig, first_order_only, key_blocks, padded_inputs, row_specs,
-                                        visible)
+from jaxpe.kernels._pallas_rows import (BlockSizes, RowConfig, check_entry, first_order_only, key_blocks,
+                                        padded_inputs, row_specs, visible)
 
 
 
@@ -190,14 +189,7 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
     documents; window: i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the
     kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
     """
-    if not all(isinstance(size, int) for size in q.shape):
-        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
-                         f"impl='blockwise'")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32, bfloat16 or "
-                        f"float16")
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    check_entry(q, block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     try:
         sm_scale = float(sm_scale)
     except jax.errors.ConcretizationTypeError:  # traced: the logits are linear in sm_scale·q, so scale q instead

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_pallas_settings
-from jaxpe.kernels._common import check_head_dim, dot, output_struct, resolve_interpret, tile_extent, vary_alike
+from jaxpe.kernels._common import dot, output_struct, resolve_interpret, tile_extent, vary_alike
 from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
-from jaxpe.kernels._pallas_rows import RowConfig, first_order_only, key_blocks, padded_inputs, row_specs, visible
+from jaxpe.kernels._pallas_rows import (RowConfig, check_entry, first_order_only, key_blocks, padded_inputs, row_specs,
+                                        visible)
 
 
 class BlockSizes(RowBlockSizes):
@@ -207,14 +207,7 @@ def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, 
     > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once; static shapes only.
     Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
     """
-    if not all(isinstance(size, int) for size in q.shape):
-        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
-                         f"impl='blockwise'")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32, bfloat16 or "
-                        f"float16")
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
+    check_entry(q, block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     try:
         sm_scale = float(sm_scale)
     except jax.errors.ConcretizationTypeError:  # traced: z is linear in sm_scale·q, so scale q instead
