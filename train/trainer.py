@@ -196,5 +196,6 @@ class Trainer:
             )
             for name, split in splits.items()
         }
-        return [{name: evaluate.metrics_from_sums(member) for name, member in
-                 ((name, self.unstack(split)[i]) for name, split in sums.items())} for i in range(self.members)]
+        members = {name: self.unstack(split) for name, split in sums.items()}  # name -> one sums dict a member
+        return [{name: evaluate.metrics_from_sums(split[i]) for name, split in members.items()}
+                for i in range(self.members)]
