@@ -52,6 +52,11 @@ GPU_TOLERANCE = {"float32": {"out": (2e-2, 1e-2), "grad": (6e-2, 2e-2)},
                  "bfloat16": {"out": (3e-2, 2e-2), "grad": (1.5e-1, 3e-2)}}
 
 
+# Document ids [B 2, L 11] for the packed-documents cases: documents of 4, 5 and 2 tokens in the first row, of 7 and 4
+# in the second (ids need not be consecutive).
+DOCUMENTS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3]], np.int32)
+
+
 def gpu_and_interpreted(sweep: type, name: str) -> tuple[type, type]:
     """A kernel sweep's two test classes, `name` (compiled: marked `gpu`, held to GPU_TOLERANCE) and `name`Interpret
     (the interpreter, on CPU too: TOLERANCE); `sweep` reads its INTERPRET and TOLERANCE. Siblings rather than one a

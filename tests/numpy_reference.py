@@ -22,6 +22,7 @@ D head dim, npos position-table rows. Causal throughout: query i sees keys j <= 
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -291,19 +292,16 @@ def forgetting_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_fgate:
     b, length, hq, dim = q.shape
     groups = hq // k.shape[2]
     out = np.zeros((b, length, hq, dim))
-    for bi in range(b):
-        for h in range(hq):
-            for i in range(length):
-                keys = [j for j in range(length)
-                        if _visible(bi, i, j, causal=causal, segment_ids=segment_ids, window=window)]
-                logits = []
-                for j in keys:
-                    first, last = min(i, j), max(i, j)
-                    decay = sum(log_fgate[bi, l, h] for l in range(first + 1, last + 1))
-                    logits.append(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups]) + decay)
-                p = np.exp(np.array(logits) - max(logits))
-                p /= p.sum()
-                out[bi, i, h] = sum(p_j * v[bi, j, h // groups] for p_j, j in zip(p, keys))
+    for bi, h, i in itertools.product(range(b), range(hq), range(length)):
+        keys = [j for j in range(length) if _visible(bi, i, j, causal=causal, segment_ids=segment_ids, window=window)]
+        logits = []
+        for j in keys:
+            first, last = min(i, j), max(i, j)
+            decay = sum(log_fgate[bi, l, h] for l in range(first + 1, last + 1))
+            logits.append(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups]) + decay)
+        p = np.exp(np.array(logits) - max(logits))
+        p /= p.sum()
+        out[bi, i, h] = sum(p_j * v[bi, j, h // groups] for p_j, j in zip(p, keys))
     return out
 
 
@@ -317,14 +315,12 @@ def stickbreaking_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, sm_s
     groups = hq // k.shape[2]
     out = np.zeros((b, length, hq, dim))
     remainder = np.ones((b, length, hq))
-    for bi in range(b):
-        for h in range(hq):
-            for i in range(length):
-                keys = [j for j in range(i + 1) if (j < i or attend_current)
-                        and _visible(bi, i, j, causal=True, segment_ids=segment_ids, window=window)]
-                beta = {j: sigmoid(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups])) for j in keys}
-                for j in keys:
-                    weight = beta[j] * math.prod(1.0 - beta[t] for t in keys if t > j)
-                    out[bi, i, h] += weight * v[bi, j, h // groups]
-                    remainder[bi, i, h] -= weight
+    for bi, h, i in itertools.product(range(b), range(hq), range(length)):
+        keys = [j for j in range(i + 1) if (j < i or attend_current)
+                and _visible(bi, i, j, causal=True, segment_ids=segment_ids, window=window)]
+        beta = {j: sigmoid(sm_scale * (q[bi, i, h] @ k[bi, j, h // groups])) for j in keys}
+        for j in keys:
+            weight = beta[j] * math.prod(1.0 - beta[t] for t in keys if t > j)
+            out[bi, i, h] += weight * v[bi, j, h // groups]
+            remainder[bi, i, h] -= weight
     return out, remainder

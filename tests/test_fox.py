@@ -18,7 +18,7 @@ from jaxpe.fox import forget_gate_cumsum, forgetting_attention_reference
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kernels.fox_pallas import BlockSizes, forgetting_attention_pallas
 from jaxpe.softmax_attention import visibility_mask
-from kernel_harness import square_intermediates_of_grad
+from kernel_harness import DOCUMENTS, assert_matches_elementwise, gpu_and_interpreted, square_intermediates_of_grad
 
 
 def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: int = 2, d: int = 8,
@@ -32,11 +32,10 @@ def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: in
     return q, k, v, log_fgate
 
 
-SEGMENTS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3]], np.int32)
 CASES = {  # options of forgetting_attention, each value once
     "causal": {},
     "bidirectional": {"causal": False},
-    "segments": {"segment_ids": SEGMENTS},
+    "segments": {"segment_ids": DOCUMENTS},
     "window": {"window": 4},
     "bidirectional-window": {"causal": False, "window": 3},
     "sm_scale": {"sm_scale": 0.7},
@@ -182,11 +181,12 @@ def test_bad_inputs_raise_value_errors_naming_them(options, match, key):
 
 class _PallasSweep:
     """The fused kernels against the dense reference, value and gradient (q, k, v, the gates' running sums and a
-    traced temperature); INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU). L = 37 is no
-    multiple of the 16-row blocks; GQA (4 query heads on 2 kv heads)."""
+    traced temperature); INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering (GPU), TOLERANCE
+    the per-dtype table (kernel_harness). L = 37 is no multiple of the 16-row blocks; GQA (4 query heads on 2 kv
+    heads)."""
 
     INTERPRET: bool
-    TOLERANCE = 5e-5
+    TOLERANCE: dict
 
     @pytest.mark.parametrize("case", ["causal", "segments", "window"])
     def test_matches_the_reference(self, case, key):
@@ -204,21 +204,13 @@ class _PallasSweep:
             return forgetting_attention_pallas(q, k, v, c, sm_scale=scale, block_sizes=BlockSizes(16, 16, 16, 16),
                                                interpret=self.INTERPRET, segment_ids=segments, window=window)
 
-        scale = jnp.float32(0.3)
-        np.testing.assert_allclose(fused(q, k, v, c, scale), dense(q, k, v, c, scale), atol=self.TOLERANCE,
-                                   rtol=self.TOLERANCE)
-        for got, want in zip(loss_grads(fused, q, k, v, c, scale), loss_grads(dense, q, k, v, c, scale)):
-            np.testing.assert_allclose(got, want, atol=10 * self.TOLERANCE, rtol=10 * self.TOLERANCE)
+        args = (q, k, v, c, jnp.float32(0.3))
+        assert_matches_elementwise([fused(*args), *loss_grads(fused, *args)], [dense(*args), *loss_grads(dense, *args)],
+                                   names=["out", "dq", "dk", "dv", "dc", "dscale"], dtype="float32", context=case,
+                                   table=self.TOLERANCE)
 
 
-@pytest.mark.gpu
-class TestFoXPallas(_PallasSweep):
-    INTERPRET = False
-    TOLERANCE = 2e-2  # TF32 products
-
-
-class TestFoXPallasInterpret(_PallasSweep):
-    INTERPRET = True
+TestFoXPallas, TestFoXPallasInterpret = gpu_and_interpreted(_PallasSweep, "TestFoXPallas")
 
 
 def test_pallas_through_the_public_function(key):

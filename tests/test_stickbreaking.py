@@ -18,7 +18,7 @@ from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockw
 from jaxpe.kernels.stickbreaking_pallas import BlockSizes, stickbreaking_attention_pallas
 from jaxpe.stickbreaking import attended_mask, stickbreaking_attention_reference
 from jaxpe.softmax_attention import visibility_mask
-from kernel_harness import square_intermediates_of_grad
+from kernel_harness import DOCUMENTS, assert_matches_elementwise, gpu_and_interpreted, square_intermediates_of_grad
 
 
 def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: int = 2, d: int = 8,
@@ -29,11 +29,10 @@ def inputs(key: jax.Array, *, b: int = 2, length: int = 11, hq: int = 4, hkv: in
             jax.random.normal(kv, (b, length, hkv, d), dtype))
 
 
-SEGMENTS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3]], np.int32)
 CASES = {  # options of stickbreaking_attention, each value once
     "default": {},
     "attend_current": {"attend_current": True},
-    "segments": {"segment_ids": SEGMENTS},
+    "segments": {"segment_ids": DOCUMENTS},
     "window": {"window": 4},
     "sm_scale": {"sm_scale": 1.3},
 }
@@ -157,10 +156,11 @@ def test_bad_inputs_raise_value_errors_naming_them(options, match, key):
 class _PallasSweep:
     """The fused kernels against the dense reference, value and gradient (q, k, v and a traced temperature, through a
     loss of the output and the remainder); INTERPRET selects the Pallas interpreter (CPU CI) or the Triton lowering
-    (GPU). L = 37 is no multiple of the 16-row blocks; GQA (4 query heads on 2 kv heads)."""
+    (GPU), TOLERANCE the per-dtype table (kernel_harness). L = 37 is no multiple of the 16-row blocks; GQA (4 query
+    heads on 2 kv heads)."""
 
     INTERPRET: bool
-    TOLERANCE = 5e-5
+    TOLERANCE: dict
 
     @pytest.mark.parametrize("case", ["default", "window", "segments-attend_current"])
     def test_matches_the_reference(self, case, key):
@@ -181,22 +181,14 @@ class _PallasSweep:
                                                   segment_ids=segments, window=window)
 
         scale = jnp.float32(0.5)
-        for got, want in zip(fused(q, k, v, scale), dense(q, k, v, scale)):
-            np.testing.assert_allclose(got, want, atol=self.TOLERANCE, rtol=self.TOLERANCE)
         weights = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
         grads = lambda fn: jax.grad(loss(fn, weights), argnums=(0, 1, 2, 3))(q, k, v, scale)
-        for got, want in zip(grads(fused), grads(dense)):
-            np.testing.assert_allclose(got, want, atol=10 * self.TOLERANCE, rtol=10 * self.TOLERANCE)
+        assert_matches_elementwise([*fused(q, k, v, scale), *grads(fused)], [*dense(q, k, v, scale), *grads(dense)],
+                                   names=["out", "remainder", "dq", "dk", "dv", "dscale"], dtype="float32",
+                                   context=case, table=self.TOLERANCE)
 
 
-@pytest.mark.gpu
-class TestStickBreakingPallas(_PallasSweep):
-    INTERPRET = False
-    TOLERANCE = 2e-2  # TF32 products
-
-
-class TestStickBreakingPallasInterpret(_PallasSweep):
-    INTERPRET = True
+TestStickBreakingPallas, TestStickBreakingPallasInterpret = gpu_and_interpreted(_PallasSweep, "TestStickBreakingPallas")
 
 
 def test_pallas_through_the_public_function(key):
