@@ -11,7 +11,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Co-RoPE kernels take
+from jaxpe.kernels._common import check_head_dim
+
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Co-RoPE Pallas kernels take
+TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what the native Triton kernels take
 
 
 def check_float(name: str, x: jax.Array) -> None:
@@ -225,3 +228,42 @@ def check_padding_mask(padding_mask: jax.Array | None, batch: int, length: int) 
     if padding_mask is not None:
         _check_per_token("padding_mask", padding_mask, batch, length, dtype_ok=lambda dtype: dtype == jnp.bool_,
                          kind="a bool array (True: a real token)")
+
+
+def fused_refusal(q: jax.Array, *, impl: str, dtypes: tuple[type, ...] | None, causal: bool = True
+                  ) -> Exception | None:
+    """The error the fused path `impl` ("pallas" or "triton") raises for these inputs, None when it takes them: the
+    fused kernels are causal, take `dtypes` (None: every dtype the operation takes) and static shapes, not
+    jax.export's symbolic ones. impl='blockwise' and impl='reference' take them all."""
+    if not causal:
+        return ValueError(f"causal=False is not supported by impl={impl!r} (the fused kernels are causal); "
+                          f"impl='blockwise' and impl='reference' are bidirectional with causal=False")
+    if dtypes is not None and q.dtype not in dtypes:
+        names = [jnp.dtype(dtype).name for dtype in dtypes]
+        takes = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        return TypeError(f"q.dtype={q.dtype} is not supported by impl={impl!r}, which takes {takes} "
+                         f"(impl='blockwise' and impl='reference' take any floating dtype)")
+    if not all(isinstance(size, int) for size in q.shape):
+        return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export), and impl={impl!r} needs static "
+                          f"shapes: impl='blockwise' and impl='reference' export with a symbolic batch and length")
+    return None
+
+
+def check_fused(q: jax.Array, refusal: Exception | None, *, block_sizes: object, blocks_type: type,
+                num_warps: int | None, num_stages: int | None) -> None:
+    """The checks every fused entry shares: raises `refusal` (the path's `fused_refusal` of these inputs, or None),
+    then checks the head dim and the tuning arguments (`check_pallas_settings`)."""
+    if refusal is not None:
+        raise refusal
+    check_head_dim(q.shape[3])
+    check_pallas_settings(block_sizes, blocks_type, num_warps=num_warps, num_stages=num_stages)
+
+
+def open_fused(q: jax.Array, refusal: Exception | None, *, block_sizes: object, blocks_type: type,
+               num_warps: int | None, num_stages: int | None, causal: bool = True,
+               segment_ids: jax.Array | None, window: int | None) -> tuple[bool, jax.Array | None, int | None]:
+    """`check_fused`, then `open_attention`'s (empty, segment_ids, window): the opening of an entry that checks its
+    own inputs (CoPE's and Co-RoPE's, which users call directly)."""
+    check_fused(q, refusal, block_sizes=block_sizes, blocks_type=blocks_type, num_warps=num_warps,
+                num_stages=num_stages)
+    return open_attention(q, causal=causal, segment_ids=segment_ids, window=window)

@@ -7,6 +7,7 @@ D head dim, P table rows. The input checks of the public entry points are in `_c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -101,6 +102,31 @@ def resolve_interpret(interpret: bool | None) -> bool:
 # interpolation has kinks at integer positions, so a moved position can flip a whole row's gate gradient. The same
 # as the default on CPU.
 GATE_PRECISION = lax.Precision.HIGHEST
+
+
+def fold_scale(q: jax.Array, sm_scale: float | jax.Array) -> tuple[jax.Array, float]:
+    """(q, sm_scale) as the fused kernels take them, sm_scale a Python float compiled in: a traced sm_scale (a learned
+    temperature) multiplies q instead (every logit is linear in sm_scale·q; in q's dtype, so a bfloat16 q is rounded
+    once more) and the kernels get 1.0."""
+    try:
+        return q, float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        return (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype), 1.0
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def first_order_only(impl: str, call: Callable[..., Any], *operands: Any) -> Any:
+    """call(*operands), a fused path's kernel launch, under a JVP rule that says why it cannot be differentiated
+    forwards or twice: the kernels are differentiated once, by their operation's custom VJP, and differentiating that
+    VJP's own rules (jax.grad of jax.grad, jax.hessian, jax.jvp) would differentiate the kernels."""
+    return call(*operands)
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(impl: str, call: Callable[..., Any], primals: tuple, tangents: tuple) -> tuple:
+    raise NotImplementedError(f"impl={impl!r} is differentiable once (reverse mode, a custom VJP over fused kernels): "
+                              f"for second-order derivatives (jax.grad of jax.grad, jax.hessian) use impl='blockwise' "
+                              f"or 'reference', and for forward mode (jax.jvp) impl='reference'")
 
 
 def compute_dtype(*arrays: jax.Array) -> jnp.dtype:

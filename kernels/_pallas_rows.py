@@ -1,6 +1,6 @@
 """What the Pallas kernels of forgetting attention and stick-breaking attention share: one program per (query block,
-batch, query head), its BlockSpecs, the visibility of a tile and the key blocks a query block walks, and the rule
-that keeps the kernels first-order.
+batch, query head), its BlockSpecs, and the key blocks a query block walks; and the visibility of a tile, which
+CoPE's Pallas kernels use too.
 
 Letters: B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head dim (Dp padded to
 a power of two). Tiles are [block_q, block_k].
@@ -8,15 +8,15 @@ a power of two). Tiles are [block_q, block_k].
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_pallas_settings
-from jaxpe.kernels._common import check_block_sizes, check_head_dim, filled, tile_extent, triton_compiler_params
+from jaxpe.kernels._checks import TRITON_DTYPES, check_fused, fused_refusal
+from jaxpe.kernels._common import (check_block_sizes, filled, fold_scale, resolve_interpret, tile_extent,
+                                   triton_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,19 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
     )
 
 
+def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, blocks_type: type,
+              interpret: bool | None, num_warps: int | None, num_stages: int | None) -> tuple[jax.Array, dict[str, Any]]:
+    """The opening of a row kernel's entry (its operation's checks already made): the fused path's refusals and
+    tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q (`fold_scale`),
+    blocks fitted to the length and num_warps by default 4, 8 from Dp = 128."""
+    check_fused(q, fused_refusal(q, impl="pallas", dtypes=TRITON_DTYPES), block_sizes=block_sizes,
+                blocks_type=blocks_type, num_warps=num_warps, num_stages=num_stages)
+    q, sm_scale = fold_scale(q, sm_scale)
+    blocks = (block_sizes or blocks_type()).fitted(length=q.shape[1], head_dim=q.shape[3])
+    return q, dict(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
+                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages)
+
+
 def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, multiple: int
                   ) -> tuple[jax.Array, ...]:
     """q, k, v with L zero-padded to a multiple of `multiple` and D to a power of two; document ids [B, Lp] (padded
@@ -107,19 +120,6 @@ def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     pad = [(0, 0), (0, padded - length), (0, 0), (0, dp - d)]
     seg = None if segment_ids is None else jnp.pad(segment_ids, [(0, 0), (0, padded - length)])
     return (*(jnp.pad(x, pad) for x in (q, k, v)), seg)
-
-
-def check_entry(q: jax.Array, block_sizes: BlockSizes | None, blocks_type: type, *, num_warps: int | None,
-                num_stages: int | None) -> None:
-    """The refusals of a row kernel's entry: symbolic shapes, a dtype it does not take, its head dim and tuning."""
-    if not all(isinstance(size, int) for size in q.shape):
-        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
-                         f"impl='blockwise'")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32, bfloat16 or "
-                        f"float16")
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, blocks_type, num_warps=num_warps, num_stages=num_stages)
 
 
 def visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
@@ -137,16 +137,3 @@ def key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None) 
     """[first, end) key blocks the rows row0 .. row0 + block_q − 1 can see."""
     first = 0 if window is None else jnp.maximum(row0 - (window - 1), 0) // block_k
     return first, (row0 + block_q + block_k - 1) // block_k
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def first_order_only(call, *operands):
-    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated forwards or
-    twice (the kernels are differentiated once, by their op's custom VJP)."""
-    return call(*operands)
-
-
-@first_order_only.defjvp
-def _first_order_only_jvp(call, primals, tangents):
-    raise NotImplementedError("impl='pallas' is differentiable once (reverse mode): for second-order derivatives "
-                              "use impl='blockwise' or 'reference', and for forward mode (jax.jvp) impl='reference'")

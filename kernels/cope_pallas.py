@@ -48,10 +48,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, next_power_of_two,
-                                   output_struct, resolve_interpret, tile_extent, triton_compiler_params,
-                                   vary_alike)
+from jaxpe.kernels._checks import check_cope_inputs, fused_refusal, open_fused
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
+                                   next_power_of_two, output_struct, resolve_interpret, tile_extent,
+                                   triton_compiler_params, vary_alike)
+from jaxpe.kernels._pallas_rows import visible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,17 +118,6 @@ class _Config:
         """Triton settings of the forward or the backward kernel. The backward's loop carries too much for Triton's
         software pipelining: with 2 stages ptxas spills kilobytes (float32, D 256), with 1 none."""
         return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
-
-
-def _visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.Array | None,
-             seg_cols: jax.Array | None) -> jax.Array:
-    """Mask [block_q, block_k]: key `cols` visible from row `rows` (causal, inside the window, same document)."""
-    mask = cols[None, :] <= rows[:, None]
-    if window is not None:
-        mask &= rows[:, None] - cols[None, :] < window
-    if seg_rows is not None:
-        mask &= seg_rows[:, None] == seg_cols[None, :]
-    return mask
 
 
 def _first_key_block(row0: jax.Array, window: int | None, block_k: int) -> jax.Array | int:
@@ -215,7 +205,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, o_
 
     def tile(index, carry, full: bool):
         keys = pl.ds(index * block_k, block_k)
-        mask = _visible(rows, index * block_k + jnp.arange(block_k, dtype=jnp.int32), config.window, seg_rows,
+        mask = visible(rows, index * block_k + jnp.arange(block_k, dtype=jnp.int32), config.window, seg_rows,
                         None if seg_k_ref is None else seg_k_ref[keys])
         k = k_ref[keys, :]
         if not full:
@@ -269,7 +259,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, kg_ref, seg_q_ref, seg_k_ref, z_ref, d
         dq, dz_last, c, dp_before = carry
         keys = pl.ds(index * block_k, block_k)
         cols = index * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        mask = _visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
+        mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
         k, v = k_ref[keys, :], v_ref[keys, :]
         if not full:
             probs, ds = _softmax_grads(dot(q, k, trans_b=True) + z_ref[:, pl.ds(npos - 1, 1)], mask, lse, delta,
@@ -404,25 +394,11 @@ def _padded_segments(segment_ids: jax.Array | None, padded: int) -> jax.Array | 
     return jnp.pad(segment_ids, [(0, 0), (0, padded - segment_ids.shape[1])])
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _first_order_only(call, *operands):
-    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated: the kernels are
-    differentiated once, by `_cope_pallas`'s custom VJP; differentiating that VJP's own rules (jax.grad of jax.grad,
-    jax.hessian) would differentiate the kernels."""
-    return call(*operands)
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(call, primals, tangents):
-    raise NotImplementedError("impl='pallas' is differentiable once (reverse mode): for second-order derivatives "
-                              "(jax.grad of jax.grad, jax.hessian) use impl='blockwise' or 'reference', and for "
-                              "forward mode (jax.jvp) impl='reference'")
-
-
 def _cope_pallas_fwd(q, k, v, gate_k, pos_emb, segment_ids, config: _Config):
     qp, kp, vp, kgp, _, z = _padded(q, k, v, gate_k, pos_emb, config.blocks)
     seg = _padded_segments(segment_ids, qp.shape[1])
-    out, lse, r, e = _first_order_only(functools.partial(_forward_call, config, save=True), qp, kp, vp, kgp, z, seg)
+    out, lse, r, e = first_order_only("pallas", functools.partial(_forward_call, config, save=True), qp, kp, vp, kgp,
+                                      z, seg)
     return out[:, :config.length, :, :q.shape[3]], (q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e)
 
 
@@ -433,8 +409,8 @@ def _cope_pallas_bwd(config: _Config, residuals, dout):
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     do = do.astype(q.dtype)
-    dq, dz, dk, dv, dkg = _first_order_only(functools.partial(_backward_call, config), qp, kp, vp, kgp, z, do, lse,
-                                            delta, r, e, seg)
+    dq, dz, dk, dv, dkg = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, kgp, z,
+                                           do, lse, delta, r, e, seg)
     dz = dz[..., :config.npos]
     if table.ndim == 2:
         dq = dq + jnp.einsum("bntp,pd->btnd", dz, table.astype(jnp.float32))
@@ -460,6 +436,21 @@ _cope_pallas.defvjp(_cope_pallas_fwd, _cope_pallas_bwd)
 _cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(6,))
 
 
+def open_cope_fused(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, gate_k: jax.Array | None, *,
+                    impl: str, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, num_warps: int | None,
+                    num_stages: int | None, segment_ids: jax.Array | None, window: int | None
+                    ) -> tuple[jax.Array, float, jax.Array | None, int | None] | None:
+    """The opening of both fused CoPE entries (impl "pallas" and "triton"): every input checked, then (q, sm_scale,
+    segment_ids, window) as the kernels take them (`fold_scale`), or None when there is no query."""
+    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
+    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl=impl, dtypes=None), block_sizes=block_sizes,
+                                            blocks_type=BlockSizes, num_warps=num_warps, num_stages=num_stages,
+                                            segment_ids=segment_ids, window=window)
+    if empty:
+        return None
+    return (*fold_scale(q, sm_scale), segment_ids, window)
+
+
 def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                           gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array,
                           block_sizes: BlockSizes | None = None,
@@ -480,20 +471,11 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     q's dtype: a bfloat16 q is rounded once more). Differentiable once (jax.grad, not jax.grad of jax.grad nor
     jax.jvp); static shapes only (no symbolic jax.export dims).
     """
-    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    if not all(isinstance(size, int) for size in q.shape):
-        raise ValueError(f"impl='pallas' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
-                         f"impl='blockwise'")
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    empty, segment_ids, window = open_attention(q, causal=True, segment_ids=segment_ids, window=window)
-    if empty:
+    opened = open_cope_fused(q, k, v, pos_emb, gate_k, impl="pallas", sm_scale=sm_scale, block_sizes=block_sizes,
+                             num_warps=num_warps, num_stages=num_stages, segment_ids=segment_ids, window=window)
+    if opened is None:
         return jnp.zeros(q.shape, q.dtype)
-    try:
-        sm_scale = float(sm_scale)
-    except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
-        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
-        sm_scale = 1.0
+    q, sm_scale, segment_ids, window = opened
     blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype,
                                                   gate_k=gate_k is not None)
     config = _Config(sm_scale=sm_scale, npos=pos_emb.shape[-2], length=q.shape[1], blocks=blocks,

@@ -47,11 +47,10 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from jaxpe.kernels._checks import check_cope_inputs, check_pallas_settings, open_attention
-from jaxpe.kernels._common import MASK_VALUE, check_head_dim, filled, output_struct, tile_extent
+from jaxpe.kernels._common import MASK_VALUE, filled, first_order_only, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
 from jaxpe.kernels._triton_memory import gather_pair, scatter_add, scatter_in_place
-from jaxpe.kernels.cope_pallas import BlockSizes
+from jaxpe.kernels.cope_pallas import BlockSizes, open_cope_fused
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
 _MASK = tl.constexpr(MASK_VALUE)  # the logit of invisible keys (exp2 gives exactly 0)
@@ -605,23 +604,10 @@ def _position_logits(q: jax.Array, pos_emb: jax.Array) -> jax.Array:
     return jnp.einsum(spec, q, pos_emb.astype(q.dtype), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _first_order_only(call, *operands):
-    """call(*operands), a kernel launch, under a JVP rule that says why it cannot be differentiated: the kernels are
-    differentiated once, by `_cope_triton`'s custom VJP."""
-    return call(*operands)
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(call, primals, tangents):
-    raise NotImplementedError("impl='triton' is differentiable once (reverse mode): for second-order derivatives "
-                              "(jax.grad of jax.grad, jax.hessian) use impl='blockwise' or 'reference', and for "
-                              "forward mode (jax.jvp) impl='reference'")
-
-
 def _cope_triton_fwd(q, k, v, gate_k, pos_emb, segment_ids, config: _Config):
     z = _position_logits(q, pos_emb)
-    out, lse, r, e = _first_order_only(functools.partial(_forward_call, config), q, k, v, gate_k, z, segment_ids)
+    out, lse, r, e = first_order_only("triton", functools.partial(_forward_call, config), q, k, v, gate_k, z,
+                                      segment_ids)
     return out, (q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e)
 
 
@@ -629,7 +615,7 @@ def _cope_triton_bwd(config: _Config, residuals, dout):
     q, k, v, gate_k, pos_emb, segment_ids, out, lse, r, e = residuals
     z = _position_logits(q, pos_emb)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
-    dq, dz, dk, dv, dkg = _first_order_only(functools.partial(_backward_call, config), q, k, v, gate_k, z,
+    dq, dz, dk, dv, dkg = first_order_only("triton", functools.partial(_backward_call, config), q, k, v, gate_k, z,
                                             segment_ids, dout.astype(q.dtype), lse, delta, r, e)
     table = pos_emb.astype(q.dtype).astype(jnp.float32)
     if pos_emb.ndim == 2:
@@ -671,20 +657,11 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels (in q's dtype).
     Differentiable once (jax.grad, not jax.grad of jax.grad nor jax.jvp); static shapes only.
     """
-    check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    if not all(isinstance(size, int) for size in q.shape):
-        raise ValueError(f"impl='triton' needs static shapes, got q.shape={q.shape} (symbolic under jax.export): use "
-                         f"impl='blockwise'")
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    empty, segment_ids, window = open_attention(q, causal=True, segment_ids=segment_ids, window=window)
-    if empty:
+    opened = open_cope_fused(q, k, v, pos_emb, gate_k, impl="triton", sm_scale=sm_scale, block_sizes=block_sizes,
+                             num_warps=num_warps, num_stages=num_stages, segment_ids=segment_ids, window=window)
+    if opened is None:
         return jnp.zeros(q.shape, q.dtype)
-    try:
-        sm_scale = float(sm_scale)
-    except jax.errors.ConcretizationTypeError:  # traced: every logit is linear in sm_scale·q, so scale q instead
-        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
-        sm_scale = 1.0
+    q, sm_scale, segment_ids, window = opened
     num_warps_bwd = num_warps or default_num_warps(q.shape[3], q.dtype, backward=True)
     defaults = default_blocks(q.shape[3], q.dtype, gate_k=gate_k is not None, num_warps_bwd=num_warps_bwd)
     blocks = BlockSizes(**filled(block_sizes or BlockSizes(), defaults)).fitted(

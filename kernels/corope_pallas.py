@@ -59,8 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, check_pallas_settings, open_attention
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, check_head_dim, dot, filled, output_struct,
+from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, fused_refusal, open_fused
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, output_struct,
                                    fori_loop32, resolve_interpret, rotary_frequencies, sincos, tile_extent,
                                    triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
@@ -433,25 +433,12 @@ def _backward_call(config: _Config, q, k, v, do, lse, row_dot, freq, seg) -> tup
     )(*inputs, *zeros)
 
 
-@jax.custom_jvp
-def _differentiable_once(x: jax.Array) -> jax.Array:
-    """x, in the custom VJP's forward rule: differentiating that rule (second order) raises a clear error instead of
-    failing inside pallas_call."""
-    return x
-
-
-@_differentiable_once.defjvp
-def _differentiable_once_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    raise NotImplementedError("impl='pallas' is differentiable once (a custom VJP over fused kernels): a second "
-                              "derivative (grad of grad, jvp of grad) needs impl='blockwise' or impl='reference'")
-
-
 def _corope_pallas_fwd(q, k, v, segment_ids, omega, config: _Config):
-    qp, kp, vp = (_pad(_differentiable_once(x), config) for x in (q, k, v))
+    qp, kp, vp = (_pad(x, config) for x in (q, k, v))
     freq = jnp.pad(omega, (0, config.half - omega.shape[0]))  # [Dp/2], 0 on padding
     seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32),
                                                    [(0, 0), (0, config.padded - segment_ids.shape[1])])
-    o, lse = _forward_call(config, qp, kp, vp, freq, seg)
+    o, lse = first_order_only("pallas", functools.partial(_forward_call, config), qp, kp, vp, freq, seg)
     return _unpad(o, q.shape[1], q.shape[3]), (qp, kp, vp, o, lse, freq, seg)
 
 
@@ -459,7 +446,8 @@ def _corope_pallas_bwd(config: _Config, residuals, do):
     qp, kp, vp, o, lse, freq, seg = residuals
     dop = _pad(do.astype(o.dtype), config)
     row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), dop.astype(jnp.float32))  # Σ_d dO·O
-    grads = _backward_call(config, qp, kp, vp, dop, lse, row_dot, freq, seg)
+    grads = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, dop, lse, row_dot, freq,
+                             seg)
     # Segment ids are integers; ω is a constant (see caller_frequencies).
     return (*(_unpad(x, do.shape[1], do.shape[3]).astype(o.dtype) for x in grads), None, None)
 
@@ -475,18 +463,11 @@ _corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(5,))
 
 
 def pallas_refusal(q: jax.Array, *, sm_scale: float | jax.Array, causal: bool = True) -> Exception | None:
-    """The error impl='pallas' raises for these inputs (None when it takes them): the fused kernels are causal, take
-    float32 or bfloat16, static shapes (not jax.export's symbolic ones) and compile sm_scale in (a concrete number).
-    impl='blockwise' takes them all."""
-    if not causal:
-        return ValueError("causal=False is not supported by impl='pallas' (the fused kernels are causal); "
-                          "impl='blockwise' and impl='reference' are bidirectional with causal=False")
-    if q.dtype not in KERNEL_DTYPES:
-        return TypeError(f"q.dtype={q.dtype} is not supported by impl='pallas', which takes float32 or bfloat16 "
-                         f"(impl='blockwise' and impl='reference' take any floating dtype)")
-    if not all(isinstance(n, int) for n in q.shape):
-        return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export): impl='pallas' needs static shapes; "
-                          f"impl='blockwise' and impl='reference' export with a symbolic batch and length")
+    """The error impl='pallas' raises for these inputs (None when it takes them): `fused_refusal` (causal, float32 or
+    bfloat16, static shapes), and sm_scale compiled in (a concrete number). impl='blockwise' takes them all."""
+    refusal = fused_refusal(q, impl="pallas", dtypes=KERNEL_DTYPES, causal=causal)
+    if refusal is not None:
+        return refusal
     try:
         float(sm_scale)
     except jax.errors.ConcretizationTypeError:
@@ -513,13 +494,11 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     nothing (the kernels index in int32).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    refusal = pallas_refusal(q, sm_scale=sm_scale, causal=causal)
-    if refusal is not None:
-        raise refusal
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    empty, segment_ids, window = open_fused(q, pallas_refusal(q, sm_scale=sm_scale, causal=causal),
+                                            block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
+                                            num_stages=num_stages, causal=causal, segment_ids=segment_ids,
+                                            window=window)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),

@@ -58,15 +58,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jaxpe.kernels._checks import check_corope_inputs, check_pallas_settings, open_attention
+from jaxpe.kernels._checks import TRITON_DTYPES, check_corope_inputs, fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
-                                   check_block_sizes, check_head_dim, filled, next_power_of_two, output_struct,
+                                   check_block_sizes, filled, first_order_only, next_power_of_two, output_struct,
                                    rotary_frequencies, tile_extent, vary_alike)
 from jaxpe.kernels._triton_launch import interpreted, launch, require
 from jaxpe.kernels._triton_memory import scatter_add, scatter_in_place
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
-TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what impl="triton" takes
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _MASK = tl.constexpr(MASK_VALUE)  # a finite logit (base 2) for invisible keys
@@ -542,23 +541,9 @@ def _backward_call(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array, do
     return dq, dk, dv
 
 
-@jax.custom_jvp
-def _differentiable_once(x: jax.Array) -> jax.Array:
-    """x, in the custom VJP's forward rule: differentiating that rule (second order) raises a clear error instead of
-    failing inside the kernel call."""
-    return x
-
-
-@_differentiable_once.defjvp
-def _differentiable_once_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    raise NotImplementedError("impl='triton' is differentiable once (a custom VJP over fused kernels): a second "
-                              "derivative (grad of grad, jvp of grad) needs impl='blockwise' or impl='reference'")
-
-
 def _corope_triton_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, omega: jax.Array,
                        scale: jax.Array, config: _Config) -> tuple[jax.Array, tuple]:
-    q, k, v, scale = (_differentiable_once(x) for x in (q, k, v, scale))
-    o, lse = _forward_call(config, q, k, v, omega, segment_ids, scale)
+    o, lse = first_order_only("triton", functools.partial(_forward_call, config), q, k, v, omega, segment_ids, scale)
     return o, (q, k, v, o, lse, omega, segment_ids, scale)
 
 
@@ -566,7 +551,8 @@ def _corope_triton_bwd(config: _Config, residuals: tuple, do: jax.Array) -> tupl
     q, k, v, o, lse, omega, segment_ids, scale = residuals
     do = do.astype(o.dtype)
     row_dot = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))  # Σ_d dO·O
-    dq, dk, dv = _backward_call(config, q, k, v, do, lse, row_dot, omega, segment_ids, scale)
+    dq, dk, dv = first_order_only("triton", functools.partial(_backward_call, config), q, k, v, do, lse, row_dot,
+                                  omega, segment_ids, scale)
     d_scale = jnp.reshape(jnp.sum(dq * q.astype(jnp.float32)), (1,)) / scale
     # Segment ids are integers; ω is a constant (see caller_frequencies).
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_scale
@@ -583,19 +569,9 @@ _corope_triton_jit = jax.jit(_corope_triton, static_argnums=(6,))
 
 
 def triton_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
-    """The error impl='triton' raises for these inputs (None when it takes them): the fused kernels are causal and
-    take float32, bfloat16 or float16 and static shapes (not jax.export's symbolic ones). impl='blockwise' takes them
-    all."""
-    if not causal:
-        return ValueError("causal=False is not supported by impl='triton' (the fused kernels are causal); "
-                          "impl='blockwise' and impl='reference' are bidirectional with causal=False")
-    if q.dtype not in TRITON_DTYPES:
-        return TypeError(f"q.dtype={q.dtype} is not supported by impl='triton', which takes float32, bfloat16 or "
-                         f"float16 (impl='blockwise' and impl='reference' take any floating dtype)")
-    if not all(isinstance(n, int) for n in q.shape):
-        return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export): impl='triton' needs static shapes; "
-                          f"impl='blockwise' and impl='reference' export with a symbolic batch and length")
-    return None
+    """The error impl='triton' raises for these inputs (None when it takes them): `fused_refusal` (causal, float32,
+    bfloat16 or float16, static shapes). impl='blockwise' takes them all."""
+    return fused_refusal(q, impl="triton", dtypes=TRITON_DTYPES, causal=causal)
 
 
 def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
@@ -616,13 +592,10 @@ def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     imported). causal=False, other dtypes and symbolic shapes raise (`triton_refusal`).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    refusal = triton_refusal(q, causal=causal)
-    if refusal is not None:
-        raise refusal
-    check_head_dim(q.shape[3])
-    check_pallas_settings(block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
     check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+    empty, segment_ids, window = open_fused(q, triton_refusal(q, causal=causal), block_sizes=block_sizes,
+                                            blocks_type=BlockSizes, num_warps=num_warps, num_stages=num_stages,
+                                            causal=causal, segment_ids=segment_ids, window=window)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     require()

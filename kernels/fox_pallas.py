@@ -28,10 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import (MASK_VALUE, dot, output_struct, resolve_interpret, tile_extent,
-                                   vary_alike)
-from jaxpe.kernels._pallas_rows import (BlockSizes, RowConfig, check_entry, first_order_only, key_blocks,
-                                        padded_inputs, row_specs, visible)
+from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, vary_alike
+from jaxpe.kernels._pallas_rows import BlockSizes, RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
 
@@ -148,7 +146,7 @@ def _padded(q, k, v, c, segment_ids, blocks: BlockSizes):
 
 def _fox_pallas_fwd(q, k, v, c, segment_ids, config: RowConfig):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
-    out, lse = first_order_only(functools.partial(_forward_call, config), qp, kp, vp, cp, seg)
+    out, lse = first_order_only("pallas", functools.partial(_forward_call, config), qp, kp, vp, cp, seg)
     return out[:, :config.length, :, :q.shape[3]], (q, k, v, c, segment_ids, out, lse)
 
 
@@ -157,8 +155,8 @@ def _fox_pallas_bwd(config: RowConfig, residuals, dout):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dc_q, dk, dv, dc_k = first_order_only(functools.partial(_backward_call, config), qp, kp, vp, cp, seg,
-                                               do.astype(q.dtype), lse, delta)
+    dq, dc_q, dk, dv, dc_k = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, cp,
+                                              seg, do.astype(q.dtype), lse, delta)
     length, d = config.length, q.shape[3]
     dc = jnp.swapaxes((dc_q + dc_k)[:, :, :length], 1, 2)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
@@ -189,15 +187,8 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
     documents; window: i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the
     kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
     """
-    check_entry(q, block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    try:
-        sm_scale = float(sm_scale)
-    except jax.errors.ConcretizationTypeError:  # traced: the logits are linear in sm_scale·q, so scale q instead
-        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
-        sm_scale = 1.0
-    blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3])
-    config = RowConfig(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
-                     num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages,
-                     window=window)
+    q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    config = RowConfig(**settings, window=window)
     q, k, v, log_fgate_cumsum, segment_ids = vary_alike(q, k, v, log_fgate_cumsum, segment_ids)
     return _fox_pallas_jit(q, k, v, log_fgate_cumsum, segment_ids, config)

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import dot, output_struct, resolve_interpret, tile_extent, vary_alike
+from jaxpe.kernels._common import dot, first_order_only, output_struct, vary_alike
 from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
-from jaxpe.kernels._pallas_rows import (RowConfig, check_entry, first_order_only, key_blocks, padded_inputs, row_specs,
-                                        visible)
+from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
 class BlockSizes(RowBlockSizes):
@@ -163,7 +162,7 @@ def _backward_call(config: _Config, q, k, v, seg, do, before):
 
 def _sb_pallas_fwd(q, k, v, segment_ids, config: _Config):
     qp, kp, vp, seg = padded_inputs(q, k, v, segment_ids, max(dataclasses.astuple(config.blocks)))
-    out, r = first_order_only(functools.partial(_forward_call, config), qp, kp, vp, seg)
+    out, r = first_order_only("pallas", functools.partial(_forward_call, config), qp, kp, vp, seg)
     length, d = config.length, q.shape[3]
     remainder = jnp.swapaxes(jnp.exp(r[:, :, :length]), 1, 2)
     return (out[:, :length, :, :d], remainder), (q, k, v, segment_ids, out, r)
@@ -177,8 +176,8 @@ def _sb_pallas_bwd(config: _Config, residuals, cotangents):
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - length), (0, 0), (0, out.shape[3] - d)])
     rho = jnp.pad(jnp.swapaxes(drem.astype(jnp.float32), 1, 2), [(0, 0), (0, 0), (0, out.shape[1] - length)])
     before = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) + rho * jnp.exp(r)
-    dq, dk, dv = first_order_only(functools.partial(_backward_call, config), qp, kp, vp, seg, do.astype(q.dtype),
-                                  before)
+    dq, dk, dv = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, seg,
+                                  do.astype(q.dtype), before)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
             dv[:, :length, :, :d].astype(v.dtype), None)
 
@@ -207,15 +206,8 @@ def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, 
     > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once; static shapes only.
     Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
     """
-    check_entry(q, block_sizes, BlockSizes, num_warps=num_warps, num_stages=num_stages)
-    try:
-        sm_scale = float(sm_scale)
-    except jax.errors.ConcretizationTypeError:  # traced: z is linear in sm_scale·q, so scale q instead
-        q = (q.astype(jnp.float32) * jnp.asarray(sm_scale, jnp.float32)).astype(q.dtype)
-        sm_scale = 1.0
-    blocks = (block_sizes or BlockSizes()).fitted(length=q.shape[1], head_dim=q.shape[3])
-    config = _Config(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
-                     num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages,
-                     attend_current=attend_current, window=window)
+    q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    config = _Config(**settings, attend_current=attend_current, window=window)
     q, k, v, segment_ids = vary_alike(q, k, v, segment_ids)
     return _sb_pallas_jit(q, k, v, segment_ids, config)
