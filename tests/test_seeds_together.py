@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -146,15 +149,23 @@ def test_bfloat16_matches_float32_within_the_seeds_spread_at_cpu_small(tmp_path)
     """Mixed precision (model.dtype=bfloat16; parameters, optimizer state and position arithmetic float32) at the
     cpu-small preset (selective copy, 500 steps; here 300), three seeds each as one program: each split's mean
     error and loss in bfloat16 lie within the float32 seeds' spread (twice the larger standard deviation of the two,
-    plus 1 point of error / 0.02 nats of loss for seeds that agree closely)."""
+    plus 1 point of error / 0.02 nats of loss for seeds that agree closely). Each side runs `jaxpe-compare` in a
+    process of its own at XLA's default settings, as a user's run: this suite's compile-fast settings (conftest.py)
+    would make 900 training steps run about twice as long."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    main = "import sys; from jaxpe.train.cli import compare_main; sys.exit(compare_main(sys.argv[1:]))"
+
     def seeds(dtype: str) -> list[dict]:
-        config = build_config(preset="cpu-small", task="selective_copy", pe="cope",
-                              overrides=["run.steps=300", f"model.dtype={dtype}", "run.progress=false",
-                                         "run.tensorboard=false", "run.steps_per_dispatch=50", "run.num_devices=1"])
-        return experiments.compare_encodings([config], [0, 1, 2], tmp_path / dtype)["runs"]
+        workdir = tmp_path / dtype
+        subprocess.run([sys.executable, "-c", main, "--task", "selective_copy", "--pe", "cope", "--seeds", "0,1,2",
+                        "--preset", "cpu-small", "--workdir", str(workdir), "run.steps=300", f"model.dtype={dtype}",
+                        "run.progress=false", "run.tensorboard=false", "run.steps_per_dispatch=50",
+                        "run.num_devices=1"], env=env, check=True, capture_output=True)
+        return json.loads((workdir / "compare.json").read_text())["runs"]
 
     f32, bf16 = seeds("float32"), seeds("bfloat16")
     assert {r["config"]["model"]["dtype"] for r in bf16} == {"bfloat16"}
+    assert {r["config"]["model"]["dtype"] for r in f32} == {"float32"}
     for split in f32[0]["splits"]:
         for metric, slack in (("token_error", 0.01), ("loss", 0.02)):
             a = np.array([r["splits"][split][metric] for r in f32])
