@@ -31,15 +31,14 @@ and "triton" refuse them):
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_impl, run_for_platform
+from jaxpe.dispatch import refusal, resolve_impl, run_chosen
 from jaxpe.kernels._common import compute_dtype
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
@@ -308,62 +307,94 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
                            soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads, impl=impl)
 
 
+class Call(NamedTuple):
+    """A checked CoPE call, as every path of jaxpe.dispatch.PATHS takes it: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D],
+    pos_emb, gate_k, sm_scale (a Python float or a traced scalar) and the options of `cope_attention`; mask and
+    extra_logits from the layer (dense only); impl as asked (the reference path runs by query blocks unless asked by
+    name)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    pos_emb: jax.Array
+    gate_k: jax.Array | None
+    sm_scale: float | jax.Array
+    causal: bool
+    segment_ids: jax.Array | None
+    window: int | None
+    impl: str
+    soft_onehot_temp: float | None
+    talking_heads: jax.Array | None
+    mask: jax.Array | None
+    extra_logits: jax.Array | None
+
+    @property
+    def dense_only(self) -> bool:
+        """Whether an option only the dense path has is set."""
+        return any(x is not None for x in (self.soft_onehot_temp, self.talking_heads, self.mask, self.extra_logits))
+
+
 def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, *,
                     sm_scale: float | jax.Array | None, causal: bool, gate_k: jax.Array | None,
                     segment_ids: jax.Array | None, window: int | None, impl: str,
                     soft_onehot_temp: float | None = None, talking_heads: jax.Array | None = None,
                     mask: jax.Array | None = None, extra_logits: jax.Array | None = None) -> jax.Array:
     """`cope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
-    everything folded in) and extra_logits [B, Hq, Lq, Lk] ("cope+rel") run densely. The impl is chosen here, once."""
-    length = q.shape[1]
-    if length == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
+    everything folded in) and extra_logits [B, Hq, Lq, Lk] ("cope+rel") run densely. The impl is chosen here, once,
+    and run through jaxpe.dispatch.PATHS."""
+    if q.shape[1] == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    sm_scale = _concrete_or_traced(sm_scale, q)
-    dense = (soft_onehot_temp is not None or talking_heads is not None or mask is not None
-             or extra_logits is not None)
-    choice = resolve_impl(impl, length, q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
-                          causal=causal, dense=dense, kernel_refusal=functools.partial(_kernel_refusal, q))
-
-    def run(chosen: str, compiled: bool) -> jax.Array:
-        if chosen == "reference":
-            warn_dense_logits(q.shape[0], q.shape[2], length, k.shape[1], "CoPE's 'reference' path",
-                              "impl='auto' or 'blockwise' runs CoPE in O(L·block) memory" if not dense else
-                              "the options asked for (soft one-hot, talking heads, cope+rel, a decoding cache) need it")
-            # unless asked for the one-block ground truth, causal self-attention runs by query blocks
-            by_blocks = impl != "reference" and causal and isinstance(length, int) and mask is None
-            visible = mask
-            if mask is None and not causal:
-                visible = visibility_mask(length, length, segment_ids=segment_ids, window=window, causal=False)
-            elif mask is None and (segment_ids is not None or window is not None):
-                visible = visibility_mask(length, length, segment_ids=segment_ids, window=window)
-            options = dict(sm_scale=sm_scale, gate_k=gate_k, mask=visible, extra_logits=extra_logits,
-                           soft_onehot_temp=soft_onehot_temp, talking_heads=talking_heads)
-            if by_blocks:
-                return cope_attention_causal(q, k, v, pos_emb, **options)
-            return _cope_dense(q, k, v, pos_emb, causal=causal, **options)
-        if chosen == "blockwise":
-            return cope_attention_blockwise(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, causal=causal,
-                                            segment_ids=segment_ids, window=window)
-        if chosen == "triton":
-            from jaxpe.kernels._triton_launch import require  # the extra to install, in words
-            require()
-            from jaxpe.kernels.cope_triton import cope_attention_triton  # Triton loads only when its kernels run
-            return cope_attention_triton(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
-                                         window=window)
-        from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when the kernel runs
-        return cope_attention_pallas(q, k, v, pos_emb, gate_k, sm_scale=sm_scale, segment_ids=segment_ids,
-                                     window=window, interpret=False if compiled else None)
-
-    return run_for_platform(choice, run)
+    call = Call(q, k, v, pos_emb, gate_k, _concrete_or_traced(sm_scale, q), causal, segment_ids, window, impl,
+                soft_onehot_temp, talking_heads, mask, extra_logits)
+    choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
+                          causal=causal, dense=call.dense_only,
+                          kernel_refusal=lambda fused: refusal("cope", fused, call))
+    return run_chosen("cope", choice, call)
 
 
-def _kernel_refusal(q: jax.Array, fused: str) -> TypeError | None:
-    """Why the fused path `fused` refuses q (None: it takes it): the native Triton kernels take float32, bfloat16
-    and float16; the Pallas ones take what cope_attention does."""
-    if fused == "triton" and q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return TypeError(f"q.dtype={q.dtype} is not supported by impl='triton', which takes float32, bfloat16 or "
-                         f"float16")
-    return None
+def reference_path(call: Call, compiled: bool) -> jax.Array:
+    """The dense path: causal self-attention by query blocks (`cope_attention_causal`) unless impl="reference" was
+    asked for by name or a mask is given, else the one-block ground truth."""
+    q, k, length = call.q, call.k, call.q.shape[1]
+    warn_dense_logits(q.shape[0], q.shape[2], length, k.shape[1], "CoPE's 'reference' path",
+                      "impl='auto' or 'blockwise' runs CoPE in O(L·block) memory" if not call.dense_only else
+                      "the options asked for (soft one-hot, talking heads, cope+rel, a decoding cache) need it")
+    by_blocks = call.impl != "reference" and call.causal and isinstance(length, int) and call.mask is None
+    visible = call.mask
+    if call.mask is None and (not call.causal or call.segment_ids is not None or call.window is not None):
+        visible = visibility_mask(length, length, segment_ids=call.segment_ids, window=call.window,
+                                  causal=call.causal)
+    options = dict(sm_scale=call.sm_scale, gate_k=call.gate_k, mask=visible, extra_logits=call.extra_logits,
+                   soft_onehot_temp=call.soft_onehot_temp, talking_heads=call.talking_heads)
+    if by_blocks:
+        return cope_attention_causal(q, k, call.v, call.pos_emb, **options)
+    return _cope_dense(q, k, call.v, call.pos_emb, causal=call.causal, **options)
+
+
+def blockwise_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/cope_blockwise.py: O(L·block) memory, either direction."""
+    return cope_attention_blockwise(call.q, call.k, call.v, call.pos_emb, call.gate_k, sm_scale=call.sm_scale,
+                                    causal=call.causal, segment_ids=call.segment_ids, window=call.window)
+
+
+def pallas_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/cope_pallas.py, loaded when it first runs; interpreted off a GPU unless `compiled`."""
+    from jaxpe.kernels.cope_pallas import cope_attention_pallas  # Pallas loads only when this path runs
+
+    return cope_attention_pallas(call.q, call.k, call.v, call.pos_emb, call.gate_k, sm_scale=call.sm_scale,
+                                 segment_ids=call.segment_ids, window=call.window,
+                                 interpret=False if compiled else None)
+
+
+def triton_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/cope_triton.py through jax-triton (Triton's interpreter off a GPU), loaded when it first runs."""
+    from jaxpe.kernels._triton_launch import require  # the extra to install, in words
+
+    require()
+    from jaxpe.kernels.cope_triton import cope_attention_triton  # Triton loads only when this path runs
+
+    return cope_attention_triton(call.q, call.k, call.v, call.pos_emb, call.gate_k, sm_scale=call.sm_scale,
+                                 segment_ids=call.segment_ids, window=call.window)
 
 
 def _concrete_or_traced(sm_scale: float | jax.Array | None, q: jax.Array) -> float | jax.Array:

@@ -23,7 +23,7 @@ length (jax.export).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_impl, run_for_platform
+from jaxpe.dispatch import refusal, resolve_impl, run_chosen
 from jaxpe.kernels._common import carry_init, compute_dtype, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
@@ -167,45 +167,80 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
                              impl=impl)
 
 
+class Call(NamedTuple):
+    """A checked Co-RoPE call, as every path of jaxpe.dispatch.PATHS takes it: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D],
+    sm_scale (a number or a traced scalar) and the options of `corope_attention`; mask from the layer (dense
+    only)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    theta: float
+    sm_scale: float | jax.Array
+    causal: bool
+    segment_ids: jax.Array | None
+    window: int | None
+    inv_freq: jax.Array | None
+    mask: jax.Array | None
+
+    def options(self) -> dict:
+        """The keyword arguments every path function takes."""
+        return dict(theta=self.theta, sm_scale=self.sm_scale, causal=self.causal, segment_ids=self.segment_ids,
+                    window=self.window, inv_freq=self.inv_freq)
+
+
 def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float | jax.Array | None,
                       causal: bool, segment_ids: jax.Array | None, window: int | None, inv_freq: jax.Array | None,
                       impl: str, mask: jax.Array | None = None) -> jax.Array:
     """`corope_attention` on checked inputs, and the layer's calls: mask [B|1, Lq, Lk] (keys from a decoding cache,
-    everything folded in) runs densely. The impl is chosen here, once."""
+    everything folded in) runs densely. The impl is chosen here, once, and run through jaxpe.dispatch.PATHS."""
     if q.shape[1] == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-
-    def kernel_refusal(fused: str) -> Exception | None:
-        if fused == "triton":
-            from jaxpe.kernels.corope_triton import triton_refusal  # loads Triton
-            return triton_refusal(q, causal=causal)
-        from jaxpe.kernels.corope_pallas import pallas_refusal  # loads Pallas
-        return pallas_refusal(q, sm_scale=sm_scale, causal=causal)
-
+    call = Call(q, k, v, theta, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window,
+                inv_freq, mask)
     choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
-                          causal=causal, dense=mask is not None, kernel_refusal=kernel_refusal)
-    if mask is not None:  # the mask already holds the documents and the window
-        return corope_attention_reference(q, k, v, theta=theta, sm_scale=sm_scale, mask=mask, inv_freq=inv_freq)
-    options = dict(theta=theta, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids, window=window,
-                   inv_freq=inv_freq)
+                          causal=causal, dense=mask is not None,
+                          kernel_refusal=lambda fused: refusal("corope", fused, call))
+    return run_chosen("corope", choice, call)
 
-    def run(chosen: str, compiled: bool) -> jax.Array:
-        if chosen == "reference":
-            warn_dense_logits(q.shape[0], q.shape[2], q.shape[1], k.shape[1], "Co-RoPE's 'reference' path",
-                              "impl='auto' or 'blockwise' runs Co-RoPE in O(L·block) memory")
-            return corope_attention_reference(q, k, v, **options)
-        if chosen == "blockwise":
-            return corope_attention_blockwise(q, k, v, **options)
-        if chosen == "triton":
-            from jaxpe.kernels._triton_launch import require  # the extra to install, in words
-            require()
-            from jaxpe.kernels.corope_triton import corope_attention_triton  # loads Triton
-            return corope_attention_triton(q, k, v, **options)
-        from jaxpe.kernels.corope_pallas import corope_attention_pallas  # loads Pallas
-        return corope_attention_pallas(q, k, v, **options, interpret=False if compiled else None)
 
-    return run_for_platform(choice, run)
+def reference_path(call: Call, compiled: bool) -> jax.Array:
+    """The dense ground truth; on the layer's mask (which already holds the documents and the window) when given."""
+    if call.mask is not None:
+        return corope_attention_reference(call.q, call.k, call.v, theta=call.theta, sm_scale=call.sm_scale,
+                                          mask=call.mask, inv_freq=call.inv_freq)
+    warn_dense_logits(call.q.shape[0], call.q.shape[2], call.q.shape[1], call.k.shape[1],
+                      "Co-RoPE's 'reference' path", "impl='auto' or 'blockwise' runs Co-RoPE in O(L·block) memory")
+    return corope_attention_reference(call.q, call.k, call.v, **call.options())
+
+
+def blockwise_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/corope_blockwise.py: O(L·block) memory, either direction."""
+    return corope_attention_blockwise(call.q, call.k, call.v, **call.options())
+
+
+def pallas_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/corope_pallas.py, loaded when it first runs; interpreted off a GPU unless `compiled`."""
+    from jaxpe.kernels.corope_pallas import corope_attention_pallas  # Pallas loads only when this path runs
+
+    return corope_attention_pallas(call.q, call.k, call.v, **call.options(), interpret=False if compiled else None)
+
+
+def triton_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/corope_triton.py through jax-triton (Triton's interpreter off a GPU), loaded when it first runs."""
+    from jaxpe.kernels._triton_launch import require  # the extra to install, in words
+
+    require()
+    from jaxpe.kernels.corope_triton import corope_attention_triton  # Triton loads only when this path runs
+
+    return corope_attention_triton(call.q, call.k, call.v, **call.options())
+
+
+def pallas_refusal(call: Call) -> Exception | None:
+    """Why the Pallas kernels refuse this call (`kernels.corope_pallas.pallas_refusal`), None where they take it."""
+    from jaxpe.kernels.corope_pallas import pallas_refusal as refused  # loads Pallas
+
+    return refused(call.q, sm_scale=call.sm_scale, causal=call.causal)
 
 
 class CoRoPECore(nn.Module):

@@ -3,13 +3,15 @@ running it for the platform the call is lowered for."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import warnings
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
 
+from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal
 from jaxpe.kernels._common import pallas_unsupported
 from jaxpe.validation import check_impl
 
@@ -32,6 +34,65 @@ LOWERING_COMPUTE_CAPABILITY = "9.0"
 # "blockwise" where that one refuses the inputs: never a slower fused path where a faster one is installed.
 GPU_PREFERENCE = {"cope": ("triton", "pallas"), "corope": ("triton", "pallas")}
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # jax's CUDA plugins (jax[cuda13], jax[cuda12])
+
+
+# Every path of every contextual operation: (operation, impl) -> "module:function", imported when the path first runs
+# (Pallas and Triton load only for their own paths). One signature, path(call, compiled) -> the operation's output:
+# `call` is the operation's checked inputs and options (its module's `Call`), `compiled` True where the call is lowered
+# for CUDA (the Pallas kernels then compile rather than interpret). A new operation adds its paths here and its rows
+# of REFUSALS and ENCODINGS or UNFUSED_KERNELS.
+PATHS = {
+    ("cope", "reference"): "jaxpe.cope:reference_path",
+    ("cope", "blockwise"): "jaxpe.cope:blockwise_path",
+    ("cope", "pallas"): "jaxpe.cope:pallas_path",
+    ("cope", "triton"): "jaxpe.cope:triton_path",
+    ("corope", "reference"): "jaxpe.corope:reference_path",
+    ("corope", "blockwise"): "jaxpe.corope:blockwise_path",
+    ("corope", "pallas"): "jaxpe.corope:pallas_path",
+    ("corope", "triton"): "jaxpe.corope:triton_path",
+    ("fox", "reference"): "jaxpe.fox:reference_path",
+    ("fox", "blockwise"): "jaxpe.fox:blockwise_path",
+    ("fox", "pallas"): "jaxpe.fox:pallas_path",
+    ("stickbreaking", "reference"): "jaxpe.stickbreaking:reference_path",
+    ("stickbreaking", "blockwise"): "jaxpe.stickbreaking:blockwise_path",
+    ("stickbreaking", "pallas"): "jaxpe.stickbreaking:pallas_path",
+}
+# The fused paths that refuse some inputs "auto" would otherwise give them: (operation, impl) -> "module:function",
+# refusal(call) -> the error that path raises for these inputs, or None. "auto" runs "blockwise" instead.
+REFUSALS = {
+    ("cope", "triton"): "jaxpe.dispatch:native_triton_refusal",
+    ("corope", "pallas"): "jaxpe.corope:pallas_refusal",
+    ("corope", "triton"): "jaxpe.dispatch:native_triton_refusal",
+}
+
+
+def _load(name: str) -> Callable[..., Any]:
+    """The function a table names ("module:function"); the module is imported once (sys.modules)."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def run_path(operation: str, impl: str, call: Any, compiled: bool = False) -> Any:
+    """The output of path `impl` of `operation` (PATHS) on its checked call."""
+    return _load(PATHS[(operation, impl)])(call, compiled)
+
+
+def refusal(operation: str, impl: str, call: Any) -> Exception | None:
+    """The error path `impl` of `operation` raises for this call (REFUSALS), None where it takes it."""
+    name = REFUSALS.get((operation, impl))
+    return None if name is None else _load(name)(call)
+
+
+def native_triton_refusal(call: Any) -> Exception | None:
+    """Why the native Triton kernels (impl="triton") refuse a call of any operation (its q and causal): they are
+    causal and take float32, bfloat16 and float16 and static shapes (kernels/_checks.fused_refusal, the check their
+    entries make), asked without loading Triton."""
+    return fused_refusal(call.q, impl="triton", dtypes=TRITON_DTYPES, causal=call.causal)
+
+
+def run_chosen(operation: str, choice: Choice, call: Any) -> Any:
+    """`run_for_platform` over the table: the chosen path of `operation` for each platform the call is lowered for."""
+    return run_for_platform(choice, lambda impl, compiled: run_path(operation, impl, call, compiled))
 
 
 class Choice(NamedTuple):

@@ -21,6 +21,7 @@ Paths: the dense reference here, kernels/fox_blockwise.py (pure JAX, O(L·block)
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_unfused_impl
+from jaxpe.dispatch import resolve_unfused_impl, run_path
 from jaxpe.kernels._common import compute_dtype
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kv_cache import update_cache
@@ -106,20 +107,49 @@ def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: ja
                                  segment_ids=segment_ids, window=window, impl=impl)
 
 
+class Call(NamedTuple):
+    """A checked forgetting-attention call, as every path of jaxpe.dispatch.PATHS takes it: q [B, L, Hq, D], k/v
+    [B, L, Hkv, D], the gates' running sums c [B, L, Hq] and the options of `forgetting_attention`."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    c: jax.Array
+    sm_scale: float | jax.Array
+    causal: bool
+    segment_ids: jax.Array | None
+    window: int | None
+
+
 def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array, *,
                           sm_scale: float | jax.Array | None, causal: bool, segment_ids: jax.Array | None,
                           window: int | None, impl: str) -> jax.Array:
-    """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl."""
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    length = q.shape[1]
-    if impl == "blockwise":
-        return forgetting_attention_blockwise(q, k, v, c, sm_scale=sm_scale, causal=causal, segment_ids=segment_ids,
-                                              window=window)
-    if impl == "pallas":
-        from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when the kernel runs
-        return forgetting_attention_pallas(q, k, v, c, sm_scale=sm_scale, segment_ids=segment_ids, window=window)
-    mask = visibility_mask(length, length, segment_ids=segment_ids, window=window, causal=causal)
-    return forgetting_attention_reference(q, k, v, c, c, sm_scale=sm_scale, mask=mask, causal=causal)
+    """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl, run through
+    jaxpe.dispatch.PATHS."""
+    call = Call(q, k, v, c, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window)
+    return run_path("fox", impl, call)
+
+
+def reference_path(call: Call, compiled: bool) -> jax.Array:
+    """The dense ground truth."""
+    length = call.q.shape[1]
+    mask = visibility_mask(length, length, segment_ids=call.segment_ids, window=call.window, causal=call.causal)
+    return forgetting_attention_reference(call.q, call.k, call.v, call.c, call.c, sm_scale=call.sm_scale, mask=mask,
+                                          causal=call.causal)
+
+
+def blockwise_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/fox_blockwise.py: O(L·block) memory, either direction."""
+    return forgetting_attention_blockwise(call.q, call.k, call.v, call.c, sm_scale=call.sm_scale, causal=call.causal,
+                                          segment_ids=call.segment_ids, window=call.window)
+
+
+def pallas_path(call: Call, compiled: bool) -> jax.Array:
+    """kernels/fox_pallas.py (causal), loaded when it first runs."""
+    from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when this path runs
+
+    return forgetting_attention_pallas(call.q, call.k, call.v, call.c, sm_scale=call.sm_scale,
+                                       segment_ids=call.segment_ids, window=call.window)
 
 
 class FoXCore(nn.Module):

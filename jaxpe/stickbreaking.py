@@ -20,13 +20,14 @@ kernels/stickbreaking_pallas.py (fused; asked for by name only until compiled an
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_unfused_impl
+from jaxpe.dispatch import resolve_unfused_impl, run_path
 from jaxpe.kernels._common import compute_dtype
 from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise, suffix_sums
 from jaxpe.registry import PEConfig, register
@@ -89,25 +90,53 @@ def attended_mask(visible: jax.Array, q_index: jax.Array, *, attend_current: boo
     return visible & (j[None, None, :] < q_index[:, :, None] + int(attend_current))
 
 
+class Call(NamedTuple):
+    """A checked stick-breaking call, as every path of jaxpe.dispatch.PATHS takes it: self-attention q [B, L, Hq, D],
+    k/v [B, L, Hkv, D] and the options of `stickbreaking_attention`. Paths return (out, remainder) in q's dtype."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    sm_scale: float | jax.Array
+    attend_current: bool
+    segment_ids: jax.Array | None
+    window: int | None
+
+    def options(self) -> dict:
+        """The keyword arguments the blockwise and Pallas paths take."""
+        return dict(sm_scale=self.sm_scale, attend_current=self.attend_current, segment_ids=self.segment_ids,
+                    window=self.window)
+
+
 def _stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array | None,
                              attend_current: bool, segment_ids: jax.Array | None, window: int | None, impl: str
                              ) -> tuple[jax.Array, jax.Array]:
-    """`stickbreaking_attention` on checked self-attention inputs and a resolved impl: (out, remainder) in q's
-    dtype."""
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    length = q.shape[1]
-    if impl == "blockwise":
-        return stickbreaking_attention_blockwise(q, k, v, sm_scale=sm_scale, attend_current=attend_current,
-                                                 segment_ids=segment_ids, window=window)
-    if impl == "pallas":
-        from jaxpe.kernels.stickbreaking_pallas import stickbreaking_attention_pallas  # loads Pallas
-        out, remainder = stickbreaking_attention_pallas(q, k, v, sm_scale=sm_scale, attend_current=attend_current,
-                                                        segment_ids=segment_ids, window=window)
-        return out, remainder.astype(q.dtype)
-    visible = visibility_mask(length, length, segment_ids=segment_ids, window=window)
-    mask = attended_mask(visible, jnp.arange(length, dtype=jnp.int32)[None], attend_current=attend_current)
-    out, remainder = stickbreaking_attention_reference(q, k, v, sm_scale=sm_scale, mask=mask)
-    return out.astype(q.dtype), remainder.astype(q.dtype)
+    """`stickbreaking_attention` on checked self-attention inputs and a resolved impl, run through
+    jaxpe.dispatch.PATHS: (out, remainder) in q's dtype."""
+    call = Call(q, k, v, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, attend_current, segment_ids, window)
+    return run_path("stickbreaking", impl, call)
+
+
+def reference_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
+    """The dense ground truth."""
+    length = call.q.shape[1]
+    visible = visibility_mask(length, length, segment_ids=call.segment_ids, window=call.window)
+    mask = attended_mask(visible, jnp.arange(length, dtype=jnp.int32)[None], attend_current=call.attend_current)
+    out, remainder = stickbreaking_attention_reference(call.q, call.k, call.v, sm_scale=call.sm_scale, mask=mask)
+    return out.astype(call.q.dtype), remainder.astype(call.q.dtype)
+
+
+def blockwise_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
+    """kernels/stickbreaking_blockwise.py: O(L·block) memory."""
+    return stickbreaking_attention_blockwise(call.q, call.k, call.v, **call.options())
+
+
+def pallas_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
+    """kernels/stickbreaking_pallas.py, loaded when it first runs."""
+    from jaxpe.kernels.stickbreaking_pallas import stickbreaking_attention_pallas  # loads Pallas
+
+    out, remainder = stickbreaking_attention_pallas(call.q, call.k, call.v, **call.options())
+    return out, remainder.astype(call.q.dtype)
 
 
 class StickBreakingCore(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import re
@@ -474,3 +475,41 @@ def test_triton_refusals_under_transformations_on_cpu(encoding):
     sharded = jax.shard_map(grads(encoding, "triton"), mesh=mesh, in_specs=SHARDED, out_specs=SHARDED)
     with pytest.raises(ValueError, match="manual axis types"):
         jax.jit(sharded).trace(q, k, v, e)
+
+
+def test_one_table_holds_every_path_of_every_contextual_operation():
+    """jaxpe.dispatch.PATHS: each operation has "reference" and "blockwise", CoPE and Co-RoPE both fused paths, FoX and
+    stick-breaking the ones UNFUSED_KERNELS names, and nothing else; every entry (and every refusal) loads as a
+    function of the one signature path(call, compiled) (refusal(call))."""
+    fused = {op: ("pallas", "triton") for op in dispatch.ENCODINGS} | dict(dispatch.UNFUSED_KERNELS)
+    want = {(op, impl) for op, kernels in fused.items() for impl in ("reference", "blockwise", *kernels)}
+    assert set(dispatch.PATHS) == want
+    assert set(dispatch.REFUSALS) <= want and all(impl in ("pallas", "triton") for _, impl in dispatch.REFUSALS)
+    for name in (*dispatch.PATHS.values(), *dispatch.REFUSALS.values()):
+        module, function = name.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+    for key, name in dispatch.PATHS.items():
+        params = list(inspect.signature(dispatch._load(name)).parameters)
+        assert params == ["call", "compiled"], (key, params)
+
+
+@pytest.mark.parametrize("operation", ["cope", "corope", "fox", "stickbreaking"])
+def test_every_call_runs_the_path_the_table_names(operation, monkeypatch):
+    """Rerouting a table row reroutes the public function: the blockwise row pointed at a function that records its
+    call and returns the reference path's output is what jaxpe runs for impl="blockwise" (the operations reach their
+    paths through the table only), and the output is then the reference's."""
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 2, 8))
+    seen = []
+
+    def spy(call, compiled):
+        seen.append((type(call).__module__, compiled))
+        return dispatch.run_path(operation, "reference", call, compiled)
+
+    monkeypatch.setattr(dispatch, "_spy", spy, raising=False)
+    monkeypatch.setitem(dispatch.PATHS, (operation, "blockwise"), "jaxpe.dispatch:_spy")
+    run = {"cope": lambda impl: jaxpe.cope_attention(q, q, q, jnp.ones((8, 8)) * 0.1, impl=impl),
+           "corope": lambda impl: jaxpe.corope_attention(q, q, q, impl=impl),
+           "fox": lambda impl: jaxpe.forgetting_attention(q, q, q, -0.1 * jnp.ones(q.shape[:3]), impl=impl),
+           "stickbreaking": lambda impl: jaxpe.stickbreaking_attention(q, q, q, impl=impl)}[operation]
+    np.testing.assert_allclose(run("blockwise"), run("reference"), atol=1e-6, rtol=1e-6)
+    assert seen == [(f"jaxpe.{operation}", False)]
