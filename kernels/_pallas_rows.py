@@ -99,7 +99,8 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
 
 
 def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, blocks_type: type,
-              interpret: bool | None, num_warps: int | None, num_stages: int | None) -> tuple[jax.Array, dict[str, Any]]:
+              interpret: bool | None, num_warps: int | None, num_stages: int | None
+              ) -> tuple[jax.Array, dict[str, Any]]:
     """The opening of a row kernel's entry (its operation's checks already made): the fused path's refusals and
     tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q (`fold_scale`),
     blocks fitted to the length and num_warps by default 4, 8 from Dp = 128."""
