@@ -6,8 +6,9 @@
     python benchmarks/kernel_cost.py --out results/cost --authors-file PATH   # also the Co-RoPE authors' forward
     python benchmarks/kernel_cost.py --out results/cost --authors-from results/cost/kernel_cost.json  # keep theirs
 
-Every kernel of tools/compile_report.py's grid (CoPE and Co-RoPE, f32/bf16, D 64/128/256, GQA 8/2 and MHA 8/8, CoPE npos
-64/513, L 1024) on both GPU paths is compiled as the compile report does (the Pallas kernels lowered and compiled by
+Every kernel of tools/compile_report.py's grid (CoPE and Co-RoPE on both GPU paths, forgetting and stick-breaking
+attention on the Pallas one; f32/bf16, D 64/128/256, GQA 8/2 and MHA 8/8, CoPE npos 64/513, L 1024) is compiled as the
+compile report does (the Pallas kernels lowered and compiled by
 XLA's Triton compiler from jax's CUDA plugin; the native Triton kernels' launches recorded and compiled by Triton's own
 compiler as jax-triton compiles them; then `ptxas -arch=sm_90a`), and its cubin disassembled with nvdisasm (the
 `nvidia-cuda-nvdisasm` wheel of the ptxas version). From the SASS control flow (backward branches; natural loops) the
@@ -61,7 +62,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import compile_report as cr  # noqa: E402
 from cuda_tools import ToolchainMissing, cuda_tool_version, find_cuda_tool  # noqa: E402
-from jaxpe.kernels import cope_pallas, corope_pallas  # noqa: E402
+from jaxpe.kernels import cope_pallas, corope_pallas, fox_pallas, stickbreaking_pallas  # noqa: E402
 from jaxpe.kernels._common import tile_extent  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------- the device
@@ -650,6 +651,12 @@ LOOPS = {
     ("corope", "forward"): (("keys", True),),
     ("corope", "forward_train"): (("keys", True),),
     ("corope", "backward"): (("keys", True), ("gates", True)),
+    ("fox", "forward"): (("keys", True),),
+    ("fox", "forward_train"): (("keys", True),),
+    ("fox", "backward"): (("keys", True),),
+    ("stickbreaking", "forward"): (("keys", True),),
+    ("stickbreaking", "forward_train"): (("keys", True),),
+    ("stickbreaking", "backward"): (("keys", True),),
     ("plain", "forward"): (("keys", True),),
     ("plain", "backward"): (("dkdv", True), ("dq", True)),
 }
@@ -674,8 +681,8 @@ class Job:
 
 def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
     """(BQ, BK, H) of a compile-report kernel, from its op's default block sizes, checked against its grid
-    (Lp / BQ, B, Hq / H); and the trip counts its inner loops may have: none in CoPE's kernels, Co-RoPE's rotary
-    chunks (D/2 over BD) and head-dim column slices (Dp over DC = min(Dp, 64))."""
+    (Lp / BQ, B, Hq / H); and the trip counts its inner loops may have: none in CoPE's, FoX's and stick-breaking's
+    kernels, Co-RoPE's rotary chunks (D/2 over BD) and head-dim column slices (Dp over DC = min(Dp, 64))."""
     c, backward = kernel.case, kernel.role == "backward"
     dtype = jnp.dtype(c.dtype)
     if kernel.path == "triton":
@@ -689,6 +696,10 @@ def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
         tile = (b.block_q_bwd, b.block_k_bwd, b.block_h_bwd) if backward else (b.block_q, b.block_k, b.block_h)
         padded = 2 * tile_extent(c.head_dim // 2)
         trips = frozenset({-(-(c.head_dim // 2) // b.block_d), padded // min(padded, 64)})
+    elif c.op in ("fox", "stickbreaking"):
+        blocks = fox_pallas.BlockSizes if c.op == "fox" else stickbreaking_pallas.BlockSizes
+        b = blocks().fitted(length=c.length, head_dim=c.head_dim, dtype=dtype)
+        tile, trips = (b.block_q_bwd, b.block_k_bwd, 1) if backward else (b.block_q, b.block_k, 1), frozenset()
     else:
         raise ValueError(f"no tile geometry for op {c.op!r}")
     rows, heads = kernel.grid[0] * tile[0], kernel.grid[2] * tile[2]
@@ -713,7 +724,7 @@ def report_jobs(cases: Iterable[Any], paths: Sequence[str] = ("pallas",)) -> lis
     the native Triton kernels' launches recorded."""
     jobs = []
     for case in cases:
-        for path in paths:
+        for path in (path for path in paths if path in cr.OP_PATHS[case.op]):
             base = {"path": path, "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim,
                     "q_heads": case.q_heads, "kv_heads": case.kv_heads, "npos": case.npos, "length": case.length}
             try:
@@ -756,8 +767,8 @@ class PlainSpec:
 
 
 def plain_spec(meta: dict[str, Any], num_warps: int, num_stages: int, tile: tuple[int, int, int]) -> PlainSpec | None:
-    """Plain attention at a kernel's tiles, warps and stages (D 64 and 128 only; none for other ops)."""
-    if meta["op"] not in ("cope", "corope") or meta["head_dim"] not in PLAIN_HEAD_DIMS:
+    """Plain attention at a kernel's tiles, warps and stages (D 64 and 128 only)."""
+    if meta["head_dim"] not in PLAIN_HEAD_DIMS:
         return None
     role = "backward" if meta["kernel"] == "backward" else "forward"
     return PlainSpec(meta["dtype"], meta["head_dim"], role, tile[0], tile[1], num_warps,
@@ -971,7 +982,8 @@ class Target:
     kernel: str
     head_dims: tuple[int, ...]
     measure: str  # "instruction_ratio": a loop's instructions per logit over plain attention's at the same tiles;
-    #               "bound": the kernel's clk/logit; "fences": GPU-scope fence instructions in its counted loops
+    #               "bound": the kernel's clk/logit; "fences": GPU-scope fence instructions in its counted loops;
+    #               "ratio_to_defaults": the kernel's clk/logit over plain attention's at its own default tiles
     limit: float
     loop: str | None = None
 
@@ -982,6 +994,9 @@ class Target:
         if self.measure == "fences":
             return float(sum(n for loop in entry["loops"] for opcode, n in loop["memory"].items()
                              if gpu_scope_fence(opcode)))
+        if self.measure == "ratio_to_defaults":
+            defaults = (entry.get("plain") or {}).get("defaults")
+            return None if defaults is None else defaults["ratio"]
         same = (entry.get("plain") or {}).get("same_tiles")
         return None if same is None else same["loop_instruction_ratios"][self.loop]
 
@@ -1002,6 +1017,20 @@ TARGETS = (
            (64, 128, 256), "fences", 0.0),
     Target("corope-backward-fences", "Co-RoPE backward: no GPU-scope fence in its key-block loops", "corope",
            "backward", (64, 128, 256), "fences", 0.0),
+    # forgetting attention within 1.3× of plain attention, stick-breaking within 2× (their authors' claims; the GPU
+    # targets against cuDNN), here against jax's Pallas flash attention at its default tiles, per kernel
+    Target("fox-forward", "FoX forward: clk/logit ≤ 1.3× plain attention's at its default tiles", "fox", "forward",
+           (64, 128), "ratio_to_defaults", 1.3),
+    Target("fox-backward", "FoX backward: ≤ 1.3× plain's at its defaults", "fox", "backward", (64, 128),
+           "ratio_to_defaults", 1.3),
+    Target("stickbreaking-forward", "Stick-breaking forward: ≤ 2× plain's at its defaults", "stickbreaking",
+           "forward", (64, 128), "ratio_to_defaults", 2.0),
+    Target("stickbreaking-backward", "Stick-breaking backward: ≤ 2× plain's at its defaults", "stickbreaking",
+           "backward", (64, 128), "ratio_to_defaults", 2.0),
+    Target("fox-backward-fences", "FoX backward: no GPU-scope fence in its key-block loops", "fox", "backward",
+           (64, 128), "fences", 0.0),
+    Target("stickbreaking-backward-fences", "Stick-breaking backward: no GPU-scope fence in its key-block loops",
+           "stickbreaking", "backward", (64, 128), "fences", 0.0),
 )
 
 
@@ -1011,7 +1040,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for t in TARGETS:
         per_path = {}
-        for path in data.get("paths", ["pallas"]):
+        for path in (path for path in data.get("paths", ["pallas"]) if path in cr.OP_PATHS[t.op]):
             entries = [e for e in data["kernels"] if e.get("path", "pallas") == path and e["op"] == t.op
                        and e["kernel"] == t.kernel and e["head_dim"] in t.head_dims and e["kv_heads"] == 2
                        and e["q_heads"] == 8]

@@ -8,7 +8,7 @@ a power of two). Tiles are [block_q, block_k].
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,8 @@ from jaxpe.kernels._common import (check_block_sizes, filled, fold_scale, resolv
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the forward and of the backward kernel; None: the default (`default`). Powers of two >= 16
-    (Triton dots); blocks larger than the padded sequence shrink (`fitted`). A kernel with other default forward
-    query rows subclasses it with its own FORWARD_QUERIES."""
+    (Triton dots); blocks larger than the padded sequence shrink (`fitted`). A kernel with other defaults subclasses
+    it with its own FORWARD_QUERIES or `default`."""
 
     block_q: int | None = None  # forward: query rows per program
     block_k: int | None = None  # forward: keys per tile
@@ -35,16 +35,17 @@ class BlockSizes:
         check_block_sizes(self)
 
     @classmethod
-    def default(cls, head_dim: int) -> BlockSizes:
-        """FORWARD_QUERIES × 32 forward tiles and 32 × 32 backward ones, halved along the keys from Dp = 256
-        (unmeasured: flash attention's usual sizes for the register budget of an H100)."""
+    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
+        """FORWARD_QUERIES × 32 forward tiles and 32 × 32 backward ones, halved along the keys from Dp = 256, in
+        every dtype (unmeasured: flash attention's usual sizes for the register budget of an H100)."""
+        del dtype
         keys = 32 if tile_extent(head_dim) <= 128 else 16
         return cls(cls.FORWARD_QUERIES, keys, 32, keys)
 
-    def fitted(self, *, length: int, head_dim: int) -> BlockSizes:
+    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
         """Every size given (None: `default`'s), each capped at the next power of two >= length (and >= 16)."""
         cap = tile_extent(length)
-        sizes = filled(self, type(self).default(head_dim))
+        sizes = filled(self, type(self).default(head_dim, dtype))
         return type(self)(**{name: min(size, cap) for name, size in sizes.items()})
 
 
@@ -99,17 +100,17 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
 
 
 def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, blocks_type: type,
-              interpret: bool | None, num_warps: int | None, num_stages: int | None
-              ) -> tuple[jax.Array, dict[str, Any]]:
+              default_warps: Callable[[int], int], interpret: bool | None, num_warps: int | None,
+              num_stages: int | None) -> tuple[jax.Array, dict[str, Any]]:
     """The opening of a row kernel's entry (its operation's checks already made): the fused path's refusals and
     tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q (`fold_scale`),
-    blocks fitted to the length and num_warps by default 4, 8 from Dp = 128."""
+    blocks fitted to the length and dtype and num_warps by default the kernel's `default_warps(D)`."""
     check_fused(q, fused_refusal(q, impl="pallas", dtypes=TRITON_DTYPES), block_sizes=block_sizes,
                 blocks_type=blocks_type, num_warps=num_warps, num_stages=num_stages)
     q, sm_scale = fold_scale(q, sm_scale)
-    blocks = (block_sizes or blocks_type()).fitted(length=q.shape[1], head_dim=q.shape[3])
+    blocks = (block_sizes or blocks_type()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype)
     return q, dict(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
-                   num_warps=num_warps or (4 if tile_extent(q.shape[3]) <= 64 else 8), num_stages=num_stages)
+                   num_warps=num_warps or default_warps(q.shape[3]), num_stages=num_stages)
 
 
 def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, multiple: int

@@ -13,7 +13,8 @@ Backward: one query-major program per (query block, batch, head) walks the same 
 ds = p·(do·vᵀ − δ) with δ = rowsum(o·do); dq stays in registers, dk, dv are atomic adds into float32 zero-initialised
 outputs spanning the kv head's rows, and the bias's gradient is Σ_j ds_ij for c_i (kept per row) and −Σ_i ds_ij for
 c_j (atomic adds into the head's [Lp] row). The float32 atomics make the gradients' summation order (so their last
-bits) vary run to run. Not yet compiled or timed on a GPU: `impl="auto"` does not pick it.
+bits) vary run to run. Compiled for sm_90a without a GPU (tools/compile_report.py), not yet timed on one:
+`impl="auto"` does not pick it.
 
 Documents and windows: key j is visible to query i iff j ≤ i, segment_ids[b, i] == segment_ids[b, j] (when given)
 and i − j < window (when given); a window bounds both loops, so the work is O(L·(W + block)).
@@ -28,8 +29,33 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, vary_alike
-from jaxpe.kernels._pallas_rows import BlockSizes, RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
+from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
+from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
+from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
+
+
+class BlockSizes(RowBlockSizes):
+    """RowBlockSizes with FoX's defaults (`default`)."""
+
+    @classmethod
+    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
+        """Chosen on benchmarks/kernel_cost.py's model of an H100 (L 1024, GQA 8/2, 8 warps; clk/logit in bfloat16 /
+        float32), every choice within the compile report's spill budgets. Up to Dp = 128: forward tiles of 128 × 64
+        (D 64: 0.21 / 0.30 against 0.26 / 0.41 at 64 × 32; D 128: 0.23 / 0.39 against 0.56 / 0.93), backward tiles
+        of 64 × 64 in 16 bits and 64 × 32 in float32 (D 64: 0.68 / 1.47 against 1.01 / 1.76 at 32 × 32; D 128:
+        1.00 / 2.22 against 2.65 / 4.77): larger query blocks make fewer atomic adds of dk and dv per logit. At
+        Dp = 256: 128 × 32 forward tiles in 16 bits (0.34 against 1.35 at 64 × 16), 64 × 16 in float32 (larger
+        ones spill), 32 × 16 backward tiles."""
+        half = jnp.dtype(dtype).itemsize == 2
+        if tile_extent(head_dim) <= 128:
+            return cls(128, 64, 64, 64 if half else 32)
+        return cls(128 if half else 64, 32 if half else 16, 32, 16)
+
+
+def default_num_warps(head_dim: int) -> int:
+    """Warps per program: 8 for every head dim (at 4, the float32 forward's 128 × 64 tiles spill at D 64)."""
+    del head_dim
+    return 8
 
 
 
@@ -182,13 +208,14 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq) float32, bfloat16 or float16, log_fgate_cumsum [B, L, Hq]
     the running sum of the log forget gates -> [B, L, Hq, D] in q's dtype. block_sizes: None fields take
-    `BlockSizes.default(D)`; interpret: the Pallas interpreter (default: unless the backend is a GPU);
-    num_warps (default 4, 8 from Dp = 128) / num_stages tune the Triton lowering. segment_ids [B, L] int32: packed
+    `BlockSizes.default(D, dtype)`; interpret: the Pallas interpreter (default: unless the backend is a GPU);
+    num_warps (default `default_num_warps(D)`) / num_stages tune the Triton lowering. segment_ids [B, L] int32: packed
     documents; window: i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the
     kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
     """
     q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                            default_warps=default_num_warps, interpret=interpret, num_warps=num_warps,
+                            num_stages=num_stages)
     config = RowConfig(**settings, window=window)
     q, k, v, log_fgate_cumsum, segment_ids = vary_alike(q, k, v, log_fgate_cumsum, segment_ids)
     return _fox_pallas_jit(q, k, v, log_fgate_cumsum, segment_ids, config)

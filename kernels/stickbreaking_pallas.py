@@ -10,12 +10,13 @@ out_i = Σ_j A_ij v_j, remainder exp(R_i), R_i = Σ_k log σ(−z_ik).
 
 Forward: one program per (query block, batch, head) walks the key blocks in reverse from the diagonal, carrying R
 (the suffix sum over the keys already walked); inside a tile the suffix sums over keys are one product with the
-constant triangular matrix [t ≥ j] (Pallas-Triton cannot lower a reverse cumsum), float32-accurate. It keeps out
-and R [B, Hq, Lp].
+constant triangular matrix [t ≥ j] (Pallas-Triton cannot lower a reverse cumsum), float32-accurate, and R grows by
+the tile's row sums. It keeps out and R [B, Hq, Lp].
 Backward: the same reverse walk, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(do_i·o_i + ρ_i − S_ij), w = do·vᵀ, ρ_i the remainder's cotangent times
 it. dq stays in registers; dk, dv are atomic adds into float32 zero-initialised outputs spanning the kv head's rows
-(so their last bits vary run to run). Not yet compiled or timed on a GPU: `impl="auto"` does not pick it.
+(so their last bits vary run to run). Compiled for sm_90a without a GPU (tools/compile_report.py), not yet timed
+on one: `impl="auto"` does not pick it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._common import dot, first_order_only, output_struct, vary_alike
+from jaxpe.kernels._common import dot, first_order_only, output_struct, tile_extent, vary_alike
 from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
 from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
@@ -37,6 +38,11 @@ class BlockSizes(RowBlockSizes):
     unmeasured."""
 
     FORWARD_QUERIES = 32
+
+
+def default_num_warps(head_dim: int) -> int:
+    """Warps per program: 4 up to Dp = 64, 8 above (unmeasured)."""
+    return 4 if tile_extent(head_dim) <= 64 else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +65,8 @@ def _suffix_sums(x: jax.Array, config: _Config) -> jax.Array:
 
 
 def _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config: _Config):
-    """One tile: the attended mask, z, A (0 where not attended) and the suffix sums of log σ(−z) over its keys;
-    r [block_q] is R over the keys after the tile."""
+    """One tile: the attended mask, z, A (0 where not attended) and log σ(−z) (0 where not attended); r [block_q] is
+    R over the keys after the tile."""
     cols = index * block_k + jnp.arange(block_k)
     keys = pl.ds(index * block_k, block_k)
     mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
@@ -69,7 +75,7 @@ def _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config: _Config):
     log_keep = jnp.where(mask, _log_sigmoid(-z), 0.0)
     suffix = _suffix_sums(log_keep, config)
     a = jnp.where(mask, jnp.exp(_log_sigmoid(z) + r[:, None] + (suffix - log_keep)), 0.0)
-    return mask, z, a, suffix
+    return mask, z, a, log_keep
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, config: _Config):
@@ -86,9 +92,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, 
         acc, r = carry
         index = end - 1 - i
         keys = pl.ds(index * block_k, block_k)
-        _, _, a, suffix = _tile(q, k_ref[keys, :], rows, index, block_k, r, seg_rows, seg_k_ref, config)
+        _, _, a, log_keep = _tile(q, k_ref[keys, :], rows, index, block_k, r, seg_rows, seg_k_ref, config)
         v = v_ref[keys, :]
-        return acc + dot(a.astype(v.dtype), v), r + suffix[:, 0]
+        return acc + dot(a.astype(v.dtype), v), r + log_keep.sum(axis=1)
 
     acc, r = lax.fori_loop(0, end - first, tile, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,),
                                                                                                 jnp.float32)))
@@ -114,14 +120,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, do_ref, before_r
         index = end - 1 - i
         keys = pl.ds(index * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
-        mask, z, a, suffix = _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config)
+        mask, z, a, log_keep = _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config)
         aw = a * dot(do, v, trans_b=True)
         in_tile = _suffix_sums(aw, config)
         dz = jnp.where(mask, aw * jax.nn.sigmoid(-z) - jax.nn.sigmoid(z) * (before[:, None] - s[:, None] - in_tile),
                        0.0)
         jax.ref.addupdate(dk_ref, (keys, slice(None)), sm_scale * dot(dz.astype(q.dtype), q, trans_a=True))
         jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(a.astype(do.dtype), do, trans_a=True))
-        return dq + sm_scale * dot(dz.astype(k.dtype), k), r + suffix[:, 0], s + in_tile[:, 0]
+        return dq + sm_scale * dot(dz.astype(k.dtype), k), r + log_keep.sum(axis=1), s + aw.sum(axis=1)
 
     zeros = jnp.zeros((block_q,), jnp.float32)
     dq, _, _ = lax.fori_loop(0, end - first, tile, (jnp.zeros(q.shape, jnp.float32), zeros, zeros))
@@ -200,14 +206,15 @@ def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, 
     """Stick-breaking attention, fused kernels with a fused backward (custom VJP).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq) float32, bfloat16 or float16 -> (out [B, L, Hq, D] in q's
-    dtype, remainder [B, L, Hq] float32). block_sizes: None fields take `BlockSizes.default(D)`; interpret: the
-    Pallas interpreter (default: unless the backend is a GPU); num_warps (default 4, 8 from Dp = 128) / num_stages
-    tune the Triton lowering. segment_ids [B, L] int32: packed documents; window: i − j < window. sm_scale: a number
-    > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once; static shapes only.
-    Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
+    dtype, remainder [B, L, Hq] float32). block_sizes: None fields take `BlockSizes.default(D, dtype)`; interpret:
+    the Pallas interpreter (default: unless the backend is a GPU); num_warps (default `default_num_warps(D)`) /
+    num_stages tune the Triton lowering. segment_ids [B, L] int32: packed documents; window: i − j < window.
+    sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once;
+    static shapes only. Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
     """
     q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                            default_warps=default_num_warps, interpret=interpret, num_warps=num_warps,
+                            num_stages=num_stages)
     config = _Config(**settings, attend_current=attend_current, window=window)
     q, k, v, segment_ids = vary_alike(q, k, v, segment_ids)
     return _sb_pallas_jit(q, k, v, segment_ids, config)

@@ -1,11 +1,11 @@
 """Every fused kernel compiles for an H100 (sm_90a) without a GPU, within its budgets (tools/compile_report.py).
 
 Where jax's CUDA plugin (XLA's Triton compiler) and ptxas are installed (`make test-compile` makes .venv-compile with
-both), each kernel of each configuration of the report (CoPE and Co-RoPE; f32/bf16; D 64/128/256; GQA 8/2 and MHA
-8/8; CoPE npos 64 and 513) on each path (the Pallas kernels; the native Triton kernels, where triton and jax-triton
-are installed too) compiles to PTX and then to SASS, and is held to two checks: it would launch (compiles; shared
-memory within sm_90's 232448 bytes), and it spills no more than its budget (none in forward kernels, at most 512 bytes
-per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
+both), each kernel of each configuration of the report (CoPE, Co-RoPE, forgetting and stick-breaking attention;
+f32/bf16; D 64/128/256; GQA 8/2 and MHA 8/8; CoPE npos 64 and 513) on each of its paths (the Pallas kernels; for CoPE
+and Co-RoPE the native Triton kernels too, where triton and jax-triton are installed) compiles to PTX and then to
+SASS, and is held to two checks: it would launch (compiles; shared memory within sm_90's 232448 bytes), and it spills
+no more than its budget (none in forward kernels, at most 512 bytes per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
 (results/compile/sm90a.json, docs/reports/kernels.md's table) belongs to the kernel sources as they are and finds every
 kernel within budget, and the report's own pieces (lowering, recording the Triton launches, ptxas parsing, verdicts,
 the errors without a toolchain) work.
@@ -40,6 +40,7 @@ TRITON = cr.triton_unavailable()  # why the native Triton kernels cannot be comp
 needs_toolchain = pytest.mark.skipif(isinstance(TOOLCHAIN, str), reason=f"no GPU compiler here: {TOOLCHAIN}")
 needs_triton = pytest.mark.skipif(TRITON is not None, reason=f"no Triton compiler here: {TRITON}")
 ROLES = ("forward", "forward_train", "backward")
+TRITON_OPS = tuple(op for op in cr.OPS if "triton" in cr.OP_PATHS[op])  # the ops with native Triton kernels
 
 
 def _params() -> list:
@@ -52,7 +53,7 @@ def _params() -> list:
         return params + [pytest.param("triton", None, None, id="triton-unavailable",
                                       marks=pytest.mark.skip(reason=f"no Triton compiler here: {TRITON}"))]
     return params + [pytest.param("triton", case, role, id=f"triton-{case.id}-{role}")
-                     for case in cr.default_cases() for role in ROLES]
+                     for case in cr.default_cases(TRITON_OPS) for role in ROLES]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,8 @@ def test_committed_report_is_current_and_within_budget():
     assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(cr.PATHS), (
         "the kernels changed since the committed report: rerun `make compile-report`")
     rows = [cr.Row.from_dict(row) for row in data["rows"]]
-    expected = {(path, case.id, role) for path in cr.PATHS for case in cr.default_cases() for role in ROLES}
+    expected = {(path, case.id, role) for case in cr.default_cases() for path in cr.OP_PATHS[case.op]
+                for role in ROLES}
     assert {(row.path, row.case_id, row.kernel) for row in rows} == expected and data["skipped"] == {}
     assert [(row.path, row.case_id, row.kernel, row.problems()) for row in rows if row.problems()] == []
     assert data["target"]["spill_budget_bytes"] == cr.SPILL_BUDGET_BYTES
@@ -131,7 +133,7 @@ def test_every_kernel_lowers_with_its_role(op):
 
 
 @needs_triton
-@pytest.mark.parametrize("op", cr.OPS)
+@pytest.mark.parametrize("op", TRITON_OPS)
 def test_every_triton_kernel_is_recorded_with_its_role(op):
     """Tracing the native Triton op and its gradient under the recorder gives a launch per role (the same ones when
     traced again), with every parameter typed, and leaves `launch` as it was."""
@@ -157,7 +159,7 @@ def test_every_triton_kernel_is_recorded_with_its_role(op):
 
 @needs_toolchain
 @needs_triton
-@pytest.mark.parametrize("op", cr.OPS)
+@pytest.mark.parametrize("op", TRITON_OPS)
 def test_recorded_launches_compile_to_what_jax_triton_runs(op, tmp_path):
     """The gradient's launches, recorded and compiled by the report, give the very PTX and shared memory that
     jax-triton compiles when the op's gradient is lowered for CUDA (its JAX_TRITON_DUMP_DIR files, in a process that
@@ -272,7 +274,8 @@ def test_kernel_sources_are_the_kernels_and_their_jaxpe_imports():
     """The report's fingerprint covers the Pallas and the native Triton kernel files, the launcher and the shared
     kernel modules they import; by default (the cost report's), the Pallas ones only."""
     sources = cr.kernel_sources(cr.PATHS)
-    assert {"jaxpe.kernels.cope_pallas", "jaxpe.kernels.corope_pallas", "jaxpe.kernels._common",
+    assert {"jaxpe.kernels.cope_pallas", "jaxpe.kernels.corope_pallas", "jaxpe.kernels.fox_pallas",
+            "jaxpe.kernels.stickbreaking_pallas", "jaxpe.kernels._pallas_rows", "jaxpe.kernels._common",
             "jaxpe.kernels.cope_triton", "jaxpe.kernels.corope_triton", "jaxpe.kernels._triton_launch"} <= set(sources)
     assert all(name.startswith("jaxpe.") and path.is_file() for name, path in sources.items())
     assert sources["jaxpe.kernels.cope_pallas"] == ROOT / "kernels" / "cope_pallas.py"

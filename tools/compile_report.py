@@ -6,11 +6,13 @@
     python tools/compile_report.py --no-write --paths triton       # the native Triton kernels only
 
 A command-line tool beside the library, not part of it: it imports the kernels from jaxpe.kernels (cope_pallas,
-corope_pallas; cope_triton, corope_triton) and is not installed with the wheel; `make compile-report` runs it into
-results/compile/.
+corope_pallas, fox_pallas, stickbreaking_pallas; cope_triton, corope_triton) and is not installed with the wheel;
+`make compile-report` runs it into results/compile/.
 
 Two paths, the same grid and budgets: "pallas", the Pallas kernels through XLA's Triton compiler, and "triton", the
-native Triton kernels through Triton's own compiler (as jax-triton compiles them when they run).
+native Triton kernels through Triton's own compiler (as jax-triton compiles them when they run). Ops: CoPE and Co-RoPE
+on both paths; forgetting attention (FoX, "fox") and stick-breaking attention ("stickbreaking") on the Pallas path,
+their only fused one (OP_PATHS).
 
 How, pallas (no GPU needed): each op and its gradient are lowered for CUDA
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`); every `stablehlo.custom_call` to
@@ -69,7 +71,6 @@ import jax
 import jax.numpy as jnp
 
 from cuda_tools import ToolchainMissing, cuda_tool_version, find_cuda_tool  # tools/cuda_tools.py, beside this file
-from jaxpe.kernels import cope_pallas, corope_pallas
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 GPU_NAME = "sm_90a"  # ptxas target: H100/H200 with the Hopper-only instructions Triton emits (wgmma)
@@ -81,8 +82,9 @@ SMEM_LIMIT_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in m
 # tiles fit the register file; up to 512 in the fused backward, which holds dq, dk, dv and the position gradients.
 SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "backward": 512}
 PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
-OPS = ("cope", "corope")
+OPS = ("cope", "corope", "fox", "stickbreaking")
 PATHS = ("pallas", "triton")  # Pallas kernels through XLA's Triton compiler; native Triton kernels through Triton's
+OP_PATHS = {"cope": PATHS, "corope": PATHS, "fox": ("pallas",), "stickbreaking": ("pallas",)}  # each op's paths
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 HEADS = ((8, 2), (8, 8))  # (N, K): GQA with groups of 4, and MHA
@@ -108,9 +110,10 @@ class Toolchain:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One configuration of an op: inputs q [B, L, N, D], k/v [B, L, K, D] (and a CoPE table [P, D])."""
+    """One configuration of an op: inputs q [B, L, N, D], k/v [B, L, K, D] (and a CoPE table [P, D], FoX's running
+    sum of log forget gates [B, L, N])."""
 
-    op: str  # "cope" or "corope"
+    op: str  # OPS
     dtype: str  # "float32" or "bfloat16"
     head_dim: int
     q_heads: int
@@ -304,22 +307,28 @@ def triton_unavailable() -> str | None:
 
 
 def _attention(case: Case, path: str = "pallas") -> tuple[Callable[..., jax.Array], tuple[jax.ShapeDtypeStruct, ...]]:
-    """The op of the path with its default block sizes and warps, and the abstract inputs of the case."""
+    """The op of the path with its default block sizes and warps (one output: stick-breaking's remainder is left
+    out), and the abstract inputs of the case."""
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.batch, case.length, case.q_heads, case.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((case.batch, case.length, case.kv_heads, case.head_dim), dtype)
     sm_scale = case.head_dim ** -0.5
-    if path == "triton":
-        module = importlib.import_module(KERNEL_MODULES["triton"][OPS.index(case.op)])  # imports triton
-        entry = getattr(module, f"{case.op}_attention_triton")
-        options = {}
-    else:
-        entry = cope_pallas.cope_attention_pallas if case.op == "cope" else corope_pallas.corope_attention_pallas
-        options = {"interpret": False}
+    if path not in OP_PATHS[case.op]:
+        raise ValueError(f"{case.op} has no {path} kernels (its paths: {OP_PATHS[case.op]})")
+    module = importlib.import_module(kernel_module(case.op, path))  # the triton ones import triton
+    options = {} if path == "triton" else {"interpret": False}
     if case.op == "cope":
-        fn = functools.partial(entry, sm_scale=sm_scale, **options)
+        fn = functools.partial(module.cope_attention_pallas if path == "pallas" else module.cope_attention_triton,
+                               sm_scale=sm_scale, **options)
         return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.npos, case.head_dim), dtype))
-    return functools.partial(entry, theta=10000.0, sm_scale=sm_scale, **options), (q, kv, kv)
+    if case.op == "corope":
+        entry = module.corope_attention_pallas if path == "pallas" else module.corope_attention_triton
+        return functools.partial(entry, theta=10000.0, sm_scale=sm_scale, **options), (q, kv, kv)
+    if case.op == "fox":
+        fn = functools.partial(module.forgetting_attention_pallas, sm_scale=sm_scale, **options)
+        return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.batch, case.length, case.q_heads), jnp.float32))
+    sb = functools.partial(module.stickbreaking_attention_pallas, sm_scale=sm_scale, **options)
+    return lambda q, k, v: sb(q, k, v)[0], (q, kv, kv)
 
 
 def _gradient(fn: Callable[..., jax.Array], nargs: int) -> Callable[..., tuple[jax.Array, ...]]:
@@ -675,7 +684,8 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequenc
     first (native Triton, Co-RoPE, large D, float32), so that the short ones fill in at the end. Each ptxas of a
     Co-RoPE kernel can take several GB of memory (up to ptxas_memory_gib each): mind `jobs`."""
     cases = list(cases)
-    longest_first = sorted(((i, path) for i in range(len(cases)) for path in paths), key=lambda item: (
+    longest_first = sorted(((i, path) for i in range(len(cases)) for path in paths if path in OP_PATHS[cases[i].op]),
+                           key=lambda item: (
         item[1] != "triton", cases[item[0]].op != "corope", -cases[item[0]].head_dim,
         cases[item[0]].dtype != "float32"))
     rows: dict[tuple[int, int, int], Row] = {}
@@ -712,10 +722,9 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequenc
 # ------------------------------------------------------------------------------------------------------ reports
 
 
-KERNEL_MODULES = {  # the modules whose kernels the report compiles, by path (the Triton ones import triton)
-    "pallas": (cope_pallas.__name__, corope_pallas.__name__),
-    "triton": ("jaxpe.kernels.cope_triton", "jaxpe.kernels.corope_triton"),
-}
+def kernel_module(op: str, path: str) -> str:
+    """The name of the module that holds an op's kernels of one path (OP_PATHS): jaxpe.kernels.{op}_{path}."""
+    return f"jaxpe.kernels.{op}_{path}"
 
 
 def _jaxpe_imports(name: str, path: pathlib.Path) -> set[str]:
@@ -739,7 +748,7 @@ def kernel_sources(paths: Sequence[str] = ("pallas",)) -> dict[str, pathlib.Path
     import, directly or through one another (for triton: _triton_launch), by module name. By default the Pallas
     kernels' (benchmarks/kernel_cost.py's fingerprint); the report's covers PATHS."""
     sources: dict[str, pathlib.Path] = {}
-    todo = [name for path in paths for name in KERNEL_MODULES[path]]
+    todo = [kernel_module(op, path) for path in paths for op in OPS if path in OP_PATHS[op]]
     while todo:
         name = todo.pop()
         if name not in sources:
@@ -851,7 +860,7 @@ def _heads(text: str) -> tuple[int, int]:
 def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     """The grid's options, shared with benchmarks/kernel_cost.py: --ops, --paths, --dtypes, --head-dims, --heads,
     --npos and --quick."""
-    parser.add_argument("--ops", type=_csv(str), default=OPS, help="cope,corope")
+    parser.add_argument("--ops", type=_csv(str), default=OPS, help=",".join(OPS))
     parser.add_argument("--paths", type=_csv(str), default=PATHS, help="pallas,triton (the kernels' paths)")
     parser.add_argument("--dtypes", type=_csv(_dtype), default=DTYPES, help="float32,bfloat16 (or f32,bf16)")
     parser.add_argument("--head-dims", type=_csv(int), default=HEAD_DIMS, help="64,128,256")
