@@ -29,20 +29,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._common import dot, first_order_only, output_struct, tile_extent, vary_alike
-from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
-from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
-
-
-class BlockSizes(RowBlockSizes):
-    """RowBlockSizes with 32 × 32 forward tiles (the triangular product adds a [block_k, block_k] operand);
-    unmeasured."""
-
-    FORWARD_QUERIES = 32
+from jaxpe.kernels._pallas_rows import BlockSizes, RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
 def default_num_warps(head_dim: int) -> int:
-    """Warps per program: 4 up to Dp = 64, 8 above (unmeasured)."""
-    return 4 if tile_extent(head_dim) <= 64 else 8
+    """Warps per program: 4 up to Dp = 128, 8 at 256. On benchmarks/kernel_cost.py's model of an H100 (L 1024, GQA
+    8/2, default blocks; clk/logit, bfloat16 / float32), 8 warps double the issue-bound forward's cost at D 128 (1.50
+    / 1.83 against 0.73 / 0.97 at 4) and cost the backward more (3.94 / 6.06 against 2.41 / 3.66); at D 256 float32
+    spills more than the compile report's budgets at 4 warps (288 bytes in the forward, 528 in the backward)."""
+    return 4 if tile_extent(head_dim) <= 128 else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +45,6 @@ class _Config(RowConfig):
     """RowConfig with stick-breaking's one option."""
 
     attend_current: bool = False  # the diagonal key takes part (j <= i) or not (j < i)
-
-
-def _log_sigmoid(x: jax.Array) -> jax.Array:
-    """log σ(x) = min(x, 0) − log(1 + e^−|x|), finite for every finite x."""
-    return jnp.minimum(x, 0.0) - jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
 def _suffix_sums(x: jax.Array, config: _Config) -> jax.Array:
@@ -72,9 +62,9 @@ def _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config: _Config):
     mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
     mask &= cols[None, :] < rows[:, None] + int(config.attend_current)
     z = config.sm_scale * dot(q, k, trans_b=True)
-    log_keep = jnp.where(mask, _log_sigmoid(-z), 0.0)
+    log_keep = jnp.where(mask, jnp.minimum(-z, 0.0) - jnp.log1p(jnp.exp(-jnp.abs(z))), 0.0)  # log σ(−z), finite
     suffix = _suffix_sums(log_keep, config)
-    a = jnp.where(mask, jnp.exp(_log_sigmoid(z) + r[:, None] + (suffix - log_keep)), 0.0)
+    a = jnp.where(mask, jnp.exp(z + r[:, None] + suffix), 0.0)  # log σ(z) = z + log σ(−z): one exp, one log1p
     return mask, z, a, log_keep
 
 
