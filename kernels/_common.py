@@ -86,6 +86,34 @@ def filled(blocks: Any, default: Any) -> dict[str, int]:
     return {name: getattr(default, name) if value is None else value for name, value in given.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of a fused kernel's forward and backward kernels, which need not match; None: the kernel's default
+    (`default`, which each kernel's subclass defines for its head dim, dtype and options). Rows and keys are powers of
+    two >= MIN_BLOCK (Triton dots); blocks larger than the padded sequence shrink (`fitted`). Co-RoPE's kernels,
+    which tile heads and rotary pairs too, have their own."""
+
+    block_q: int | None = None  # forward: query rows per program
+    block_k: int | None = None  # forward: keys per tile
+    block_q_bwd: int | None = None  # backward: query rows per program
+    block_k_bwd: int | None = None  # backward: keys per tile
+
+    def __post_init__(self) -> None:
+        check_block_sizes(self)
+
+    @classmethod
+    def default(cls, head_dim: int, dtype: jnp.dtype, **options: Any) -> BlockSizes:
+        """The kernel's sizes for head dim D, dtype and its options: each kernel's subclass says."""
+        raise NotImplementedError(f"{cls.__qualname__} has no default block sizes")
+
+    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype, **options: Any) -> BlockSizes:
+        """Every size given (None: `default`'s for D, dtype and the options), each capped at the next power of two
+        >= length (and >= MIN_BLOCK)."""
+        cap = tile_extent(length)
+        sizes = filled(self, type(self).default(head_dim, dtype, **options))
+        return type(self)(**{name: min(size, cap) for name, size in sizes.items()})
+
+
 def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
     """`compiler_params` that select Pallas's Triton lowering (since jax 0.9 the GPU default is Mosaic GPU)."""
     from jax.experimental.pallas import triton as pltriton  # optional in a jax build: see pallas_unsupported

@@ -15,23 +15,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import TRITON_DTYPES, check_fused, fused_refusal
-from jaxpe.kernels._common import (check_block_sizes, filled, fold_scale, resolve_interpret, tile_extent,
-                                   triton_compiler_params)
+from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
+from jaxpe.kernels._common import fold_scale, resolve_interpret, tile_extent, triton_compiler_params
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes of the forward and of the backward kernel; None: the default (`default`). Powers of two >= 16
-    (Triton dots); blocks larger than the padded sequence shrink (`fitted`). A kernel with other defaults subclasses
-    it with its own `default`."""
-
-    block_q: int | None = None  # forward: query rows per program
-    block_k: int | None = None  # forward: keys per tile
-    block_q_bwd: int | None = None  # backward: query rows per program
-    block_k_bwd: int | None = None  # backward: keys per tile
-
-    def __post_init__(self) -> None:
-        check_block_sizes(self)
+class BlockSizes(SharedBlockSizes):
+    """The row kernels' tile sizes (`default`); a kernel with other defaults subclasses it."""
 
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
@@ -42,12 +31,6 @@ class BlockSizes:
         del dtype
         keys = 32 if tile_extent(head_dim) <= 128 else 16
         return cls(64, keys, 32, keys)
-
-    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-        """Every size given (None: `default`'s), each capped at the next power of two >= length (and >= 16)."""
-        cap = tile_extent(length)
-        sizes = filled(self, type(self).default(head_dim, dtype))
-        return type(self)(**{name: min(size, cap) for name, size in sizes.items()})
 
 
 @dataclasses.dataclass(frozen=True)

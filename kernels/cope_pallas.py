@@ -49,25 +49,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import check_cope_inputs, fused_refusal, open_fused
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
-                                   next_power_of_two, output_struct, resolve_interpret, tile_extent,
-                                   triton_compiler_params, vary_alike)
+from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
+from jaxpe.kernels._common import (MASK_VALUE, dot, first_order_only, fold_scale, next_power_of_two, output_struct,
+                                   resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
 from jaxpe.kernels._pallas_rows import visible
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes of the forward and of the backward kernel, which need not match; None: the default for the problem
-    (`BlockSizes.default`). Rows and keys are powers of two >= 16 (Triton dots); blocks larger than the padded
-    sequence shrink (`fitted`)."""
-
-    block_q: int | None = None  # forward: query rows per program
-    block_k: int | None = None  # forward: keys per tile
-    block_q_bwd: int | None = None  # backward: query rows per program
-    block_k_bwd: int | None = None  # backward: keys per tile
-
-    def __post_init__(self) -> None:
-        check_block_sizes(self)
+class BlockSizes(SharedBlockSizes):
+    """CoPE's tile sizes (`default`, for D, dtype and whether gates come from a separate gate_k)."""
 
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype, *, gate_k: bool = False) -> BlockSizes:
@@ -84,13 +73,6 @@ class BlockSizes:
         if gate_k:
             return cls(16, 32 if dp <= 64 else 16, *backward)
         return cls(32, 32 if dp <= 128 else 16, *backward)
-
-    def fitted(self, *, length: int, head_dim: int, dtype: jnp.dtype, gate_k: bool) -> BlockSizes:
-        """Every size given (None: `default`'s for D, dtype and gate_k), each capped at the next power of two
-        >= length (and >= 16)."""
-        cap = tile_extent(length)
-        sizes = filled(self, BlockSizes.default(head_dim, dtype, gate_k=gate_k))
-        return BlockSizes(**{name: min(size, cap) for name, size in sizes.items()})
 
 
 def default_num_warps(head_dim: int) -> int:
