@@ -15,10 +15,9 @@ causal=False); with every ω_d = 0 it is plain attention.
 
 What each impl supports beyond jit, vmap and grad: "reference" (dense autodiff, forward mode and higher orders as far
 as `masked_softmax_attention` allows), "blockwise" (custom VJP: reverse mode, twice at a static length; no forward
-mode) and "pallas" and "triton" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes and a
-concrete sm_scale) all run under shard_map (default checks), x64 mode and with a traced sm_scale (a learned
-temperature, differentiable; not the fused kernels); "reference" and "blockwise" export with symbolic batch and
-length (jax.export).
+mode) and "pallas" and "triton" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes) all run
+under shard_map (default checks), x64 mode and with a traced sm_scale (a learned temperature, differentiable);
+"reference" and "blockwise" export with symbolic batch and length (jax.export).
 """
 from __future__ import annotations
 
@@ -151,7 +150,7 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     window: int >= 1, query i sees keys with i − window < j ≤ i (|i − j| < window when bidirectional). Invisible keys
     add nothing to the mileage. inv_freq: float32 [D/2] rotary frequencies replacing θ^(−2d/D) (scaled RoPE; zeros
     for the pairs that should not rotate), treated as a constant (not differentiated). sm_scale: a number, or a
-    traced scalar (a learned temperature; differentiable) for every impl but "pallas" and "triton".
+    traced scalar (a learned temperature; differentiable) for every impl.
     impl: "reference" (dense), "blockwise" (pure JAX, O(L·block) memory), "pallas" (fused kernels in Pallas, lowered
     to Triton on GPU), "triton" (native Triton kernels through jax-triton, in Triton's interpreter on CPU;
     `pip install 'jaxpe[triton]'`) or "auto" (`jaxpe.dispatch.resolve_impl`: "triton" when jax-triton is installed,
@@ -240,7 +239,7 @@ def pallas_refusal(call: Call) -> Exception | None:
     """Why the Pallas kernels refuse this call (`kernels.corope_pallas.pallas_refusal`), None where they take it."""
     from jaxpe.kernels.corope_pallas import pallas_refusal as refused  # loads Pallas
 
-    return refused(call.q, sm_scale=call.sm_scale, causal=call.causal)
+    return refused(call.q, causal=call.causal)
 
 
 class CoRoPECore(nn.Module):

@@ -60,9 +60,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, fused_refusal, open_fused
-from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, output_struct,
-                                   fori_loop32, resolve_interpret, rotary_frequencies, sincos, tile_extent,
-                                   triton_compiler_params, vary_alike)
+from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
+                                   output_struct, fori_loop32, resolve_interpret, rotary_frequencies, sincos,
+                                   tile_extent, triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 
@@ -462,21 +462,13 @@ _corope_pallas.defvjp(_corope_pallas_fwd, _corope_pallas_bwd)
 _corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(5,))
 
 
-def pallas_refusal(q: jax.Array, *, sm_scale: float | jax.Array, causal: bool = True) -> Exception | None:
+def pallas_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
     """The error impl='pallas' raises for these inputs (None when it takes them): `fused_refusal` (causal, float32 or
-    bfloat16, static shapes), and sm_scale compiled in (a concrete number). impl='blockwise' takes them all."""
-    refusal = fused_refusal(q, impl="pallas", dtypes=KERNEL_DTYPES, causal=causal)
-    if refusal is not None:
-        return refusal
-    try:
-        float(sm_scale)
-    except jax.errors.ConcretizationTypeError:
-        return TypeError("sm_scale is traced (a learned or computed temperature): impl='pallas' compiles sm_scale "
-                         "into its kernels and needs a concrete number; impl='blockwise' takes a traced sm_scale")
-    return None
+    bfloat16, static shapes). impl='blockwise' takes them all."""
+    return fused_refusal(q, impl="pallas", dtypes=KERNEL_DTYPES, causal=causal)
 
 
-def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float,
+def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float | jax.Array,
                             block_sizes: BlockSizes | None = None, interpret: bool | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
                             segment_ids: jax.Array | None = None, window: int | None = None,
@@ -490,17 +482,19 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     Differentiable in q, k, v (one fused backward kernel). interpret: run the kernels in the Pallas interpreter
     (default: unless the backend is a GPU); block_sizes (None fields: defaults for D and dtype), num_warps and
     num_stages tune the Triton lowering (defaults: `BlockSizes.default`, `default_num_warps`, 2 stages).
-    causal=False, other dtypes, symbolic shapes and a traced sm_scale raise (`pallas_refusal`); x64 mode changes
-    nothing (the kernels index in int32).
+    sm_scale: a number > 0, or a traced scalar (a learned temperature), which then multiplies q before the kernels
+    (gates and scores depend on q and sm_scale only through sm_scale·q). causal=False, other dtypes and symbolic
+    shapes raise (`pallas_refusal`); x64 mode changes nothing (the kernels index in int32).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_fused(q, pallas_refusal(q, sm_scale=sm_scale, causal=causal),
+    empty, segment_ids, window = open_fused(q, pallas_refusal(q, causal=causal),
                                             block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
                                             num_stages=num_stages, causal=causal, segment_ids=segment_ids,
                                             window=window)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
+    q, sm_scale = fold_scale(q, sm_scale)
     config = _config(q, k, sm_scale=sm_scale, block_sizes=block_sizes or BlockSizes(),
                      interpret=resolve_interpret(interpret), num_warps=num_warps, num_stages=num_stages,
                      window=window)
