@@ -36,15 +36,16 @@ SPLITS = ("test", "len_x2")
 
 def commands(workdir: pathlib.Path, pe: str, steps: int, side: str, per_dispatch: int) -> list[list[str]]:
     """The command lines of one side (SIDES): one jaxpe-compare, or a jaxpe-train per seed (workdir/seedN)."""
-    run = ["--task", "counting", "--pe", pe, "--preset", "cpu-small", f"run.steps={steps}", "run.progress=false",
-           "run.tensorboard=false"]
+    task = ["--task", "counting", "--pe", pe, "--preset", "cpu-small"]
+    overrides = [f"run.steps={steps}", "run.progress=false", "run.tensorboard=false"]
     if side == "processes":
         main = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
-        return [[sys.executable, "-c", main, *run, "--workdir", str(workdir / f"seed{seed}"), f"run.seed={seed}"]
-                for seed in SEEDS.split(",")]
+        return [[sys.executable, "-c", main, *task, "--workdir", str(workdir / f"seed{seed}"), *overrides,
+                 f"run.seed={seed}"] for seed in SEEDS.split(",")]
     main = "import sys; from jaxpe.train.cli import compare_main; sys.exit(compare_main(sys.argv[1:]))"
-    option = f"run.steps_per_dispatch={per_dispatch}" if side == "together" else "--separate-seeds"
-    return [[sys.executable, "-c", main, *run, "--seeds", SEEDS, "--workdir", str(workdir), option]]
+    side_options = ["--separate-seeds"] if side == "separate" else [f"run.steps_per_dispatch={per_dispatch}"]
+    return [[sys.executable, "-c", main, *task, "--seeds", SEEDS, "--workdir", str(workdir), *side_options,
+             *overrides]]
 
 
 def run_side(pe: str, steps: int, side: str, per_dispatch: int) -> tuple[float, dict[str, dict[str, float]]]:
