@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
 from jaxpe.validation import is_int

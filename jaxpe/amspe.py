@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.tables import add_table_rows, sinusoidal_table

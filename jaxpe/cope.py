@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import refusal, resolve_impl, run_chosen
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.kernels.cope_blockwise import cope_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.kernels._common import compute_dtype, interpolate
+from jaxpe.base import compute_dtype
+from jaxpe.kernels._common import interpolate
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope import apply_rope

@@ -32,7 +32,8 @@ from jax import lax
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import refusal, resolve_impl, run_chosen
-from jaxpe.kernels._common import carry_init, compute_dtype, sincos
+from jaxpe.base import compute_dtype
+from jaxpe.kernels._common import carry_init, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict

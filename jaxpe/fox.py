@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_unfused_impl, run_path
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpe.kernels._common import rotary_frequencies
+from jaxpe.base import rotary_frequencies
 from jaxpe.validation import check_positive, is_int
 
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")

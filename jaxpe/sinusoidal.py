@@ -10,7 +10,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.tables import add_table_rows, sinusoidal_table
 from jaxpe.validation import check_positive, check_positive_number

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxpe.kernels._common import GATE_PRECISION, compute_dtype
+from jaxpe.base import GATE_PRECISION, compute_dtype
 from jaxpe.validation import check_qkv
 
 

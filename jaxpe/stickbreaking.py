@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dispatch import resolve_unfused_impl, run_path
-from jaxpe.kernels._common import compute_dtype
+from jaxpe.base import compute_dtype
 from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise, suffix_sums
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned

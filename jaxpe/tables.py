@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.kernels._common import compute_dtype, rotary_frequencies
+from jaxpe.base import compute_dtype, rotary_frequencies
 from jaxpe.validation import check_positive, is_int
 
 

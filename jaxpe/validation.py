@@ -1,5 +1,5 @@
 """Input checks of jaxpe's public entry points. The checks of arrays and sizes live at the bottom layer,
-`jaxpe.kernels._checks`, shared with the kernels (one wording everywhere), and are re-exported here; the choice of
+`jaxpe.base`, shared with the kernels (one wording everywhere), and are re-exported here; the choice of
 implementation and the checks of config options (each error names the option and its value) are jaxpe's own."""
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpe.kernels._checks import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs,
-                                   check_even_head_dim, check_float, check_npos, check_padding_mask, check_pos_emb,
-                                   check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
-                                   check_window, is_int, open_attention)
+from jaxpe.base import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs, check_even_head_dim,
+                        check_float, check_npos, check_padding_mask, check_pos_emb, check_positive, check_qkv,
+                        check_rank, check_segment_ids, check_sm_scale, check_window, is_int, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype",

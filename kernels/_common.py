@@ -1,8 +1,9 @@
-"""What the kernels and the dense references share: the limits of the Pallas Triton path, whether this machine can
-run it, and the small numerical pieces every implementation needs (mask value, rotary frequencies, CoPE's
-interpolation, 2-D dots, tile sizes).
+"""What the kernels and their blockwise paths share: the limits of the Pallas Triton path, whether this machine can
+run it, and the numerical pieces the kernels need (mask value, CoPE's interpolation, sincos, 2-D dots, tile sizes,
+the sm_scale policy and first-order rule of every fused path).
 
-D head dim, P table rows. The input checks of the public entry points are in `_checks.py`.
+D head dim, P table rows. What every encoding shares (compute dtype, rotary frequencies, input checks) is in
+jaxpe/base.py.
 """
 from __future__ import annotations
 
@@ -125,13 +126,6 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
-# The precision of gate logits q·k in the XLA paths (reference and blockwise): float32-accurate. On recent GPUs XLA
-# multiplies float32 in TF32 by default, and a TF32 error in one gate moves every position counted past it; CoPE's
-# interpolation has kinks at integer positions, so a moved position can flip a whole row's gate gradient. The same
-# as the default on CPU.
-GATE_PRECISION = lax.Precision.HIGHEST
-
-
 def fold_scale(q: jax.Array, sm_scale: float | jax.Array) -> tuple[jax.Array, float]:
     """(q, sm_scale) as the fused kernels take them, sm_scale a Python float compiled in: a traced sm_scale (a learned
     temperature) multiplies q instead (every logit is linear in sm_scale·q; in q's dtype, so a bfloat16 q is rounded
@@ -155,13 +149,6 @@ def _first_order_only_jvp(impl: str, call: Callable[..., Any], primals: tuple, t
     raise NotImplementedError(f"impl={impl!r} is differentiable once (reverse mode, a custom VJP over fused kernels): "
                               f"for second-order derivatives (jax.grad of jax.grad, jax.hessian) use impl='blockwise' "
                               f"or 'reference', and for forward mode (jax.jvp) impl='reference'")
-
-
-def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
-    """The dtype the XLA paths (reference and blockwise) keep softmax statistics, CoPE's gates and positions and
-    rotary angles in, for floating inputs `arrays`: float64 where one is float64 (x64 mode), else float32 (bfloat16
-    and float16 inputs included). The Pallas and Triton kernels compute in float32 whatever the inputs."""
-    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, accurate: bool = False,
@@ -218,14 +205,6 @@ def output_struct(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array) -> 
     """A pallas_call output's type: under shard_map (check_vma asks pallas_call for the mesh axes its outputs vary
     over) it varies over the axes `like` varies over (every operand does, see `vary_alike`); plain elsewhere."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
-
-
-def rotary_frequencies(head_dim: int, theta: float | jax.Array, pairs: jax.Array | None = None,
-                       dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """ω_d = θ^(−2d/D) in `dtype` for the rotary pairs d (default: all of 0 .. D/2 − 1, shape [D/2])."""
-    if pairs is None:
-        pairs = jnp.arange(head_dim // 2, dtype=dtype)
-    return jnp.asarray(theta, dtype) ** (-2.0 * pairs.astype(dtype) / head_dim)
 
 
 class Interpolation(NamedTuple):

@@ -52,9 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpe.kernels._checks import check_cope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import (GATE_PRECISION, MASK_VALUE, Interpolation, carry_init, compute_dtype, interpolate,
-                                   vary_alike)
+from jaxpe.base import GATE_PRECISION, check_cope_inputs, check_positive_int, compute_dtype, open_attention
+from jaxpe.kernels._common import MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import check_cope_inputs, fused_refusal, open_fused
+from jaxpe.base import check_cope_inputs
+from jaxpe.kernels._checks import fused_refusal, open_fused
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
 from jaxpe.kernels._common import (MASK_VALUE, dot, first_order_only, fold_scale, next_power_of_two, output_struct,
                                    resolve_interpret, tile_extent, triton_compiler_params, vary_alike)

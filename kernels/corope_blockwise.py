@@ -58,9 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpe.kernels._checks import check_corope_inputs, check_positive_int, open_attention
-from jaxpe.kernels._common import (GATE_PRECISION, MASK_VALUE, carry_init, compute_dtype, rotary_frequencies, sincos,
-                                   vary_alike)
+from jaxpe.base import (GATE_PRECISION, check_corope_inputs, check_positive_int, compute_dtype, open_attention,
+                        rotary_frequencies)
+from jaxpe.kernels._common import MASK_VALUE, carry_init, sincos, vary_alike
 
 
 def check_inv_freq(inv_freq: jax.Array | None, head_dim: int) -> None:

@@ -59,10 +59,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpe.kernels._checks import KERNEL_DTYPES, check_corope_inputs, fused_refusal, open_fused
+from jaxpe.base import check_corope_inputs, rotary_frequencies
+from jaxpe.kernels._checks import KERNEL_DTYPES, fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
-                                   output_struct, fori_loop32, resolve_interpret, rotary_frequencies, sincos,
-                                   tile_extent, triton_compiler_params, vary_alike)
+                                   output_struct, fori_loop32, resolve_interpret, sincos, tile_extent,
+                                   triton_compiler_params, vary_alike)
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
 
 

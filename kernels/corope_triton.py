@@ -58,10 +58,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jaxpe.kernels._checks import TRITON_DTYPES, check_corope_inputs, fused_refusal, open_fused
+from jaxpe.base import check_corope_inputs, rotary_frequencies
+from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
                                    check_block_sizes, filled, first_order_only, next_power_of_two, output_struct,
-                                   rotary_frequencies, tile_extent, vary_alike)
+                                   tile_extent, vary_alike)
 from jaxpe.kernels._triton_launch import interpreted, launch, require
 from jaxpe.kernels._triton_memory import scatter_add, scatter_in_place
 from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq

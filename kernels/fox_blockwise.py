@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpe.kernels import _key_blocks as kb
-from jaxpe.kernels._checks import check_positive_int
-from jaxpe.kernels._common import MASK_VALUE, carry_init, compute_dtype, vary_alike
+from jaxpe.base import check_positive_int, compute_dtype
+from jaxpe.kernels._common import MASK_VALUE, carry_init, vary_alike
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,10 +5,10 @@ both), each kernel of each configuration of the report (CoPE, Co-RoPE, forgettin
 f32/bf16; D 64/128/256; GQA 8/2 and MHA 8/8; CoPE npos 64 and 513) on each of its paths (the Pallas kernels; for CoPE
 and Co-RoPE the native Triton kernels too, where triton and jax-triton are installed) compiles to PTX and then to
 SASS, and is held to two checks: it would launch (compiles; shared memory within sm_90's 232448 bytes), and it spills
-no more than its budget (none in forward kernels, at most 512 bytes per thread in the backward kernel). Elsewhere those tests skip, saying why. Everywhere: the committed report
-(results/compile/sm90a.json, docs/reports/kernels.md's table) belongs to the kernel sources as they are and finds every
-kernel within budget, and the report's own pieces (lowering, recording the Triton launches, ptxas parsing, verdicts,
-the errors without a toolchain) work.
+no more than its budget (none in forward kernels, at most 512 bytes per thread in the backward kernel). Elsewhere
+those tests skip, saying why. Everywhere: the committed report (results/compile/sm90a.json, docs/reports/kernels.md's
+table) belongs to the kernel sources as they are and finds every kernel within budget, and the report's own pieces
+(lowering, recording the Triton launches, ptxas parsing, verdicts, the errors without a toolchain) work.
 """
 from __future__ import annotations
 

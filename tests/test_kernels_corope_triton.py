@@ -25,7 +25,7 @@ from test_kernels_corope import THETA, Case, make_inputs, reference  # noqa: E40
 
 import jaxpe  # noqa: E402
 from jaxpe.kernels import _triton_launch  # noqa: E402  (after the importorskip: it imports triton)
-from jaxpe.kernels._common import rotary_frequencies  # noqa: E402
+from jaxpe.base import rotary_frequencies  # noqa: E402
 from jaxpe.kernels.corope_triton import BlockSizes, corope_attention_triton  # noqa: E402
 
 KEY = jax.random.PRNGKey(1)

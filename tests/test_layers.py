@@ -1,6 +1,7 @@
-"""The one-way rule train → jaxpe → kernels, read from the source with `ast`.
+"""The one-way rule train → jaxpe → kernels → jaxpe.base, read from the source with `ast`.
 
-kernels/ imports nothing of jaxpe but jaxpe.kernels; jaxpe/ imports nothing of jaxpe.train or of the consumers above
+jaxpe/base.py (what every encoding, layer and kernel shares) imports nothing of jaxpe; kernels/ imports nothing of
+jaxpe but jaxpe.kernels and jaxpe.base; jaxpe/ imports nothing of jaxpe.train or of the consumers above
 the library (benchmarks/); nothing imports the benchmarks. A function-local import of any module says why in a comment
 on its line.
 """
@@ -17,7 +18,8 @@ LAYERS = {  # repository folder -> (import package, module prefixes it must not 
     "jaxpe": ("jaxpe", ("jaxpe.train", "train", "benchmarks")),
     "train": ("jaxpe.train", ("benchmarks",)),
 }
-ALLOWED = {"kernels": ("jaxpe.kernels",), "jaxpe": (), "train": ()}
+ALLOWED = {"kernels": ("jaxpe.kernels", "jaxpe.base"), "jaxpe": (), "train": ()}
+BASE = ROOT / "jaxpe" / "base.py"  # below kernels/: imports nothing of jaxpe
 
 
 def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
@@ -52,6 +54,14 @@ def test_no_upward_imports(folder):
             if any(under(module, p) for p in forbidden) and not any(under(module, a) for a in ALLOWED[folder]):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "imports against train → jaxpe → kernels:\n" + "\n".join(bad)
+
+
+def test_the_base_imports_nothing_of_jaxpe():
+    """jaxpe/base.py sits below kernels/, which imports it: it may import no jaxpe module (nor train, benchmarks)."""
+    found = [f"{BASE.relative_to(ROOT)}:{line} imports {module}"
+             for line, module in imported_modules(ast.parse(BASE.read_text()), "jaxpe")
+             if any(under(module, p) for p in ("jaxpe", "train", "benchmarks"))]
+    assert found == []
 
 
 @pytest.mark.parametrize("folder", sorted(LAYERS))
