@@ -29,13 +29,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
 from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
-from jaxpe.kernels._pallas_rows import BlockSizes as RowBlockSizes
 from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
-class BlockSizes(RowBlockSizes):
-    """RowBlockSizes with FoX's defaults (`default`)."""
+class BlockSizes(SharedBlockSizes):
+    """FoX's tile sizes (`default`)."""
 
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
