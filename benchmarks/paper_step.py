@@ -36,15 +36,17 @@ QUICK = ["task.seq_len=32", "task.max_steps=8", "task.n_train=256", "model.d_mod
 
 
 def timed(fn: Any, repeats: int) -> tuple[float, list[float]]:
-    """(seconds of the first call, seconds of each of `repeats` further calls); fn() returns what to wait for."""
+    """(seconds of the first call, seconds per step of each of `repeats` further calls); fn() returns what to wait
+    for and the steps it ran."""
     start = time.perf_counter()
-    jax.block_until_ready(fn())
+    jax.block_until_ready(fn()[0])
     first = time.perf_counter() - start
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        seconds.append(time.perf_counter() - start)
+        result, steps = fn()
+        jax.block_until_ready(result)
+        seconds.append((time.perf_counter() - start) / steps)
     return first, seconds
 
 
@@ -60,26 +62,28 @@ def variant(pe: str, dtype: str, seeds: tuple[int, ...] | None, per_dispatch: in
     state = [trainer.init_state()]
     position = [0]
 
-    def dispatch() -> Any:
+    def dispatch() -> tuple[Any, int]:
         if per_dispatch == 1 and not feed.on_device:
             batch = trainer.put(trainer.pad(task.train_batch(position[0], config.optim.batch_size)))
             state[0], metrics = trainer.train_step(state[0], batch)
+            steps = 1
         else:
             chunk = feed.steps(position[0], per_dispatch)
-            state[0], metrics = trainer.train_steps(state[0], chunk.data, chunk.rows, chunk.length)
-        position[0] += per_dispatch
-        return metrics
+            state[0], metrics = trainer.train_steps(state[0], chunk.data, chunk.rows, np.int32(chunk.steps),
+                                                    chunk.length)
+            steps = chunk.steps
+        position[0] += steps
+        return metrics, steps
 
     first, seconds = timed(dispatch, repeats)
     if profile is not None:
         with jax.profiler.trace(str(profile / f"{pe}_{dtype}_{'x'.join(map(str, seeds or (0,)))}_{per_dispatch}")):
-            jax.block_until_ready(dispatch())
+            jax.block_until_ready(dispatch()[0])
     median = statistics.median(seconds)
     members = trainer.members
     return {"pe": pe, "dtype": dtype, "members": members, "steps_per_dispatch": per_dispatch,
-            "compile_s": round(first - median, 2), "dispatch_s": [round(s, 4) for s in seconds],
-            "ms_per_step": round(1000 * median / per_dispatch, 3),
-            "ms_per_model_step": round(1000 * median / per_dispatch / members, 3)}
+            "compile_s": round(first - median * per_dispatch, 2), "step_s": [round(s, 5) for s in seconds],
+            "ms_per_step": round(1000 * median, 3), "ms_per_model_step": round(1000 * median / members, 3)}
 
 
 def main() -> None:

@@ -108,8 +108,9 @@ class RunConfig:
     pad_multiple: int = 16  # bucket step of pad_to="multiple", the shortest bucket of "pow2"
     num_devices: int = 0  # devices in the data-parallel mesh; 0 = all (on one CPU: the most that divide the batches)
     fsdp: bool = False  # shard params and optimizer state over the "data" axis instead of replicating
-    # optimizer steps per dispatch (one jitted lax.scan; a dispatch ends early where logging, evaluation or a
-    # checkpoint is due); above 1, a task with a fixed training set (counting) keeps it on the device
+    # optimizer steps per dispatch (one jitted loop; a dispatch ends early where logging, evaluation or a checkpoint
+    # is due, or before a batch of another padded length); above 1, a task with a fixed training set (counting) keeps
+    # it on the device
     steps_per_dispatch: int = 1
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])

@@ -1,13 +1,17 @@
 """The training batches of several steps at once, as one dispatch of `Trainer.train_steps` reads them.
 
-A Feed hands the loop, for steps first + 1 .. first + K, a source of rows `data` ({name: [N, L]}) on the device and
-`rows` int32 [K, B] into it: step k trains on `data[name][rows[k], :length]`. A task with a fixed training set
-(tasks.base.FixedTrainSet, e.g. counting's 10k programs) is put on the device once and only the row indices travel
-per dispatch; any other task's K batches are made on the host and sent together, one transfer per dispatch. The
-length of a dispatch is the longest scored prefix among its K batches, bucketed as run.pad_to says (Trainer.pad),
-so that a dispatch computes what K separate steps would, up to their padding.
+A Feed hands the loop, for steps first + 1 .. first + n (n at most the K asked for), a source of rows `data`
+({name: [N, L]}) on the device and `rows` int32 [K, B] into it: step k < n trains on `data[name][rows[k], :length]`;
+the rows of steps n .. K − 1 are padding, never computed (`Trainer.train_steps` loops n times), so every dispatch has
+one shape and each length compiles once. A task with a fixed training set (tasks.base.FixedTrainSet, e.g.
+counting's 10k programs) is put on the device once and only the row indices travel per dispatch; any other task's
+batches are made on the host and sent together, one transfer per dispatch. A dispatch holds the steps whose batches
+pad to one length (their longest scored prefix, bucketed as run.pad_to says: Trainer.pad) and ends before the first
+that pads to another, so that each step computes at the length it would alone: a dispatch cut to the longest of
+its K batches would pay for the rare long batch at every step (at cpu-small, counting's batches pad to 48 but one in
+60 to 64, so nearly every 50-step dispatch would run at 64).
 
-B batch, L length, N rows of the source, K steps.
+B batch, L length, N rows of the source, K steps (run.steps_per_dispatch), n steps of this dispatch.
 """
 from __future__ import annotations
 
@@ -24,12 +28,13 @@ from jaxpe.train.tasks.base import FixedTrainSet, bucket_length, scored_lengths
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """K steps' batches: `data` {name: [N, L]} and `rows` int32 [K, B] on the device, cut to `length`."""
+    """n steps' batches: `data` {name: [N, L]} and `rows` int32 [K, B] on the device, cut to `length`."""
 
     data: dict[str, jax.Array]
     rows: jax.Array
+    steps: int  # n, the steps of this dispatch (rows past them are padding)
     length: int  # positions computed (static: each length is one compilation)
-    tokens: int  # K × B × length, the tokens computed
+    tokens: int  # n × B × length, the tokens computed
     real_tokens: int  # the tokens up to each sequence's last scored one
 
 
@@ -53,26 +58,52 @@ class Feed:
             self._data = jax.device_put(dict(arrays), distributed.replicated(self.trainer.mesh))
         return self._data, self._lengths
 
+    def _bucket(self, scored: np.ndarray, full: int) -> int:
+        """The length a batch of scored lengths `scored` [B] pads to (Trainer.pad's)."""
+        return bucket_length(int(scored.max(initial=0)), full, pad_to=self.trainer.pad_to,
+                             multiple=self.trainer.config.run.pad_multiple)
+
     def steps(self, step: int, count: int) -> Chunk:
-        """The batches of steps step + 1 .. step + count (task batches step .. step + count - 1)."""
-        batch_size, run = self.trainer.config.optim.batch_size, self.trainer.config.run
-        mesh = self.trainer.mesh
+        """The batches of steps step + 1 .. step + n (task batches step .. step + n − 1): the first `count` of them,
+        or fewer where a batch pads to another length than the first one (see the module's docstring)."""
+        batch_size, capacity = self.trainer.config.optim.batch_size, self.trainer.config.run.steps_per_dispatch
+        if not 1 <= count <= capacity:
+            raise ValueError(f"count={count} must be between 1 and run.steps_per_dispatch={capacity}")
         if self.on_device:
             data, lengths = self._device_set()
-            rows = np.stack([self.task.train_rows(step + k, batch_size) for k in range(count)])  # [K, B]
-            scored = lengths[rows]  # [K, B]
+            full = next(iter(data.values())).shape[1]
+
+            def batch_at(k: int) -> tuple[Any, np.ndarray]:
+                rows = self.task.train_rows(step + k, batch_size)
+                return rows, lengths[rows]
         else:
-            batches = [self.task.train_batch(step + k, batch_size) for k in range(count)]
-            scored = np.stack([scored_lengths(b["weights"]) for b in batches])  # [K, B]
-            rows = np.arange(count * batch_size).reshape(count, batch_size)
-        full = next(iter(data.values())).shape[1] if self.on_device else batches[0]["inputs"].shape[1]
-        length = bucket_length(int(scored.max(initial=0)), full, pad_to=self.trainer.pad_to,
-                               multiple=run.pad_multiple)
+            first = self.task.train_batch(step, batch_size)
+            full = first["inputs"].shape[1]
+
+            def batch_at(k: int) -> tuple[Any, np.ndarray]:
+                batch = first if k == 0 else self.task.train_batch(step + k, batch_size)
+                return batch, scored_lengths(batch["weights"])
+        taken, scored = [], []
+        for k in range(count):
+            item, item_scored = batch_at(k)
+            if k and self._bucket(item_scored, full) != self._bucket(scored[0], full):
+                break
+            taken.append(item)
+            scored.append(item_scored)
+        steps, length = len(taken), self._bucket(scored[0], full)
         self.trainer.note_length("train", length, full)
-        if not self.on_device:
-            host = {name: np.concatenate([b[name][:, :length] for b in batches]) for name in batches[0]}  # [K·B, L]
-            data = {name: jax.make_array_from_process_local_data(distributed.replicated(mesh), array, array.shape)
+        rows = np.zeros((capacity, batch_size), np.int32)  # the rows of steps n .. K − 1: never computed
+        if self.on_device:
+            rows[:steps] = np.stack(taken)
+        else:
+            rows[:steps] = np.arange(steps * batch_size).reshape(steps, batch_size)
+            padding = (capacity - steps) * batch_size
+            host = {name: np.concatenate([b[name][:, :length] for b in taken]
+                                         + [np.zeros((padding, length), taken[0][name].dtype)])
+                    for name in taken[0]}  # [K·B, length]: one shape a length
+            data = {name: jax.make_array_from_process_local_data(distributed.replicated(self.trainer.mesh), array,
+                                                                 array.shape)
                     for name, array in host.items()}
-        rows = distributed.put_batch({"rows": rows.astype(np.int32)}, mesh, axis=1)["rows"]
-        return Chunk(data=data, rows=rows, length=length, tokens=count * batch_size * length,
-                     real_tokens=int(scored.sum()))
+        rows_on_device = distributed.put_batch({"rows": rows}, self.trainer.mesh, axis=1)["rows"]
+        return Chunk(data=data, rows=rows_on_device, steps=steps, length=length,
+                     tokens=steps * batch_size * length, real_tokens=int(np.sum(scored)))

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.train import distributed
 from jaxpe.train.checkpoint import Checkpoints
@@ -282,7 +283,8 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
 
     Batch `step - 1` of the task trains step `step` (the data position is the step, whatever the padding).
     run.steps_per_dispatch steps run as one program (Trainer.train_steps over a Feed's batches), ending early where
-    a hook is due, so hooks see exactly the steps they would one at a time; one step a dispatch calls
+    a hook is due, so hooks see exactly the steps they would one at a time, or where a batch pads to another length
+    than the dispatch's first (jaxpe.train.feed), so each step computes at its own length; one step a dispatch calls
     Trainer.train_step with the host batch cut by `trainer.pad` to the length it needs.
 
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
@@ -307,9 +309,10 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
                     state, metrics = trainer.train_step(state, batch)
                 else:
                     chunk = feed.steps(done, end - done)
-                    tokens, real_tokens = chunk.tokens, chunk.real_tokens
+                    end, tokens, real_tokens = done + chunk.steps, chunk.tokens, chunk.real_tokens
                     jax.block_until_ready(running)
-                    state, metrics = trainer.train_steps(state, chunk.data, chunk.rows, chunk.length)
+                    state, metrics = trainer.train_steps(state, chunk.data, chunk.rows, np.int32(chunk.steps),
+                                                         chunk.length)
                 running = metrics if serial else None
                 train_log.add(metrics, tokens=tokens, real_tokens=real_tokens, steps=end - done)
                 due = [hook for hook in hooks if hook.due(end, last_step)]

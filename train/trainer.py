@@ -4,7 +4,7 @@ The model and task it trains are built from the config by jaxpe.train.config (bu
 Several seeds of one configuration can train as one program: with `seeds`, the state holds S models stacked along a
 leading member axis (parameters, optimizer state, step and dropout key each [S, ...]), initialised as the S separate
 runs would be, and the train and eval steps are `vmap`ped over it with the batch shared (a task's data does not depend
-on run.seed). Steps run several at a time (`train_steps`: a `lax.scan` over K batches in one dispatch).
+on run.seed). Steps run several at a time (`train_steps`: a loop over up to K batches in one dispatch).
 
 B batch, L length, V vocabulary, S members (seeds), K steps per dispatch.
 """
@@ -52,7 +52,7 @@ class Trainer:
     mesh: jax.sharding.Mesh = dataclasses.field(init=False)
     state_sharding: Any = dataclasses.field(init=False)
     train_step: StepFn = dataclasses.field(init=False)  # one step: (state, batch [B, L]) -> (state, metrics)
-    train_steps: StepFn = dataclasses.field(init=False)  # K steps: (state, batches [K, B, L]) -> (state, sums of K)
+    train_steps: StepFn = dataclasses.field(init=False)  # up to K steps (state, data, rows, count, length) -> sums
     member_state: Any = dataclasses.field(init=False)  # ShapeDtypeStructs (with shardings) of one run's state
     eval_step: Callable[[Any, Batch], Metrics] = dataclasses.field(init=False)
     init_state: Callable[[], TrainState] = dataclasses.field(init=False)
@@ -99,12 +99,22 @@ class Trainer:
             init = functools.partial(jax.vmap(init_one), seeds)
             step, eval_step = jax.vmap(step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
 
-        def steps(state: TrainState, data: Batch, rows: jax.Array, length: int) -> tuple[TrainState, Metrics]:
-            """K steps in one program, step k on rows[k] [B] of data {name: [N, L]} cut to `length`; the metrics
-            summed over the K steps (jaxpe.train.feed)."""
-            batches = {name: array[:, :length][rows] for name, array in data.items()}  # [K, B, length]
-            state, metrics = jax.lax.scan(step, state, batches)
-            return state, jax.tree.map(lambda m: m.sum(axis=0), metrics)
+        traced_once = jax.jit(step)  # inside `steps`: its shapes and its loop body share one trace
+
+        def steps(state: TrainState, data: Batch, rows: jax.Array, count: jax.Array,
+                  length: int) -> tuple[TrainState, Metrics]:
+            """Steps 0 .. count − 1 (count <= K, traced) in one program, step k on rows[k] [B] of data {name: [N, L]}
+            cut to `length`; the metrics summed over them (jaxpe.train.feed). rows [K, B]: one shape for every count."""
+            cut = {name: array[:, :length] for name, array in data.items()}
+
+            def one(k: jax.Array, carry: tuple[TrainState, Metrics]) -> tuple[TrainState, Metrics]:
+                state, sums = carry
+                state, metrics = traced_once(state, {name: array[rows[k]] for name, array in cut.items()})
+                return state, jax.tree.map(jnp.add, sums, metrics)
+
+            shapes = jax.eval_shape(traced_once, state, {name: array[rows[0]] for name, array in cut.items()})[1]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return jax.lax.fori_loop(0, count, one, (state, zeros))
 
         one_state = jax.eval_shape(functools.partial(init_one, 0))
         one_sharding = distributed.state_shardings(one_state, self.mesh, fsdp=config.run.fsdp)
@@ -117,8 +127,9 @@ class Trainer:
         self.train_step = jax.jit(step, in_shardings=(self.state_sharding, batch_sharding),
                                   out_shardings=(self.state_sharding, replicated), donate_argnums=0)
         self.train_steps = jax.jit(
-            steps, in_shardings=(self.state_sharding, replicated, distributed.batch_sharding(self.mesh, axis=1)),
-            out_shardings=(self.state_sharding, replicated), donate_argnums=0, static_argnums=3)
+            steps, in_shardings=(self.state_sharding, replicated, distributed.batch_sharding(self.mesh, axis=1),
+                                 replicated),
+            out_shardings=(self.state_sharding, replicated), donate_argnums=0, static_argnums=4)
         self.eval_step = jax.jit(eval_step, in_shardings=(self.state_sharding.params, batch_sharding),
                                  out_shardings=replicated)
 
