@@ -1,8 +1,10 @@
-"""The paper preset's training step, as the sweep runs it: milliseconds per model-step and what compiling costs.
+"""The paper preset's training step (or another --preset's), as the sweep runs it: ms per model-step, compile seconds.
 
 For each encoding: the counting task at the `paper` preset (4 layers, width 256, batch 64, block 512), the seeds
 stacked as one program (jaxpe.train.Trainer with seeds) and K steps a dispatch over the training set kept on the
-device (jaxpe.train.feed), beside one model alone at K = 1 (the loop as it ran before: a host batch a step). Each
+device (jaxpe.train.feed), beside one model alone at K = 1 (the loop as it ran before: a host batch a step) and, with
+--alone-at-k, one model at K (so that what stacking changes shows apart from what K does). glibc's malloc is set as
+the entry points set it (jaxpe.train._malloc). Each
 variant: its compile seconds (the first dispatch less a timed one), then the median of --repeats timed dispatches.
 Reports ms per dispatch-step and per model-step (a step of S stacked models counts S model-steps), the ratio to the
 single model, and with --profile DIR a jax.profiler trace of one dispatch of each variant (TensorBoard's profile
@@ -10,6 +12,8 @@ plugin or Perfetto reads it).
 
     python benchmarks/paper_step.py --out results/bench/paper_step_h200.json             # on a GPU, ~3 min
     python benchmarks/paper_step.py --quick --out FILE                                      # CPU, tiny sizes
+    python benchmarks/paper_step.py --preset cpu-small --pe cope --dtype float32 --steps-per-dispatch 50 \
+        --alone-at-k --out results/bench/paper_step_cpu_small.json                         # CPU, ~1 min
 
 Writes --out: device, versions, date, the config and every variant's figures.
 """
@@ -27,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpe.train import Trainer, build_config, build_task
+from jaxpe.train import Trainer, _malloc, build_config, build_task
 from jaxpe.train.config import build_model, longest_length
 from jaxpe.train.feed import Feed
 
@@ -50,10 +54,10 @@ def timed(fn: Any, repeats: int) -> tuple[float, list[float]]:
     return first, seconds
 
 
-def variant(pe: str, dtype: str, seeds: tuple[int, ...] | None, per_dispatch: int, overrides: list[str],
-            repeats: int, profile: pathlib.Path | None) -> dict[str, Any]:
+def variant(preset: str, pe: str, dtype: str, seeds: tuple[int, ...] | None, per_dispatch: int,
+            overrides: list[str], repeats: int, profile: pathlib.Path | None) -> dict[str, Any]:
     """One encoding's step as one program of `seeds` (None: one model) at `per_dispatch` steps a dispatch."""
-    config = build_config(preset="paper", task="counting", pe=pe,
+    config = build_config(preset=preset, task="counting", pe=pe,
                           overrides=[f"model.dtype={dtype}", f"run.steps_per_dispatch={per_dispatch}", *overrides])
     task = build_task(config)
     trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
@@ -93,25 +97,36 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="models stacked in the program (default 3)")
     parser.add_argument("--steps-per-dispatch", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--preset", default="paper", help="the training preset (default paper)")
+    parser.add_argument("--alone-at-k", action="store_true",
+                        help="also time one model at K steps a dispatch (what stacking alone changes)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU")
     parser.add_argument("--profile", type=pathlib.Path, help="write a jax.profiler trace of each variant here")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args()
+    _malloc.keep_freed_memory()  # as jaxpe-train does: a step reuses the pages the last one freed
     overrides = QUICK if args.quick else []
     per_dispatch = 4 if args.quick else args.steps_per_dispatch
     rows = []
     for pe in args.pe.split(","):
         for dtype in args.dtype.split(","):
-            alone = variant(pe, dtype, None, 1, overrides, args.repeats * 10, args.profile)
-            stacked = variant(pe, dtype, tuple(range(args.seeds)), per_dispatch, overrides, args.repeats,
-                              args.profile)
+            alone = variant(args.preset, pe, dtype, None, 1, overrides, args.repeats * 10, args.profile)
+            stacked = variant(args.preset, pe, dtype, tuple(range(args.seeds)), per_dispatch, overrides,
+                              args.repeats, args.profile)
             stacked["model_step_vs_alone"] = round(stacked["ms_per_model_step"] / alone["ms_per_model_step"], 3)
             rows += [alone, stacked]
-            print(f"{pe} {dtype}: alone {alone['ms_per_model_step']:.2f} ms, {args.seeds} stacked "
-                  f"{stacked['ms_per_model_step']:.2f} ms per model-step (compile {stacked['compile_s']:.0f} s)",
-                  flush=True)
+            line = (f"{pe} {dtype}: alone {alone['ms_per_model_step']:.2f} ms, {args.seeds} stacked "
+                    f"{stacked['ms_per_model_step']:.2f} ms per model-step (compile {stacked['compile_s']:.0f} s)")
+            if args.alone_at_k:
+                alone_k = variant(args.preset, pe, dtype, None, per_dispatch, overrides, args.repeats, args.profile)
+                stacked["model_step_vs_alone_at_k"] = round(stacked["ms_per_model_step"]
+                                                            / alone_k["ms_per_model_step"], 3)
+                rows.append(alone_k)
+                line += f", alone at K {alone_k['ms_per_model_step']:.2f} ms"
+            print(line, flush=True)
     device = jax.devices()[0]
-    result = {"benchmark": "benchmarks/paper_step.py", "quick": args.quick, "overrides": overrides, "rows": rows,
+    result = {"benchmark": "benchmarks/paper_step.py", "preset": args.preset, "quick": args.quick,
+              "overrides": overrides, "rows": rows,
               "environment": {"device": f"{device.platform}:{device.device_kind}", "jax": jax.__version__,
                               "python": platform.python_version(), "numpy": np.__version__,
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
