@@ -5,11 +5,15 @@ A Feed hands the loop, for steps first + 1 .. first + n (n at most the K asked f
 the rows of steps n .. K − 1 are padding, never computed (`Trainer.train_steps` loops n times), so every dispatch has
 one shape and each length compiles once. A task with a fixed training set (tasks.base.FixedTrainSet, e.g.
 counting's 10k programs) is put on the device once and only the row indices travel per dispatch; any other task's
-batches are made on the host and sent together, one transfer per dispatch. A dispatch holds the steps whose batches
-pad to one length (their longest scored prefix, bucketed as run.pad_to says: Trainer.pad) and ends before the first
-that pads to another, so that each step computes at the length it would alone: a dispatch cut to the longest of
-its K batches would pay for the rare long batch at every step (at cpu-small, counting's batches pad to 48 but one in
-60 to 64, so nearly every 50-step dispatch would run at 64).
+batches are made on the host and sent together, one transfer per dispatch.
+
+Lengths: a dispatch holds steps of one length and ends before a step of another, so that steps compute at their own
+length, not at the longest of K batches (at cpu-small, counting's batches pad to 48 but one in 60 to 64, so nearly
+every 50-step dispatch cut to its longest would run at 64). A step's own length is its batch's longest scored prefix,
+bucketed as run.pad_to says (Trainer.pad); with a fixed training set the run's lengths are known ahead, and a length
+that fewer than 1/SHARE of the run's steps need runs at the next longer one that gets a program of its own (at the
+paper preset 5 of 2000 batches pad to 480 or 496, the rest to 512: two more compilations would cost far more than
+the padding they save). Batches made on the host run at their own length.
 
 B batch, L length, N rows of the source, K steps (run.steps_per_dispatch), n steps of this dispatch.
 """
@@ -24,6 +28,8 @@ import numpy as np
 from jaxpe.train import distributed
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import FixedTrainSet, bucket_length, scored_lengths
+
+SHARE = 8  # a length gets a program of its own where at least 1/SHARE of a run's steps need it (fixed sets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Feed:
                           and trainer.config.run.steps_per_dispatch > 1)
         self._data: dict[str, jax.Array] | None = None
         self._lengths: np.ndarray | None = None
+        self._step_lengths: np.ndarray | None = None
 
     def _device_set(self) -> tuple[dict[str, jax.Array], np.ndarray]:
         """The fixed training set on the device (put there once, replicated) and its rows' scored lengths [N]."""
@@ -63,6 +70,20 @@ class Feed:
         return bucket_length(int(scored.max(initial=0)), full, pad_to=self.trainer.pad_to,
                              multiple=self.trainer.config.run.pad_multiple)
 
+    def step_lengths(self) -> np.ndarray:
+        """int [run.steps]: the length each step of the run computes at, with a fixed training set (the module's
+        docstring): its batch's own where at least 1/SHARE of the run's steps need that one, else the shortest such
+        longer one (the run's longest always gets its program)."""
+        if self._step_lengths is None:
+            data, lengths = self._device_set()
+            full, run = next(iter(data.values())).shape[1], self.trainer.config.run
+            own = np.array([self._bucket(lengths[self.task.train_rows(step, self.trainer.config.optim.batch_size)],
+                                         full) for step in range(run.steps)])
+            values, counts = np.unique(own, return_counts=True)
+            kept = values[(counts * SHARE >= run.steps) | (values == values.max())]
+            self._step_lengths = kept[np.searchsorted(kept, own)]
+        return self._step_lengths
+
     def steps(self, step: int, count: int) -> Chunk:
         """The batches of steps step + 1 .. step + n (task batches step .. step + n − 1): the first `count` of them,
         or fewer where a batch pads to another length than the first one (see the module's docstring)."""
@@ -71,26 +92,28 @@ class Feed:
             raise ValueError(f"count={count} must be between 1 and run.steps_per_dispatch={capacity}")
         if self.on_device:
             data, lengths = self._device_set()
-            full = next(iter(data.values())).shape[1]
+            full, planned = next(iter(data.values())).shape[1], self.step_lengths()
 
-            def batch_at(k: int) -> tuple[Any, np.ndarray]:
+            def batch_at(k: int) -> tuple[Any, np.ndarray, int]:
                 rows = self.task.train_rows(step + k, batch_size)
-                return rows, lengths[rows]
+                return rows, lengths[rows], int(planned[step + k])
         else:
             first = self.task.train_batch(step, batch_size)
             full = first["inputs"].shape[1]
 
-            def batch_at(k: int) -> tuple[Any, np.ndarray]:
+            def batch_at(k: int) -> tuple[Any, np.ndarray, int]:
                 batch = first if k == 0 else self.task.train_batch(step + k, batch_size)
-                return batch, scored_lengths(batch["weights"])
-        taken, scored = [], []
+                batch_scored = scored_lengths(batch["weights"])
+                return batch, batch_scored, self._bucket(batch_scored, full)
+        taken, scored, length = [], [], 0
         for k in range(count):
-            item, item_scored = batch_at(k)
-            if k and self._bucket(item_scored, full) != self._bucket(scored[0], full):
+            item, item_scored, item_length = batch_at(k)
+            if k and item_length != length:
                 break
             taken.append(item)
             scored.append(item_scored)
-        steps, length = len(taken), self._bucket(scored[0], full)
+            length = item_length
+        steps = len(taken)
         self.trainer.note_length("train", length, full)
         rows = np.zeros((capacity, batch_size), np.int32)  # the rows of steps n .. K − 1: never computed
         if self.on_device:
