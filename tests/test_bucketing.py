@@ -13,7 +13,7 @@ from jaxpe.train.config import build_config, build_model, build_task, longest_le
 from jaxpe.train.evaluate import compute_metrics
 from jaxpe.train.experiments import train_and_evaluate
 from jaxpe.train.tasks import make_task
-from jaxpe.train.tasks.base import bucket_length, scored_lengths, trim_batch
+from jaxpe.train.tasks.base import Split, bucket_length, planned_lengths, scored_lengths, trim_batch
 from jaxpe.train.trainer import Trainer
 
 COUNTING = [
@@ -125,6 +125,36 @@ def test_bucketed_evaluation_equals_the_full_block():
         assert ours[name]["loss"] == pytest.approx(theirs[name]["loss"], rel=1e-5)
     assert bucketed.batch_lengths["eval"] <= {8, 16, 24, 32, 40, 48, 56, 64}  # len_x2 is 64 long
     assert block.batch_lengths["eval"] == set()
+
+
+@pytest.mark.parametrize("own, expected", [
+    ([48] * 492 + [64] * 8, [48] * 492 + [64] * 8),  # cpu-small counting: the rare length is the longest
+    ([512] * 1995 + [480, 496, 480, 496, 496], [512] * 2000),  # the paper preset: rare shorter ones move up
+    ([16, 32, 16, 48], [16, 32, 16, 48]),  # every length a quarter or more
+    ([16] * 20 + [24] + [32] * 20, [16] * 20 + [32] + [32] * 20),  # 1 in 41 < 1/8: to the next kept one
+    ([40] * 3 + [8] * 30, [40] * 3 + [8] * 30),  # 3 in 33 < 1/8, but the longest has nowhere to go
+    ([], []),
+])
+def test_planned_lengths(own, expected):
+    assert planned_lengths(own).tolist() == expected
+
+
+def test_evaluation_runs_a_rare_batch_length_at_a_longer_one():
+    """A split whose batches need 8 (8 batches), 16 (1) and 32 (8) tokens compiles two eval steps, not three,
+    and scores exactly as the full block does."""
+    bucketed, _ = make_trainer(counting("run.eval_batch_size=4"))
+    block, _ = make_trainer(counting("run.eval_batch_size=4", "run.pad_to=block"))
+    rng = np.random.default_rng(0)
+    scored = np.repeat([8] * 8 + [16] + [32] * 8, 4)  # 17 batches of 4 (sorted by length, as evaluation sorts)
+    weights = (np.arange(32)[None, :] < scored[:, None]).astype(np.float32)
+    tokens = rng.integers(1, 10, size=(scored.size, 32)).astype(np.int32)
+    split = Split(name="made", inputs=tokens, targets=np.roll(tokens, -1, axis=1), weights=weights)
+    params = bucketed.init_state().params
+    ours, theirs = bucketed.evaluate(params, {"made": split}), block.evaluate(params, {"made": split})
+    assert bucketed.batch_lengths["eval"] == {8, 32}
+    for metric in ("seq_error", "token_error", "sequences"):
+        assert ours["made"][metric] == theirs["made"][metric]
+    assert ours["made"]["loss"] == pytest.approx(theirs["made"]["loss"], rel=1e-5)
 
 
 def test_bucketed_runs_match_and_resume(tmp_path):

@@ -120,22 +120,23 @@ def test_dispatches_end_where_a_hook_is_due():
 
 
 def test_a_dispatch_holds_the_steps_of_one_length_and_each_length_compiles_once():
-    """A step computes at its batch's own length (Trainer.pad of the host batch) where at least 1/SHARE of the run's
-    steps need that one, else at the shortest longer such length; a dispatch ends only at K steps or before a step of
-    another length; a dispatch of n < K steps leaves the state of n single steps at those lengths; and however many
-    steps the dispatches hold, each length compiles once."""
+    """A step computes at its batch's own length (Trainer.pad of the host batch) where at least 1/PLAN_SHARE of the
+    run's steps need that one, else at the shortest longer such length; a dispatch ends only at K steps or before a
+    step of another length; a dispatch of n < K steps leaves the state of n single steps at those lengths; and however
+    many steps the dispatches hold, each length compiles once."""
     import jax
 
     from jaxpe.train import Trainer
     from jaxpe.train.config import build_model, longest_length
-    from jaxpe.train.feed import SHARE, Feed
+    from jaxpe.train.feed import Feed
+    from jaxpe.train.tasks.base import PLAN_SHARE
 
     config = counting("run.steps=48", "run.steps_per_dispatch=4", "run.pad_multiple=2", "task.max_steps=7")
     task = build_task(config)
     trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
                       seq_len=task.seq_len)
     alone = [trainer.pad(task.train_batch(step, 8))["inputs"].shape[1] for step in range(48)]
-    common = {n for n in alone if alone.count(n) * SHARE >= 48} | {max(alone)}
+    common = {n for n in alone if alone.count(n) * PLAN_SHARE >= 48} | {max(alone)}
     planned = [min(n for n in common if n >= own) for own in alone]
     assert len(common) > 1 and planned != alone  # the test needs several lengths, and rare ones
     feed, state, single, step, counts = Feed(trainer, task), trainer.init_state(), trainer.init_state(), 0, set()

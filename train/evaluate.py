@@ -10,7 +10,7 @@ three):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpe.train.tasks.base import scored_lengths
+from jaxpe.train.tasks.base import scored_lengths, trim_batch
 
 METRICS = ("seq_error", "token_error", "bits_per_byte")
 
@@ -84,6 +84,24 @@ def padded_batches(
     return out
 
 
+def split_arrays(split: Any) -> dict[str, np.ndarray]:
+    """A split's arrays [N, L] (inputs, targets int32; weights float32), sorted by scored length
+    (tasks.base.scored_lengths), so that short sequences share short batches."""
+    arrays = {
+        "inputs": np.asarray(split.inputs, np.int32),
+        "targets": np.asarray(split.targets, np.int32),
+        "weights": np.asarray(split.weights, np.float32),
+    }
+    order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
+    return {name: array[order] for name, array in arrays.items()}
+
+
+def batch_longest(split: Any, batch_size: int) -> np.ndarray:
+    """int [ceil(N / batch_size)]: the longest scored sequence of each batch `split_sums` makes of the split."""
+    lengths = scored_lengths(split_arrays(split)["weights"])
+    return np.array([lengths[start:start + batch_size].max(initial=0) for start in range(0, lengths.size, batch_size)])
+
+
 def split_sums(
     eval_step: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]],
     params: Any,
@@ -92,7 +110,7 @@ def split_sums(
     batch_size: int,
     put_batch: Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]],
     to_host: Callable[[Any], Any],
-    pad: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    lengths: Sequence[int] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """The compute_metrics sums of one split (float64, shaped as eval_step returns them: [] for one model, [S] for
@@ -100,23 +118,21 @@ def split_sums(
 
     `on_batch(rows)` (e.g. a progress bar's update) is called after each batch with its number of real sequences.
 
-    `pad` (e.g. Trainer.pad) cuts each host batch [B, L] to the length it needs; with it, the sequences are first
-    sorted by length (tasks.base.scored_lengths), so that short ones share short batches. The metrics are sums
-    over sequences: neither changes them (the loss up to float rounding).
+    `lengths`: the length each batch is cut to (at least its longest scored sequence: `batch_longest`), the
+    sequences first sorted by length (`split_arrays`), so that short ones share short batches; None: batches of the
+    full length, in the split's order. The metrics are sums over sequences: neither changes them (the loss up to
+    float rounding).
     """
-    arrays = {
-        "inputs": np.asarray(split.inputs, np.int32),
-        "targets": np.asarray(split.targets, np.int32),
-        "weights": np.asarray(split.weights, np.float32),
-    }
-    if pad is not None:
-        order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
-        arrays = {name: array[order] for name, array in arrays.items()}
+    if lengths is None:
+        arrays = {"inputs": np.asarray(split.inputs, np.int32), "targets": np.asarray(split.targets, np.int32),
+                  "weights": np.asarray(split.weights, np.float32)}
+    else:
+        arrays = split_arrays(split)
     totals: dict[str, np.ndarray] = {}
     n = arrays["inputs"].shape[0]
-    for start, batch in zip(range(0, n, batch_size), padded_batches(arrays, batch_size)):
-        if pad is not None:
-            batch = pad(batch)
+    for index, (start, batch) in enumerate(zip(range(0, n, batch_size), padded_batches(arrays, batch_size))):
+        if lengths is not None and lengths[index] < batch["inputs"].shape[1]:
+            batch = trim_batch(batch, int(lengths[index]))
         sums = to_host(eval_step(params, put_batch(batch)))
         for name, value in sums.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)

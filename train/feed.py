@@ -11,9 +11,9 @@ Lengths: a dispatch holds steps of one length and ends before a step of another,
 length, not at the longest of K batches (at cpu-small, counting's batches pad to 48 but one in 60 to 64, so nearly
 every 50-step dispatch cut to its longest would run at 64). A step's own length is its batch's longest scored prefix,
 bucketed as run.pad_to says (Trainer.pad); with a fixed training set the run's lengths are known ahead, and a length
-that fewer than 1/SHARE of the run's steps need runs at the next longer one that gets a program of its own (at the
-paper preset 5 of 2000 batches pad to 480 or 496, the rest to 512: two more compilations would cost far more than
-the padding they save). Batches made on the host run at their own length.
+that few of the run's steps need runs at a longer one (tasks.base.planned_lengths: at the paper preset 5 of 2000
+batches pad to 480 or 496, the rest to 512, and two more compilations would cost far more than the padding they
+save). Batches made on the host run at their own length.
 
 B batch, L length, N rows of the source, K steps (run.steps_per_dispatch), n steps of this dispatch.
 """
@@ -27,9 +27,7 @@ import numpy as np
 
 from jaxpe.train import distributed
 from jaxpe.train.tasks import Task
-from jaxpe.train.tasks.base import FixedTrainSet, bucket_length, scored_lengths
-
-SHARE = 8  # a length gets a program of its own where at least 1/SHARE of a run's steps need it (fixed sets)
+from jaxpe.train.tasks.base import FixedTrainSet, bucket_length, planned_lengths, scored_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +69,13 @@ class Feed:
                              multiple=self.trainer.config.run.pad_multiple)
 
     def step_lengths(self) -> np.ndarray:
-        """int [run.steps]: the length each step of the run computes at, with a fixed training set (the module's
-        docstring): its batch's own where at least 1/SHARE of the run's steps need that one, else the shortest such
-        longer one (the run's longest always gets its program)."""
+        """int [run.steps]: the length each step of the run computes at, with a fixed training set: its batch's own,
+        planned over the whole run (tasks.base.planned_lengths)."""
         if self._step_lengths is None:
             data, lengths = self._device_set()
-            full, run = next(iter(data.values())).shape[1], self.trainer.config.run
-            own = np.array([self._bucket(lengths[self.task.train_rows(step, self.trainer.config.optim.batch_size)],
-                                         full) for step in range(run.steps)])
-            values, counts = np.unique(own, return_counts=True)
-            kept = values[(counts * SHARE >= run.steps) | (values == values.max())]
-            self._step_lengths = kept[np.searchsorted(kept, own)]
+            full, batch_size = next(iter(data.values())).shape[1], self.trainer.config.optim.batch_size
+            self._step_lengths = planned_lengths([self._bucket(lengths[self.task.train_rows(step, batch_size)], full)
+                                                  for step in range(self.trainer.config.run.steps)])
         return self._step_lengths
 
     def steps(self, step: int, count: int) -> Chunk:

@@ -19,11 +19,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.train import distributed, evaluate
 from jaxpe.train.config import TrainConfig
 from jaxpe.train.step import Batch, Metrics, StepFn, TrainState, make_optimizer, make_train_step, weighted_loss
-from jaxpe.train.tasks.base import bucket_length, scored_lengths, trim_batch
+from jaxpe.train.tasks.base import bucket_length, planned_lengths, scored_lengths, trim_batch
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,25 @@ class Trainer:
             log.info("%s step: batches of length %d (of %d), %d length(s) compiled so far", kind, length, full,
                      len(self.batch_lengths[kind]))
 
+    def eval_lengths(self, splits: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The length each evaluation batch of each split runs at (in `evaluate.split_sums`'s order): its own
+        bucket (as `pad` cuts a batch), planned over the batches of every split of the same block length
+        (tasks.base.planned_lengths: the paper preset's validation set would otherwise compile 14 eval steps of one
+        pass each). New lengths are logged, as `pad` logs them."""
+        batch_size, multiple = self.config.run.eval_batch_size, self.config.run.pad_multiple
+        own = {name: np.array([bucket_length(int(longest), split.inputs.shape[1], pad_to=self.pad_to, multiple=multiple)
+                               for longest in evaluate.batch_longest(split, batch_size)])
+               for name, split in splits.items()}
+        planned = {}
+        for full in {split.inputs.shape[1] for split in splits.values()}:
+            names = [name for name, split in splits.items() if split.inputs.shape[1] == full]
+            lengths = planned_lengths(np.concatenate([own[name] for name in names]))
+            for name in names:
+                planned[name], lengths = lengths[:own[name].size], lengths[own[name].size:]
+                for length in planned[name]:
+                    self.note_length("eval", int(length), full)
+        return planned
+
     def evaluate(self, params: Any, splits: Mapping[str, Any], *,
                  on_batch: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
         """Metrics per split (see jaxpe.train.evaluate) of one run's params (a Trainer without seeds);
@@ -198,12 +218,13 @@ class Trainer:
     def evaluate_members(self, params: Any, splits: Mapping[str, Any], *,
                          on_batch: Callable[[int], None] | None = None) -> list[dict[str, dict[str, float]]]:
         """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
-        seeds); batches cut by `pad` unless run.pad_to is "block"; `on_batch(rows)` after each batch."""
-        pad = None if self.pad_to == "block" else lambda batch: self.pad(batch, "eval")
+        seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch."""
+        lengths = None if self.pad_to == "block" else self.eval_lengths(splits)
         sums = {
             name: evaluate.split_sums(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
-                put_batch=self.put, to_host=distributed.to_host, pad=pad, on_batch=on_batch,
+                put_batch=self.put, to_host=distributed.to_host, lengths=None if lengths is None else lengths[name],
+                on_batch=on_batch,
             )
             for name, split in splits.items()
         }

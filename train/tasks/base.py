@@ -130,6 +130,20 @@ def bucket_length(longest: int, full: int, *, pad_to: str, multiple: int) -> int
     return min(units * multiple, full)
 
 
+PLAN_SHARE = 8  # a padded length gets a program of its own where at least 1/PLAN_SHARE of the batches need it
+
+
+def planned_lengths(own: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int [N]: the lengths that N batches, whose own padded lengths are `own` [N] (bucket_length's), run at when all
+    are known ahead (a fixed training set, the evaluation splits): a length that at least 1/PLAN_SHARE of them need
+    runs as it is, any other at the shortest longer one that does, the longest at its own. Each length is one
+    compilation, which costs far more than the padding a rare length would save."""
+    own = np.asarray(own, np.int64)
+    values, counts = np.unique(own, return_counts=True)
+    kept = values[(counts * PLAN_SHARE >= own.size) | (values == values.max(initial=0))]
+    return kept[np.searchsorted(kept, own)]
+
+
 def trim_batch(batch: Batch, length: int) -> Batch:
     """The first `length` positions of every [B, L] array of `batch`."""
     return {name: np.ascontiguousarray(array[:, :length]) for name, array in batch.items()}
