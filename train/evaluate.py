@@ -84,14 +84,16 @@ def padded_batches(
     return out
 
 
-def split_arrays(split: Any) -> dict[str, np.ndarray]:
-    """A split's arrays [N, L] (inputs, targets int32; weights float32), sorted by scored length
+def split_arrays(split: Any, *, by_length: bool = True) -> dict[str, np.ndarray]:
+    """A split's arrays [N, L] (inputs, targets int32; weights float32), by_length sorted by scored length
     (tasks.base.scored_lengths), so that short sequences share short batches."""
     arrays = {
         "inputs": np.asarray(split.inputs, np.int32),
         "targets": np.asarray(split.targets, np.int32),
         "weights": np.asarray(split.weights, np.float32),
     }
+    if not by_length:
+        return arrays
     order = np.argsort(scored_lengths(arrays["weights"]), kind="stable")  # [N]
     return {name: array[order] for name, array in arrays.items()}
 
@@ -123,11 +125,7 @@ def split_sums(
     full length, in the split's order. The metrics are sums over sequences: neither changes them (the loss up to
     float rounding).
     """
-    if lengths is None:
-        arrays = {"inputs": np.asarray(split.inputs, np.int32), "targets": np.asarray(split.targets, np.int32),
-                  "weights": np.asarray(split.weights, np.float32)}
-    else:
-        arrays = split_arrays(split)
+    arrays = split_arrays(split, by_length=lengths is not None)
     totals: dict[str, np.ndarray] = {}
     n = arrays["inputs"].shape[0]
     for index, (start, batch) in enumerate(zip(range(0, n, batch_size), padded_batches(arrays, batch_size))):
