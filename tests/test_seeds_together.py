@@ -156,6 +156,38 @@ def test_a_dispatch_holds_the_steps_of_one_length_and_each_length_compiles_once(
     assert trainer.train_steps._cache_size() == len(common)
 
 
+def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
+    """Trainer.compile_ahead compiles every eval step of the planned evaluations in a background thread (on zeros,
+    never the state it is given, which training donates); evaluating afterwards compiles nothing and gives the
+    metrics of a trainer that did not compile ahead. On a mesh of several CPU devices, which must run one program at
+    a time, it starts nothing."""
+    import jax
+    import jax.monitoring
+
+    from jaxpe.train import Trainer
+    from jaxpe.train.config import build_model, longest_length
+
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    config = counting("run.num_devices=1")
+    task = build_task(config)
+    trainers = [Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
+                        seq_len=task.seq_len, seeds=(0, 1)) for _ in range(2)]
+    state, splits = trainers[0].init_state(), task.eval_splits()
+    trainers[0].compile_ahead(state.params, [{"valid": splits["valid"]}, splits])
+    trainers[0]._ahead.join()
+    before = len(compiles)
+    ahead = trainers[0].evaluate_members(state.params, splits)
+    assert len(compiles) == before
+    assert ahead == trainers[1].evaluate_members(state.params, splits)
+    two = counting("run.num_devices=2")
+    cpus = Trainer(model=build_model(two.model, task.vocab_size, longest_length(task)), config=two,
+                   seq_len=task.seq_len)
+    cpus.compile_ahead(cpus.init_state().params, [splits])
+    assert cpus._ahead is None
+
+
 def test_the_fixed_training_set_holds_the_batches():
     """Counting's batches are rows of its training set, as the on-device feed reads them; flip-flop has none."""
     task = build_task(counting())

@@ -112,6 +112,8 @@ class RunConfig:
     # is due, or before a batch of another padded length); above 1, a task with a fixed training set (counting) keeps
     # it on the device
     steps_per_dispatch: int = 1
+    # compile the evaluation steps in a background thread while training runs (Trainer.compile_ahead)
+    compile_ahead: bool = True
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])
 
@@ -120,7 +122,7 @@ class RunConfig:
                                       "steps_per_dispatch"), 1,
                         integer=True)
         _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices"), 0, integer=True)
-        for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
+        for name in ("async_checkpoints", "fsdp", "compile_ahead", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")
         if self.pad_to not in PAD_TO:

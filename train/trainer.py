@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -59,6 +60,7 @@ class Trainer:
     init_state: Callable[[], TrainState] = dataclasses.field(init=False)
     pad_to: str = dataclasses.field(init=False)  # run.pad_to, or "block" where padding changes the model's scores
     batch_lengths: dict[str, set[int]] = dataclasses.field(init=False)  # kind -> padded lengths compiled
+    _ahead: threading.Thread | None = dataclasses.field(init=False, default=None)  # compile_ahead's, until joined
 
     def __post_init__(self) -> None:
         config, model = self.config, self.model
@@ -206,6 +208,29 @@ class Trainer:
                     self.note_length("eval", int(length), full)
         return planned
 
+    def compile_ahead(self, params: Any, evaluations: Sequence[Mapping[str, Any]]) -> None:
+        """Compiles, in a background thread while training runs, the eval steps that evaluating each of `evaluations`
+        (split sets evaluated together: `eval_lengths` plans each) will run, by running each once on zeros shaped and
+        placed as `params` and a batch of zeros: the first evaluation then finds them compiled (on a GPU, the idle
+        host compiles while the device trains). Not where programs must run one at a time (a mesh of several CPU
+        devices: distributed.one_program_at_a_time) nor with run.pad_to "block" (one eval step, compiled at once)."""
+        if self.pad_to == "block" or distributed.one_program_at_a_time(self.mesh):
+            return
+        plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
+        lengths = sorted({int(n) for plan in plans for n in plan})
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)  # never donated
+        batch_size = self.config.run.eval_batch_size
+
+        def compile_all() -> None:
+            for length in lengths:
+                batch = {"inputs": np.zeros((batch_size, length), np.int32),
+                         "targets": np.zeros((batch_size, length), np.int32),
+                         "weights": np.zeros((batch_size, length), np.float32)}
+                jax.block_until_ready(self.eval_step(zeros, self.put(batch)))
+
+        self._ahead = threading.Thread(target=compile_all, name="jaxpe-compile-ahead", daemon=True)
+        self._ahead.start()
+
     def evaluate(self, params: Any, splits: Mapping[str, Any], *,
                  on_batch: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
         """Metrics per split (see jaxpe.train.evaluate) of one run's params (a Trainer without seeds);
@@ -218,7 +243,11 @@ class Trainer:
     def evaluate_members(self, params: Any, splits: Mapping[str, Any], *,
                          on_batch: Callable[[int], None] | None = None) -> list[dict[str, dict[str, float]]]:
         """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
-        seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch."""
+        seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch. Waits
+        for `compile_ahead`'s thread first (its programs are these)."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
         lengths = None if self.pad_to == "block" else self.eval_lengths(splits)
         sums = {
             name: evaluate.split_sums(
