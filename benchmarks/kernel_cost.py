@@ -641,7 +641,8 @@ def tally_loop(fn: Function, blocks: Sequence[Block], loop: Loop) -> tuple[Tally
 # The outermost loops of each kernel, in address order: (name, counted), by (path, op, kernel) or else (op, kernel).
 # Counted loops run once per key block each (their costs add up); an uncounted one takes some key blocks instead of a
 # counted one (CoPE's clamped tiles, once every row's position has reached P − 1; the native forward's diagonal
-# tiles, the one or two per query block that the causal mask cuts, before the unmasked ones below it).
+# tiles, the one or two per query block that the causal mask cuts, before the unmasked ones below it; FoX's forward's
+# masked tiles, after its unmasked ones).
 LOOPS = {
     ("triton", "cope", "forward"): (("diagonal", False), ("positions", True), ("clamped", False)),
     ("triton", "cope", "forward_train"): (("diagonal", False), ("positions", True), ("clamped", False)),
@@ -651,8 +652,8 @@ LOOPS = {
     ("corope", "forward"): (("keys", True),),
     ("corope", "forward_train"): (("keys", True),),
     ("corope", "backward"): (("keys", True), ("gates", True)),
-    ("fox", "forward"): (("keys", True),),
-    ("fox", "forward_train"): (("keys", True),),
+    ("fox", "forward"): (("full", True), ("diagonal", False)),
+    ("fox", "forward_train"): (("full", True), ("diagonal", False)),
     ("fox", "backward"): (("keys", True),),
     ("stickbreaking", "forward"): (("keys", True),),
     ("stickbreaking", "forward_train"): (("keys", True),),

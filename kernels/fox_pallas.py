@@ -8,7 +8,10 @@ The maths: c the running sum over positions of the log forget gates (per query h
 logits_ij = sm_scale·q_i·k_j + c_i − c_j for visible j ≤ i, softmax, times v: flash attention with a rank-one bias.
 
 Forward: one program per (query block, batch, head) walks the key blocks from the first one its window reaches to
-the diagonal with an online softmax; it keeps out and the rows' log-sum-exps lse [B, Hq, Lp].
+the diagonal with an online softmax; it keeps out and the rows' log-sum-exps lse [B, Hq, Lp]. Without a window or
+documents the key blocks wholly at or below the block's first row, which every row sees, skip the mask (a loop
+of their own, as CoPE's native forward splits its tiles). Its softmax runs in base 2 (log2 e folded into sm_scale
+and c: a multiply-add and a subtraction a logit, and exp2, the SFU's own, not exp's longer libdevice sequence).
 Backward: one query-major program per (query block, batch, head) walks the same key blocks: p = exp(s − lse),
 ds = p·(do·vᵀ − δ) with δ = rowsum(o·do); dq stays in registers, dk, dv are atomic adds into float32 zero-initialised
 outputs spanning the kv head's rows, and the bias's gradient is Σ_j ds_ij for c_i (kept per row) and −Σ_i ds_ij for
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +64,9 @@ def default_num_warps(head_dim: int) -> int:
 
 
 
+_LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
+
+
 def _logits(q, k, c_rows, c_keys, mask, sm_scale):
     """sm_scale·q·kᵀ + c_i − c_j [block_q, block_k] float32, MASK_VALUE where masked."""
     s = sm_scale * dot(q, k, trans_b=True) + (c_rows[:, None] - c_keys[None, :])
@@ -74,27 +81,35 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     row0 = pl.program_id(0) * block_q
     rows = row0 + jnp.arange(block_q)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
-    q, c_rows = q_ref[...], c_q_ref[...]
+    q, c2_rows = q_ref[...], c_q_ref[...] * _LOG2E
+    scale2 = config.sm_scale * _LOG2E
 
-    def tile(index, carry):
+    def tile(index, carry, masked: bool):
         m, l, acc = carry
         keys = pl.ds(index * block_k, block_k)
-        mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
-                        None if seg_k_ref is None else seg_k_ref[keys])
-        logits = _logits(q, k_ref[keys, :], c_rows, c_k_ref[keys], mask, config.sm_scale)
+        # base 2 (the logits times log2 e): one multiply-add and one subtraction a logit, and exp2 is the SFU's
+        logits = (scale2 * dot(q, k_ref[keys, :], trans_b=True) + c2_rows[:, None]) - (c_k_ref[keys] * _LOG2E)[None, :]
+        if masked:
+            mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+                           None if seg_k_ref is None else seg_k_ref[keys])
+            logits = jnp.where(mask, logits, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        correction = jnp.exp(m - m_new)
-        probs = jnp.where(mask, jnp.exp(logits - m_new[:, None]), 0.0)
+        correction = jnp.exp2(m - m_new)
+        probs = jnp.exp2(logits - m_new[:, None])
+        probs = jnp.where(mask, probs, 0.0) if masked else probs
         v = v_ref[keys, :]
         return m_new, l * correction + jnp.sum(probs, axis=1), acc * correction[:, None] + dot(probs.astype(v.dtype), v)
 
     first, end = key_blocks(row0, block_q, block_k, config.window)
+    # Without a window or documents the key blocks wholly at or below row0 are seen by every row: no mask there.
+    below = first if config.window is not None or seg_rows is not None else (row0 + 1) // block_k
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
-    m, l, acc = lax.fori_loop(first, end, tile, init)
+    carry = lax.fori_loop(first, below, functools.partial(tile, masked=False), init)
+    m, l, acc = lax.fori_loop(below, end, functools.partial(tile, masked=True), carry)
     l = jnp.where(l > 0, l, 1.0)  # padded rows see nothing
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    lse_ref[...] = (m + jnp.log2(l)) * _LN2  # the natural log-sum-exp, as the backward reads it
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref, do_ref, lse_ref, delta_ref,

@@ -188,8 +188,9 @@ class _PallasSweep:
     INTERPRET: bool
     TOLERANCE: dict
 
-    @pytest.mark.parametrize("case", ["causal", "segments", "window"])
+    @pytest.mark.parametrize("case", ["causal", "causal, 32-row blocks", "segments", "window"])
     def test_matches_the_reference(self, case, key):
+        """32-row query blocks over 16-key blocks: the forward's unmasked key blocks end inside a query block."""
         q, k, v, log_fgate = inputs(key, length=37)
         c = forget_gate_cumsum(log_fgate)
         window = 5 if case == "window" else None
@@ -201,7 +202,8 @@ class _PallasSweep:
             return forgetting_attention_reference(q, k, v, c, c, sm_scale=scale, mask=mask)
 
         def fused(q, k, v, c, scale):
-            return forgetting_attention_pallas(q, k, v, c, sm_scale=scale, block_sizes=BlockSizes(16, 16, 16, 16),
+            rows = 32 if "32-row" in case else 16
+            return forgetting_attention_pallas(q, k, v, c, sm_scale=scale, block_sizes=BlockSizes(rows, 16, rows, 16),
                                                interpret=self.INTERPRET, segment_ids=segments, window=window)
 
         args = (q, k, v, c, jnp.float32(0.3))
