@@ -61,6 +61,8 @@ def test_bucket_length_refuses_unknown_settings():
     with pytest.raises(ValueError, match="run.pad_multiple=0"):
         build_config(overrides=["run.pad_multiple=0"])
     assert build_config(overrides=["run.pad_to=pow2", "run.pad_multiple=8"]).run.pad_to == "pow2"
+    with pytest.raises(ValueError, match="run.compile_ahead='yes' must be one of auto, on, off"):
+        build_config(overrides=["run.compile_ahead=yes"])
 
 
 def test_scored_lengths_and_trim():

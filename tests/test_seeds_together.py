@@ -160,7 +160,7 @@ def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
     """Trainer.compile_ahead compiles every eval step of the planned evaluations in a background thread (on zeros,
     never the state it is given, which training donates); evaluating afterwards compiles nothing and gives the
     metrics of a trainer that did not compile ahead. On a mesh of several CPU devices, which must run one program at
-    a time, it starts nothing."""
+    a time, it starts nothing, nor on a CPU unless run.compile_ahead is "on"."""
     import jax
     import jax.monitoring
 
@@ -170,7 +170,7 @@ def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
-    config = counting("run.num_devices=1")
+    config = counting("run.num_devices=1", "run.compile_ahead=on")
     task = build_task(config)
     trainers = [Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
                         seq_len=task.seq_len, seeds=(0, 1)) for _ in range(2)]
@@ -181,11 +181,12 @@ def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
     ahead = trainers[0].evaluate_members(state.params, splits)
     assert len(compiles) == before
     assert ahead == trainers[1].evaluate_members(state.params, splits)
-    two = counting("run.num_devices=2")
-    cpus = Trainer(model=build_model(two.model, task.vocab_size, longest_length(task)), config=two,
-                   seq_len=task.seq_len)
-    cpus.compile_ahead(cpus.init_state().params, [splits])
-    assert cpus._ahead is None
+    for overrides in (["run.num_devices=2", "run.compile_ahead=on"], ["run.num_devices=1"]):  # "auto": not on CPU
+        other = counting(*overrides)
+        cpu = Trainer(model=build_model(other.model, task.vocab_size, longest_length(task)), config=other,
+                      seq_len=task.seq_len)
+        cpu.compile_ahead(cpu.init_state().params, [splits])
+        assert cpu._ahead is None
 
 
 def test_the_fixed_training_set_holds_the_batches():

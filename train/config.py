@@ -36,6 +36,8 @@ from jaxpe.registry import pe_config
 from jaxpe.train.tasks import Task, make_task, task_config_class
 from jaxpe.train.tasks.base import PAD_TO, config_from_options, json_object
 
+COMPILE_AHEAD = ("auto", "on", "off")  # run.compile_ahead: when Trainer.compile_ahead compiles the eval steps early
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
@@ -112,8 +114,9 @@ class RunConfig:
     # is due, or before a batch of another padded length); above 1, a task with a fixed training set (counting) keeps
     # it on the device
     steps_per_dispatch: int = 1
-    # compile the evaluation steps in a background thread while training runs (Trainer.compile_ahead)
-    compile_ahead: bool = True
+    # compile the evaluation steps in a background thread while training runs (Trainer.compile_ahead): "auto" on
+    # accelerators (their host is idle), "on" on a one-device CPU too, "off" never
+    compile_ahead: str = "auto"
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])
 
@@ -122,11 +125,13 @@ class RunConfig:
                                       "steps_per_dispatch"), 1,
                         integer=True)
         _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices"), 0, integer=True)
-        for name in ("async_checkpoints", "fsdp", "compile_ahead", "progress", "tensorboard"):
+        for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")
         if self.pad_to not in PAD_TO:
             raise ValueError(f"run.pad_to={self.pad_to!r} must be one of {', '.join(PAD_TO)}")
+        if self.compile_ahead not in COMPILE_AHEAD:
+            raise ValueError(f"run.compile_ahead={self.compile_ahead!r} must be one of {', '.join(COMPILE_AHEAD)}")
 
 
 @dataclasses.dataclass(frozen=True)

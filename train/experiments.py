@@ -146,9 +146,8 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
                          f"{str(checkpoints[0].directory)!r}; set run.steps >= {resumed_from} to resume it")
     state = trainer.init_state() if resumed is None else resumed
     start = resumed_from or 0
-    if run.compile_ahead:
-        during = {k: v for k, v in splits.items() if not run.eval_splits or k in run.eval_splits}
-        trainer.compile_ahead(state.params, [during, splits] if run.eval_every else [splits])
+    during = {k: v for k, v in splits.items() if not run.eval_splits or k in run.eval_splits}
+    trainer.compile_ahead(state.params, [during, splits] if run.eval_every else [splits])
     if resumed_from is not None:
         log.info("resumed from step %d (checkpoint%s in %s)", start, "s" if len(checkpoints) > 1 else "",
                  ", ".join(str(c.directory) for c in checkpoints))

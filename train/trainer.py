@@ -212,9 +212,13 @@ class Trainer:
         """Compiles, in a background thread while training runs, the eval steps that evaluating each of `evaluations`
         (split sets evaluated together: `eval_lengths` plans each) will run, by running each once on zeros shaped and
         placed as `params` and a batch of zeros: the first evaluation then finds them compiled (on a GPU, the idle
-        host compiles while the device trains). Not where programs must run one at a time (a mesh of several CPU
-        devices: distributed.one_program_at_a_time) nor with run.pad_to "block" (one eval step, compiled at once)."""
-        if self.pad_to == "block" or distributed.one_program_at_a_time(self.mesh):
+        host compiles while the device trains). As run.compile_ahead says: "auto" on accelerators only (on a CPU
+        the compiler takes the cores training uses, and a run cut short compiles for nothing), "on" on a one-device
+        CPU too, "off" never; never where programs must run one at a time (a mesh of several CPU devices:
+        distributed.one_program_at_a_time) nor with run.pad_to "block" (one eval step, compiled at once)."""
+        setting, on_cpu = self.config.run.compile_ahead, all(d.platform == "cpu" for d in self.mesh.devices.flat)
+        if (setting == "off" or (setting == "auto" and on_cpu) or self.pad_to == "block"
+                or distributed.one_program_at_a_time(self.mesh)):
             return
         plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
         lengths = sorted({int(n) for plan in plans for n in plan})
