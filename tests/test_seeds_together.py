@@ -157,10 +157,10 @@ def test_a_dispatch_holds_the_steps_of_one_length_and_each_length_compiles_once(
 
 
 def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
-    """Trainer.compile_ahead compiles every eval step of the planned evaluations in a background thread (on zeros,
-    never the state it is given, which training donates); evaluating afterwards compiles nothing and gives the
-    metrics of a trainer that did not compile ahead. On a mesh of several CPU devices, which must run one program at
-    a time, it starts nothing, nor on a CPU unless run.compile_ahead is "on"."""
+    """Trainer.compile_ahead compiles every eval step of the planned evaluations in a background thread, ahead of
+    time (the parameters' shapes and placements only); evaluating afterwards compiles nothing and gives the metrics
+    of a trainer that did not compile ahead, on one device and on a mesh of two. On a CPU it starts nothing unless
+    run.compile_ahead is "on"."""
     import jax
     import jax.monitoring
 
@@ -170,23 +170,23 @@ def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
-    config = counting("run.num_devices=1", "run.compile_ahead=on")
-    task = build_task(config)
-    trainers = [Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
-                        seq_len=task.seq_len, seeds=(0, 1)) for _ in range(2)]
-    state, splits = trainers[0].init_state(), task.eval_splits()
-    trainers[0].compile_ahead(state.params, [{"valid": splits["valid"]}, splits])
-    trainers[0]._ahead.join()
-    before = len(compiles)
-    ahead = trainers[0].evaluate_members(state.params, splits)
-    assert len(compiles) == before
-    assert ahead == trainers[1].evaluate_members(state.params, splits)
-    for overrides in (["run.num_devices=2", "run.compile_ahead=on"], ["run.num_devices=1"]):  # "auto": not on CPU
-        other = counting(*overrides)
-        cpu = Trainer(model=build_model(other.model, task.vocab_size, longest_length(task)), config=other,
-                      seq_len=task.seq_len)
-        cpu.compile_ahead(cpu.init_state().params, [splits])
-        assert cpu._ahead is None
+    for devices in (1, 2):
+        config = counting(f"run.num_devices={devices}", "run.compile_ahead=on")
+        task = build_task(config)
+        trainers = [Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
+                            seq_len=task.seq_len, seeds=(0, 1)) for _ in range(2)]
+        state, splits = trainers[0].init_state(), task.eval_splits()
+        trainers[0].compile_ahead(state.params, [{"valid": splits["valid"]}, splits])
+        trainers[0]._ahead.join()
+        before = len(compiles)
+        ahead = trainers[0].evaluate_members(state.params, splits)
+        assert len(compiles) == before, devices
+        assert ahead == trainers[1].evaluate_members(state.params, splits)
+    auto = counting("run.num_devices=1")  # "auto": not on a CPU
+    cpu = Trainer(model=build_model(auto.model, task.vocab_size, longest_length(task)), config=auto,
+                  seq_len=task.seq_len)
+    cpu.compile_ahead(cpu.init_state().params, [splits])
+    assert cpu._ahead is None
 
 
 def test_the_fixed_training_set_holds_the_batches():

@@ -115,7 +115,7 @@ class RunConfig:
     # it on the device
     steps_per_dispatch: int = 1
     # compile the evaluation steps in a background thread while training runs (Trainer.compile_ahead): "auto" on
-    # accelerators (their host is idle), "on" on a one-device CPU too, "off" never
+    # accelerators (their host is idle), "on" on a CPU too, "off" never
     compile_ahead: str = "auto"
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard event files in workdir/tb/ if tensorboardX is installed (jaxpe[tensorboard])

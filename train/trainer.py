@@ -210,27 +210,25 @@ class Trainer:
 
     def compile_ahead(self, params: Any, evaluations: Sequence[Mapping[str, Any]]) -> None:
         """Compiles, in a background thread while training runs, the eval steps that evaluating each of `evaluations`
-        (split sets evaluated together: `eval_lengths` plans each) will run, by running each once on zeros shaped and
-        placed as `params` and a batch of zeros: the first evaluation then finds them compiled (on a GPU, the idle
-        host compiles while the device trains). As run.compile_ahead says: "auto" on accelerators only (on a CPU
-        the compiler takes the cores training uses, and a run cut short compiles for nothing), "on" on a one-device
-        CPU too, "off" never; never where programs must run one at a time (a mesh of several CPU devices:
-        distributed.one_program_at_a_time) nor with run.pad_to "block" (one eval step, compiled at once)."""
+        (split sets evaluated together: `eval_lengths` plans each) will run, for params shaped and placed as `params`
+        (ahead-of-time: nothing runs, nothing is read, so the state may be donated meanwhile): the first evaluation
+        then finds them in jax's compilation cache (on a GPU, the idle host compiles while the device trains). As
+        run.compile_ahead says: "auto" on accelerators only (on a CPU the compiler takes the cores training uses,
+        and a run cut short compiles for nothing), "on" on a CPU too, "off" never; not with run.pad_to "block" (one
+        eval step, compiled at once)."""
         setting, on_cpu = self.config.run.compile_ahead, all(d.platform == "cpu" for d in self.mesh.devices.flat)
-        if (setting == "off" or (setting == "auto" and on_cpu) or self.pad_to == "block"
-                or distributed.one_program_at_a_time(self.mesh)):
+        if setting == "off" or (setting == "auto" and on_cpu) or self.pad_to == "block":
             return
         plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
         lengths = sorted({int(n) for plan in plans for n in plan})
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)  # never donated
-        batch_size = self.config.run.eval_batch_size
+        shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        rows, sharding = self.config.run.eval_batch_size, distributed.batch_sharding(self.mesh)
 
         def compile_all() -> None:
             for length in lengths:
-                batch = {"inputs": np.zeros((batch_size, length), np.int32),
-                         "targets": np.zeros((batch_size, length), np.int32),
-                         "weights": np.zeros((batch_size, length), np.float32)}
-                jax.block_until_ready(self.eval_step(zeros, self.put(batch)))
+                batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
+                         for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
+                self.eval_step.lower(shaped, batch).compile()
 
         self._ahead = threading.Thread(target=compile_all, name="jaxpe-compile-ahead", daemon=True)
         self._ahead.start()
