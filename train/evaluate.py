@@ -99,8 +99,9 @@ def split_arrays(split: Any, *, by_length: bool = True) -> dict[str, np.ndarray]
 
 
 def batch_longest(split: Any, batch_size: int) -> np.ndarray:
-    """int [ceil(N / batch_size)]: the longest scored sequence of each batch `split_sums` makes of the split."""
-    lengths = scored_lengths(split_arrays(split)["weights"])
+    """int [ceil(N / batch_size)]: the longest scored sequence of each batch `split_sums` makes of the split (sorted
+    by length, as `split_arrays` sorts it)."""
+    lengths = np.sort(scored_lengths(np.asarray(split.weights, np.float32)))
     return np.array([lengths[start:start + batch_size].max(initial=0) for start in range(0, lengths.size, batch_size)])
 
 

@@ -10,7 +10,7 @@ batches are made on the host and sent together, one transfer per dispatch.
 Lengths: a dispatch holds steps of one length and ends before a step of another, so that steps compute at their own
 length, not at the longest of K batches (at cpu-small, counting's batches pad to 48 but one in 60 to 64, so nearly
 every 50-step dispatch cut to its longest would run at 64). A step's own length is its batch's longest scored prefix,
-bucketed as run.pad_to says (Trainer.pad); with a fixed training set the run's lengths are known ahead, and a length
+bucketed as run.pad_to says (Trainer.bucket); with a fixed training set the run's lengths are known ahead, and a length
 that few of the run's steps need runs at a longer one (tasks.base.planned_lengths: at the paper preset 5 of 2000
 batches pad to 480 or 496, the rest to 512, and two more compilations would cost far more than the padding they
 save). Batches made on the host run at their own length.
@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxpe.train import distributed
 from jaxpe.train.tasks import Task
-from jaxpe.train.tasks.base import FixedTrainSet, bucket_length, planned_lengths, scored_lengths
+from jaxpe.train.tasks.base import FixedTrainSet, planned_lengths, scored_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +63,14 @@ class Feed:
             self._data = jax.device_put(dict(arrays), distributed.replicated(self.trainer.mesh))
         return self._data, self._lengths
 
-    def _bucket(self, scored: np.ndarray, full: int) -> int:
-        """The length a batch of scored lengths `scored` [B] pads to (Trainer.pad's)."""
-        return bucket_length(int(scored.max(initial=0)), full, pad_to=self.trainer.pad_to,
-                             multiple=self.trainer.config.run.pad_multiple)
-
     def step_lengths(self) -> np.ndarray:
         """int [run.steps]: the length each step of the run computes at, with a fixed training set: its batch's own,
         planned over the whole run (tasks.base.planned_lengths)."""
         if self._step_lengths is None:
             data, lengths = self._device_set()
             full, batch_size = next(iter(data.values())).shape[1], self.trainer.config.optim.batch_size
-            self._step_lengths = planned_lengths([self._bucket(lengths[self.task.train_rows(step, batch_size)], full)
-                                                  for step in range(self.trainer.config.run.steps)])
+            rows = (self.task.train_rows(step, batch_size) for step in range(self.trainer.config.run.steps))
+            self._step_lengths = planned_lengths([self.trainer.bucket(lengths[r], full) for r in rows])
         return self._step_lengths
 
     def steps(self, step: int, count: int) -> Chunk:
@@ -98,7 +93,7 @@ class Feed:
             def batch_at(k: int) -> tuple[Any, np.ndarray, int]:
                 batch = first if k == 0 else self.task.train_batch(step + k, batch_size)
                 batch_scored = scored_lengths(batch["weights"])
-                return batch, batch_scored, self._bucket(batch_scored, full)
+                return batch, batch_scored, self.trainer.bucket(batch_scored, full)
         taken, scored, length = [], [], 0
         for k in range(count):
             item, item_scored, item_length = batch_at(k)

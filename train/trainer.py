@@ -173,12 +173,17 @@ class Trainer:
     def put(self, batch: Batch) -> dict[str, jax.Array]:
         return distributed.put_batch(batch, self.mesh)
 
+    def bucket(self, scored: np.ndarray, full: int) -> int:
+        """The length a batch whose sequences' scored lengths are `scored` [B] (tasks.base.scored_lengths; or their
+        longest alone) and whose arrays are `full` long is cut to: the longest rounded up as run.pad_to says."""
+        return bucket_length(int(np.max(scored, initial=0)), full, pad_to=self.pad_to,
+                             multiple=self.config.run.pad_multiple)
+
     def pad(self, batch: Mapping[str, Any], kind: str = "train") -> dict[str, Any]:
-        """The host batch [B, L] cut to [B, bucket]: its longest scored prefix (tasks.base.scored_lengths) rounded
-        up as run.pad_to says. A length new to `kind` is logged: the step compiles once more."""
+        """The host batch [B, L] cut to [B, `bucket`]. A length new to `kind` is logged: the step compiles once
+        more."""
         full = batch["inputs"].shape[1]
-        longest = int(scored_lengths(batch["weights"]).max(initial=0))
-        length = bucket_length(longest, full, pad_to=self.pad_to, multiple=self.config.run.pad_multiple)
+        length = self.bucket(scored_lengths(batch["weights"]), full)
         self.note_length(kind, length, full)
         return trim_batch(batch, length) if length < full else dict(batch)
 
@@ -194,8 +199,8 @@ class Trainer:
         bucket (as `pad` cuts a batch), planned over the batches of every split of the same block length
         (tasks.base.planned_lengths: the paper preset's validation set would otherwise compile 14 eval steps of one
         pass each). New lengths are logged, as `pad` logs them."""
-        batch_size, multiple = self.config.run.eval_batch_size, self.config.run.pad_multiple
-        own = {name: np.array([bucket_length(int(longest), split.inputs.shape[1], pad_to=self.pad_to, multiple=multiple)
+        batch_size = self.config.run.eval_batch_size
+        own = {name: np.array([self.bucket(longest, split.inputs.shape[1])
                                for longest in evaluate.batch_longest(split, batch_size)])
                for name, split in splits.items()}
         planned = {}
