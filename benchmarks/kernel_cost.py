@@ -655,9 +655,9 @@ LOOPS = {
     ("fox", "forward"): (("full", True), ("diagonal", False)),
     ("fox", "forward_train"): (("full", True), ("diagonal", False)),
     ("fox", "backward"): (("keys", True),),
-    ("stickbreaking", "forward"): (("keys", True),),
-    ("stickbreaking", "forward_train"): (("keys", True),),
-    ("stickbreaking", "backward"): (("keys", True),),
+    ("stickbreaking", "forward"): (("diagonal", False), ("full", True)),
+    ("stickbreaking", "forward_train"): (("diagonal", False), ("full", True)),
+    ("stickbreaking", "backward"): (("diagonal", False), ("full", True)),
     ("plain", "forward"): (("keys", True),),
     ("plain", "backward"): (("dkdv", True), ("dq", True)),
 }

@@ -15,22 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import TRITON_DTYPES, check_fused, fused_refusal
-from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
-from jaxpe.kernels._common import fold_scale, resolve_interpret, tile_extent, triton_compiler_params
-
-
-class BlockSizes(SharedBlockSizes):
-    """The row kernels' tile sizes (`default`); a kernel with other defaults subclasses it."""
-
-    @classmethod
-    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
-        """64 × 32 forward tiles and 32 × 32 backward ones, halved along the keys from Dp = 256, in every dtype
-        (stick-breaking's on benchmarks/kernel_cost.py's model of an H100 at 4 warps, GQA 8/2, clk/logit in bfloat16 /
-        float32: forward 0.69 / 0.84 at D 64 and 0.73 / 0.97 at D 128 against 0.77 / 1.00 and 0.92 / 1.50 at 32 × 32;
-        larger tiles spill)."""
-        del dtype
-        keys = 32 if tile_extent(head_dim) <= 128 else 16
-        return cls(64, keys, 32, keys)
+from jaxpe.kernels._common import BlockSizes, fold_scale, resolve_interpret, tile_extent, triton_compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +27,14 @@ class RowConfig:
     length: int  # L, before padding
     blocks: BlockSizes
     interpret: bool
-    num_warps: int
+    num_warps: int  # the forward's
+    num_warps_bwd: int  # the backward's
     num_stages: int | None  # None: 2 in the forward, 1 in the backward
     window: int | None = None  # sliding window W (< L), None: the whole causal prefix
 
     def compiler_params(self, *, backward: bool) -> Any:
-        return triton_compiler_params(num_warps=self.num_warps, num_stages=self.num_stages or (1 if backward else 2))
+        return triton_compiler_params(num_warps=self.num_warps_bwd if backward else self.num_warps,
+                                      num_stages=self.num_stages or (1 if backward else 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +71,19 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
 
 
 def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, blocks_type: type,
-              default_warps: Callable[[int], int], interpret: bool | None, num_warps: int | None,
+              default_warps: Callable[..., int], interpret: bool | None, num_warps: int | None,
               num_stages: int | None) -> tuple[jax.Array, dict[str, Any]]:
     """The opening of a row kernel's entry (its operation's checks already made): the fused path's refusals and
     tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q (`fold_scale`),
-    blocks fitted to the length and dtype and num_warps by default the kernel's `default_warps(D)`."""
+    blocks fitted to the length and dtype and num_warps (both kernels') by default the kernel's
+    `default_warps(D, dtype, backward=...)`."""
     check_fused(q, fused_refusal(q, impl="pallas", dtypes=TRITON_DTYPES), block_sizes=block_sizes,
                 blocks_type=blocks_type, num_warps=num_warps, num_stages=num_stages)
     q, sm_scale = fold_scale(q, sm_scale)
     blocks = (block_sizes or blocks_type()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype)
     return q, dict(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
-                   num_warps=num_warps or default_warps(q.shape[3]), num_stages=num_stages)
+                   num_warps=num_warps or default_warps(q.shape[3], q.dtype, backward=False),
+                   num_warps_bwd=num_warps or default_warps(q.shape[3], q.dtype, backward=True), num_stages=num_stages)
 
 
 def padded_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, multiple: int

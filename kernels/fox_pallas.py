@@ -56,12 +56,11 @@ class BlockSizes(SharedBlockSizes):
         return cls(128 if half else 64, 32 if half else 16, 32, 16)
 
 
-def default_num_warps(head_dim: int) -> int:
-    """Warps per program: 8 for every head dim (at 4, the float32 forward's 128 × 64 tiles spill at D 64)."""
-    del head_dim
+def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int:
+    """Warps per program: 8 for every head dim, dtype and kernel (at 4, the float32 forward's 128 × 64 tiles spill at
+    D 64)."""
+    del head_dim, dtype, backward
     return 8
-
-
 
 
 _LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
@@ -224,7 +223,7 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq) float32, bfloat16 or float16, log_fgate_cumsum [B, L, Hq]
     the running sum of the log forget gates -> [B, L, Hq, D] in q's dtype. block_sizes: None fields take
     `BlockSizes.default(D, dtype)`; interpret: the Pallas interpreter (default: unless the backend is a GPU);
-    num_warps (default `default_num_warps(D)`) / num_stages tune the Triton lowering. segment_ids [B, L] int32: packed
+    num_warps (default `default_num_warps`) / num_stages tune the Triton lowering. segment_ids [B, L] int32: packed
     documents; window: i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the
     kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
     """

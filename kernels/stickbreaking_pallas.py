@@ -11,33 +11,59 @@ out_i = Σ_j A_ij v_j, remainder exp(R_i), R_i = Σ_k log σ(−z_ik).
 Forward: one program per (query block, batch, head) walks the key blocks in reverse from the diagonal, carrying R
 (the suffix sum over the keys already walked); inside a tile the suffix sums over keys are one product with the
 constant triangular matrix [t ≥ j] (Pallas-Triton cannot lower a reverse cumsum), float32-accurate, and R grows by
-the tile's row sums. It keeps out and R [B, Hq, Lp].
-Backward: the same reverse walk, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
+the tile's row sums. Without a window or documents, the key blocks wholly before the query block, which every row
+attends in full, run without the mask (a loop of their own, as forgetting attention's forward splits its tiles). The
+logarithms are to base 2 (log2 e folded into sm_scale; exp2 and, compiled for a GPU, the softplus's ex2 and lg2 are
+the SFU's own instructions, where exp and log1p compile to long libdevice sequences). It keeps out and R
+[B, Hq, Lp].
+Backward: the same reverse walk and split, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(do_i·o_i + ρ_i − S_ij), w = do·vᵀ, ρ_i the remainder's cotangent times
-it. dq stays in registers; dk, dv are atomic adds into float32 zero-initialised outputs spanning the kv head's rows
-(so their last bits vary run to run). Compiled for sm_90a without a GPU (tools/compile_report.py), not yet timed
-on one: `impl="auto"` does not pick it.
+it, σ(±z) powers of 2 of the tile's logarithms. dq stays in registers; dk, dv are atomic adds into float32
+zero-initialised outputs spanning the kv head's rows (so their last bits vary run to run). Compiled for sm_90a
+without a GPU (tools/compile_report.py), not yet timed on one: `impl="auto"` does not pick it.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
-from jaxpe.kernels._common import dot, first_order_only, output_struct, tile_extent, vary_alike
-from jaxpe.kernels._pallas_rows import BlockSizes, RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
+from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
+from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
+from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
-def default_num_warps(head_dim: int) -> int:
-    """Warps per program: 4 up to Dp = 128, 8 at 256. On benchmarks/kernel_cost.py's model of an H100 (L 1024, GQA
-    8/2, default blocks; clk/logit, bfloat16 / float32), 8 warps double the issue-bound forward's cost at D 128 (1.50
-    / 1.83 against 0.73 / 0.97 at 4) and cost the backward more (3.94 / 6.06 against 2.41 / 3.66); at D 256 float32
-    spills more than the compile report's budgets at 4 warps (288 bytes in the forward, 528 in the backward)."""
-    return 4 if tile_extent(head_dim) <= 128 else 8
+_LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
+
+
+class BlockSizes(SharedBlockSizes):
+    """Stick-breaking's tile sizes (`default`)."""
+
+    @classmethod
+    def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
+        """Chosen on benchmarks/kernel_cost.py's model of an H100 (L 1024, GQA 8/2; clk/logit in bfloat16 / float32),
+        every choice within the compile report's spill budgets. Up to Dp = 128: forward tiles of 128 × 64 in 16 bits
+        and 128 × 32 in float32 at 8 warps (D 64: 0.20 / 0.34, D 128: 0.25 / 0.56, against 0.23 / 0.44 and 0.31 /
+        0.75 at 64 × 32 and 4 warps; float32's 128 × 64 spill at D 128), backward tiles of 64 × 32 (D 64: 0.73 /
+        1.13, D 128: 1.06 / 2.75 against 1.28 / 2.03 and 2.03 / 3.28 at 32 × 32). At Dp = 256: 64 × 16 forward
+        tiles and 32 × 16 backward ones (larger ones spill)."""
+        if tile_extent(head_dim) > 128:
+            return cls(64, 16, 32, 16)
+        return cls(128, 64 if jnp.dtype(dtype).itemsize == 2 else 32, 64, 32)
+
+
+def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int:
+    """Warps per program (benchmarks/kernel_cost.py's model, as `BlockSizes.default`): 8 in the forward (its 128-row
+    tiles); 4 in the backward up to Dp = 128 (D 64: 0.73 / 1.13 clk/logit against 1.23 / 1.88 at 8 warps), but 8 for
+    float32 at Dp = 128 (at 4 its 64 × 32 tiles spill 1 KiB) and at Dp = 256."""
+    wide = tile_extent(head_dim) > 128 or (tile_extent(head_dim) == 128 and jnp.dtype(dtype).itemsize == 4)
+    return 8 if not backward or wide else 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,25 +73,62 @@ class _Config(RowConfig):
     attend_current: bool = False  # the diagonal key takes part (j <= i) or not (j < i)
 
 
-def _suffix_sums(x: jax.Array, config: _Config) -> jax.Array:
-    """Σ_{t ≥ j} x[:, t] for x [block_q, block_k]: x times the triangular [t ≥ j] matrix, float32-accurate."""
-    size = x.shape[1]
-    triangle = (jnp.arange(size)[:, None] >= jnp.arange(size)[None, :]).astype(jnp.float32)
-    return dot(x, triangle, accurate=True, interpret=config.interpret)
+def _asm(ptx: str, x: jax.Array) -> jax.Array:
+    """One float32 PTX sequence per element of x ($1 the element, $0 the result), compiled for a GPU."""
+    [y] = plt.elementwise_inline_asm(ptx, args=[x], constraints="=f,f", pack=1,
+                                     result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
 
 
-def _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config: _Config):
-    """One tile: the attended mask, z, A (0 where not attended) and log σ(−z) (0 where not attended); r [block_q] is
-    R over the keys after the tile."""
-    cols = index * block_k + jnp.arange(block_k)
-    keys = pl.ds(index * block_k, block_k)
-    mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
-    mask &= cols[None, :] < rows[:, None] + int(config.attend_current)
-    z = config.sm_scale * dot(q, k, trans_b=True)
-    log_keep = jnp.where(mask, jnp.minimum(-z, 0.0) - jnp.log1p(jnp.exp(-jnp.abs(z))), 0.0)  # log σ(−z), finite
-    suffix = _suffix_sums(log_keep, config)
-    a = jnp.where(mask, jnp.exp(z + r[:, None] + suffix), 0.0)  # log σ(z) = z + log σ(−z): one exp, one log1p
-    return mask, z, a, log_keep
+def _softplus2(x: jax.Array, interpret: bool) -> jax.Array:
+    """log2(1 + 2^x) = −log2 σ(−x·ln 2) for float32 x. Compiled for a GPU: the SFU's approximate ex2 and lg2 (absolute
+    error about 2^−22; libdevice's log1p, and the log and division under jnp.log2, are long sequences), x itself
+    from x > 24 on (where 1 + 2^x rounds to 2^x, and beyond 128 would overflow); interpreted: logaddexp2."""
+    if interpret:
+        return jnp.logaddexp2(x, 0.0)
+    return _asm("{ .reg .f32 t; .reg .pred big; setp.gt.f32 big, $1, 0f41C00000; ex2.approx.ftz.f32 t, $1; "
+                "add.f32 t, t, 0f3F800000; lg2.approx.ftz.f32 $0, t; @big mov.f32 $0, $1; }", x)
+
+
+def _exp2(x: jax.Array, interpret: bool) -> jax.Array:
+    """2^x for float32 x: the SFU's ex2 compiled for a GPU, flushing results below 2^−126 to 0 (jnp.exp2 compiles to
+    libdevice's, which scales around the SFU for them); interpreted: jnp.exp2."""
+    return jnp.exp2(x) if interpret else _asm("ex2.approx.ftz.f32 $0, $1;", x)
+
+
+def _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config: _Config, masked: bool):
+    """One tile in base 2 (log2 e folded into the scale): z2 = z·log2 e (MASK_VALUE where not attended; `masked`
+    off: every key of the tile is attended by every row), A, −log2 σ(−z) = softplus2(z2) (A and softplus2 0 where not
+    attended) and R / ln 2 over the keys from the tile's first on; r2 [block_q] is R / ln 2 over the keys after the
+    tile.
+
+    With P the running sum of softplus2 over the tile's keys and S its total, Σ_{t > j} log2 σ(−z_t) = P_j − S and
+    log2 A_j = log2 σ(z_j) + r2 + P_j − S = z2_j − softplus2(z2_j) + P_j + (r2 − S). P_j − S costs a few float32
+    ulps of S (Pallas-Triton lowers a running sum, not the reverse one that would not subtract)."""
+    z2 = (config.sm_scale * _LOG2E) * dot(q, k, trans_b=True)
+    if masked:  # a key not attended breaks nothing: z2 = MASK_VALUE gives softplus2 0 and A 0
+        cols = index * block_k + jnp.arange(block_k)
+        keys = pl.ds(index * block_k, block_k)
+        mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
+        z2 = jnp.where(mask & (cols[None, :] < rows[:, None] + int(config.attend_current)), z2, MASK_VALUE)
+    lost = _softplus2(z2, config.interpret)
+    r2 = r2 - lost.sum(axis=1)
+    a = _exp2((z2 - lost) + (jnp.cumsum(lost, axis=1) + r2[:, None]), config.interpret)
+    return z2, a, lost, r2
+
+
+def _walk(tile, init, row0, block_q: int, block_k: int, config: _Config, has_segments: bool):
+    """`tile(index, carry, masked)` over the key blocks the rows row0 .. row0 + block_q − 1 see, in reverse from the
+    diagonal: first the blocks with a masked key, then (without a window or documents) the blocks wholly before
+    row0, which every row attends in full, without the mask."""
+    first, end = key_blocks(row0, block_q, block_k, config.window)
+    below = first if config.window is not None or has_segments else row0 // block_k
+
+    def reverse(hi, masked):
+        return lambda i, carry: tile(hi - 1 - i, carry, masked)
+
+    carry = lax.fori_loop(0, end - below, reverse(end, True), init)
+    return lax.fori_loop(0, below - first, reverse(below, False), carry)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, config: _Config):
@@ -76,20 +139,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, 
     rows = row0 + jnp.arange(block_q)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q = q_ref[...]
-    first, end = key_blocks(row0, block_q, block_k, config.window)
 
-    def tile(i, carry):
-        acc, r = carry
-        index = end - 1 - i
+    def tile(index, carry, masked):
+        acc, r2 = carry
         keys = pl.ds(index * block_k, block_k)
-        _, _, a, log_keep = _tile(q, k_ref[keys, :], rows, index, block_k, r, seg_rows, seg_k_ref, config)
+        _, a, _, r2 = _tile(q, k_ref[keys, :], rows, index, block_k, r2, seg_rows, seg_k_ref, config, masked)
         v = v_ref[keys, :]
-        return acc + dot(a.astype(v.dtype), v), r + log_keep.sum(axis=1)
+        return acc + dot(a.astype(v.dtype), v), r2
 
-    acc, r = lax.fori_loop(0, end - first, tile, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,),
-                                                                                                jnp.float32)))
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    acc, r2 = _walk(tile, init, row0, block_q, block_k, config, seg_rows is not None)
     o_ref[...] = acc.astype(o_ref.dtype)
-    r_ref[...] = r
+    r_ref[...] = r2 * _LN2
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, do_ref, before_ref, dk_in_ref, dv_in_ref, dq_ref,
@@ -103,24 +164,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, do_ref, before_r
     rows = row0 + jnp.arange(block_q)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q, do, before = q_ref[...], do_ref[...], before_ref[...]
-    first, end = key_blocks(row0, block_q, block_k, config.window)
 
-    def tile(i, carry):
-        dq, r, s = carry
-        index = end - 1 - i
+    def tile(index, carry, masked):
+        dq, r2, s = carry
         keys = pl.ds(index * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
-        mask, z, a, log_keep = _tile(q, k, rows, index, block_k, r, seg_rows, seg_k_ref, config)
+        z2, a, lost, r2 = _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config, masked)
         aw = a * dot(do, v, trans_b=True)
-        in_tile = _suffix_sums(aw, config)
-        dz = jnp.where(mask, aw * jax.nn.sigmoid(-z) - jax.nn.sigmoid(z) * (before[:, None] - s[:, None] - in_tile),
-                       0.0)
+        # S_ij = Σ_{j' ≥ j} A_ij'·w_ij' (with the keys after the tile: s) = s + total − running sum + aw
+        s = s + aw.sum(axis=1)
+        from_key = s[:, None] - jnp.cumsum(aw, axis=1) + aw
+        # σ(−z) = 2^−softplus2(z2), σ(z) = 2^(z2 − softplus2(z2))
+        dz = (aw * _exp2(-lost, config.interpret)
+              - _exp2(z2 - lost, config.interpret) * (before[:, None] - from_key))  # 0 where not attended
         jax.ref.addupdate(dk_ref, (keys, slice(None)), sm_scale * dot(dz.astype(q.dtype), q, trans_a=True))
         jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(a.astype(do.dtype), do, trans_a=True))
-        return dq + sm_scale * dot(dz.astype(k.dtype), k), r + log_keep.sum(axis=1), s + aw.sum(axis=1)
+        return dq + sm_scale * dot(dz.astype(k.dtype), k), r2, s
 
     zeros = jnp.zeros((block_q,), jnp.float32)
-    dq, _, _ = lax.fori_loop(0, end - first, tile, (jnp.zeros(q.shape, jnp.float32), zeros, zeros))
+    dq, _, _ = _walk(tile, (jnp.zeros(q.shape, jnp.float32), zeros, zeros), row0, block_q, block_k, config,
+                     seg_rows is not None)
     dq_ref[...] = dq
 
 
@@ -197,7 +260,7 @@ def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, 
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq) float32, bfloat16 or float16 -> (out [B, L, Hq, D] in q's
     dtype, remainder [B, L, Hq] float32). block_sizes: None fields take `BlockSizes.default(D, dtype)`; interpret:
-    the Pallas interpreter (default: unless the backend is a GPU); num_warps (default `default_num_warps(D)`) /
+    the Pallas interpreter (default: unless the backend is a GPU); num_warps (default `default_num_warps`) /
     num_stages tune the Triton lowering. segment_ids [B, L] int32: packed documents; window: i − j < window.
     sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once;
     static shapes only. Inputs are otherwise trusted (jaxpe.stickbreaking checks them).

@@ -162,13 +162,17 @@ class _PallasSweep:
     INTERPRET: bool
     TOLERANCE: dict
 
-    @pytest.mark.parametrize("case", ["default", "window", "segments-attend_current"])
+    @pytest.mark.parametrize("case", ["default", "window", "segments-attend_current", "32-row blocks",
+                                      "32-row blocks-attend_current"])
     def test_matches_the_reference(self, case, key):
+        """32-row query blocks over 16-key blocks: the key blocks wholly before a query block's first row run
+        without the mask, the others with it."""
         q, k, v = inputs(key, length=37)
         window = 5 if case == "window" else None
         segments = jnp.asarray(np.repeat(np.arange(3), 13)[None, :37].repeat(2, 0), jnp.int32) \
             if case.startswith("segments") else None
         attend_current = case.endswith("attend_current")
+        rows = 32 if case.startswith("32-row") else 16
         mask = attended_mask(visibility_mask(37, 37, segment_ids=segments, window=window), jnp.arange(37)[None],
                              attend_current=attend_current)
 
@@ -177,7 +181,7 @@ class _PallasSweep:
 
         def fused(q, k, v, scale):
             return stickbreaking_attention_pallas(q, k, v, sm_scale=scale, attend_current=attend_current,
-                                                  block_sizes=BlockSizes(16, 16, 16, 16), interpret=self.INTERPRET,
+                                                  block_sizes=BlockSizes(rows, 16, rows, 16), interpret=self.INTERPRET,
                                                   segment_ids=segments, window=window)
 
         scale = jnp.float32(0.5)
