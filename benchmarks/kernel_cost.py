@@ -654,7 +654,7 @@ LOOPS = {
     ("corope", "backward"): (("keys", True), ("gates", True)),
     ("fox", "forward"): (("full", True), ("diagonal", False)),
     ("fox", "forward_train"): (("full", True), ("diagonal", False)),
-    ("fox", "backward"): (("keys", True),),
+    ("fox", "backward"): (("dkdv diagonal", False), ("dkdv", True), ("dq", True), ("dq diagonal", False)),
     ("stickbreaking", "forward"): (("diagonal", False), ("full", True)),
     ("stickbreaking", "forward_train"): (("diagonal", False), ("full", True)),
     ("stickbreaking", "backward"): (("diagonal", False), ("full", True)),

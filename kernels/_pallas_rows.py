@@ -43,6 +43,7 @@ class RowSpecs:
     (Lp / bq, B, Hq)."""
 
     row: pl.BlockSpec  # [bq, Dp] of a [B, Lp, Hq, Dp] array
+    row_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hq, Dp] array, head n
     kv_full: pl.BlockSpec  # [Lp, Dp] of a [B, Lp, Hkv, Dp] array, kv head n // G
     stat: pl.BlockSpec  # [bq] of [B, Hq, Lp]
     stat_full: pl.BlockSpec  # [Lp] of [B, Hq, Lp]
@@ -61,6 +62,7 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
     groups = num_heads // k.shape[2]
     return RowSpecs(
         row=pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+        row_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h, 0)),
         kv_full=pl.BlockSpec((None, padded, None, dp), lambda i, b, h: (b, 0, h // groups, 0)),
         stat=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
         stat_full=pl.BlockSpec((None, None, padded), lambda i, b, h: (b, h, 0)),
@@ -112,3 +114,13 @@ def key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None) 
     """[first, end) key blocks the rows row0 .. row0 + block_q − 1 can see."""
     first = 0 if window is None else jnp.maximum(row0 - (window - 1), 0) // block_k
     return first, (row0 + block_q + block_k - 1) // block_k
+
+
+def query_blocks(col0: jax.Array, block_k: int, block_q: int, window: int | None, padded: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """[first, end) query blocks (of block_q rows, Lp = padded) with a row that can see a key of col0 ..
+    col0 + block_k − 1."""
+    end = padded // block_q
+    if window is not None:
+        end = jnp.minimum(end, (col0 + block_k - 1 + window - 1) // block_q + 1)
+    return col0 // block_q, end

@@ -12,12 +12,17 @@ the diagonal with an online softmax; it keeps out and the rows' log-sum-exps lse
 documents the key blocks wholly at or below the block's first row, which every row sees, skip the mask (a loop
 of their own, as CoPE's native forward splits its tiles). Its softmax runs in base 2 (log2 e folded into sm_scale
 and c: a multiply-add and a subtraction a logit, and exp2, the SFU's own, not exp's longer libdevice sequence).
-Backward: one query-major program per (query block, batch, head) walks the same key blocks: p = exp(s − lse),
-ds = p·(do·vᵀ − δ) with δ = rowsum(o·do); dq stays in registers, dk, dv are atomic adds into float32 zero-initialised
-outputs spanning the kv head's rows, and the bias's gradient is Σ_j ds_ij for c_i (kept per row) and −Σ_i ds_ij for
-c_j (atomic adds into the head's [Lp] row). The float32 atomics make the gradients' summation order (so their last
-bits) vary run to run. Compiled for sm_90a without a GPU (tools/compile_report.py), not yet timed on one:
-`impl="auto"` does not pick it.
+Backward: no atomics, so its gradients are the same bits run to run. One program per (block, batch, head) computes,
+in two loops over the same recomputed tiles (p = exp(s − lse), ds = p·(do·vᵀ − δ) with δ = rowsum(o·do), in base
+2 as the forward), the gradients of its block as keys (dk, dv, and −Σ_i ds_ij for c_j) walking the query blocks
+that see it, then of its block as rows (dq, and Σ_j ds_ij for c_i) walking the key blocks it sees, each in
+registers and stored once, as jax's Pallas flash attention does: seven products a tile against five for one
+query-major walk with atomic adds of dk and dv, whose GPU-scope fences cost more (benchmarks/kernel_cost.py:
+0.44 / 0.89 clk/logit at D 64 in bfloat16 / float32 against 0.68 / 1.47). dk and dv come per query head, float32
+[B, Lp, Hq, Dp], summed over each group's heads outside (G times the kv heads' size, for the backward's duration).
+The key blocks wholly before a query block and the query blocks wholly after a key block skip the mask, as in the
+forward. Compiled for sm_90a without a GPU (tools/compile_report.py), not yet timed on one: `impl="auto"` does not
+pick it.
 
 Documents and windows: key j is visible to query i iff j ≤ i, segment_ids[b, i] == segment_ids[b, j] (when given)
 and i − j < window (when given); a window bounds both loops, so the work is O(L·(W + block)).
@@ -35,7 +40,8 @@ from jax.experimental import pallas as pl
 
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
 from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
-from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
+from jaxpe.kernels._pallas_rows import (RowConfig, key_blocks, open_rows, padded_inputs, query_blocks, row_specs,
+                                       visible)
 
 
 class BlockSizes(SharedBlockSizes):
@@ -44,16 +50,16 @@ class BlockSizes(SharedBlockSizes):
     @classmethod
     def default(cls, head_dim: int, dtype: jnp.dtype) -> BlockSizes:
         """Chosen on benchmarks/kernel_cost.py's model of an H100 (L 1024, GQA 8/2, 8 warps; clk/logit in bfloat16 /
-        float32), every choice within the compile report's spill budgets. Up to Dp = 128: forward tiles of 128 × 64
-        (D 64: 0.21 / 0.30 against 0.26 / 0.41 at 64 × 32; D 128: 0.23 / 0.39 against 0.56 / 0.93), backward tiles
-        of 64 × 64 in 16 bits and 64 × 32 in float32 (D 64: 0.68 / 1.47 against 1.01 / 1.76 at 32 × 32; D 128:
-        1.00 / 2.22 against 2.65 / 4.77): larger query blocks make fewer atomic adds of dk and dv per logit. At
-        Dp = 256: 128 × 32 forward tiles in 16 bits (0.34 against 1.35 at 64 × 16), 64 × 16 in float32 (larger
-        ones spill), 32 × 16 backward tiles."""
-        half = jnp.dtype(dtype).itemsize == 2
-        if tile_extent(head_dim) <= 128:
-            return cls(128, 64, 64, 64 if half else 32)
-        return cls(128 if half else 64, 32 if half else 16, 32, 16)
+        float32), every choice within the compile report's spill budgets. Forward tiles up to Dp = 128: 128 × 64
+        (D 64: 0.21 / 0.30 against 0.26 / 0.41 at 64 × 32; D 128: 0.23 / 0.39 against 0.56 / 0.93); at Dp = 256:
+        128 × 32 in 16 bits (0.34 against 1.35 at 64 × 16), 64 × 16 in float32 (larger ones spill). Backward blocks
+        (block_q_bwd rows or keys a program, walking blocks of block_k_bwd): 128 and 32 up to Dp = 128 (D 64: 0.44
+        / 0.89 against 0.76 / 1.40 at 64 and 64), but 64 and 16 in float32 at Dp = 128 (3.56; 64 and 32 spill
+        1.6 KiB), 64 and 16 in 16 bits at Dp = 256 (4.41 against 9.63 at 32 and 16), 32 and 16 in float32 there."""
+        half, extent = jnp.dtype(dtype).itemsize == 2, tile_extent(head_dim)
+        if extent <= 128:
+            return cls(128, 64, *((128, 32) if half or extent <= 64 else (64, 16)))
+        return cls(128, 32, 64, 16) if half else cls(64, 16, 32, 16)
 
 
 def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int:
@@ -63,13 +69,15 @@ def default_num_warps(head_dim: int, dtype: jnp.dtype, *, backward: bool) -> int
     return 8
 
 
-_LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
+_LOG2E = math.log2(math.e)
 
 
-def _logits(q, k, c_rows, c_keys, mask, sm_scale):
-    """sm_scale·q·kᵀ + c_i − c_j [block_q, block_k] float32, MASK_VALUE where masked."""
-    s = sm_scale * dot(q, k, trans_b=True) + (c_rows[:, None] - c_keys[None, :])
-    return jnp.where(mask, s, MASK_VALUE)
+def _logits2(q, k, c2_rows, c_ref, keys, scale2):
+    """The logits in base 2, (sm_scale·q·kᵀ + c_i − c_j)·log2 e [rows, keys] float32, from scale2 = sm_scale·log2 e,
+    c2_rows = c_i·log2 e and c_ref[keys] = c_j: one multiply-add and one subtraction a logit, and exp2 is the SFU's
+    own instruction. (c_j is read after the product: read before it, ptxas spills the float32 forward at D 128.)"""
+    s2 = scale2 * dot(q, k, trans_b=True) + c2_rows[:, None]
+    return s2 - (c_ref[keys] * _LOG2E)[None, :]
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref, o_ref, lse_ref, *,
@@ -86,8 +94,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     def tile(index, carry, masked: bool):
         m, l, acc = carry
         keys = pl.ds(index * block_k, block_k)
-        # base 2 (the logits times log2 e): one multiply-add and one subtraction a logit, and exp2 is the SFU's
-        logits = (scale2 * dot(q, k_ref[keys, :], trans_b=True) + c2_rows[:, None]) - (c_k_ref[keys] * _LOG2E)[None, :]
+        logits = _logits2(q, k_ref[keys, :], c2_rows, c_k_ref, keys, scale2)
         if masked:
             mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
                            None if seg_k_ref is None else seg_k_ref[keys])
@@ -108,38 +115,64 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     m, l, acc = lax.fori_loop(below, end, functools.partial(tile, masked=True), carry)
     l = jnp.where(l > 0, l, 1.0)  # padded rows see nothing
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = (m + jnp.log2(l)) * _LN2  # the natural log-sum-exp, as the backward reads it
+    lse_ref[...] = m + jnp.log2(l)  # the log-sum-exp in base 2, as the backward reads it
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref, do_ref, lse_ref, delta_ref,
-                     dk_in_ref, dv_in_ref, dck_in_ref, dq_ref, dcq_ref, dk_ref, dv_ref, dck_ref, *, config: RowConfig):
-    """One query block against the key blocks it sees. Refs as the forward's, do/dq [bq, Dp], lse/delta/dcq [bq], the
-    zeros aliased to the outputs (the *_in refs, unread), dk/dv [Lp, Dp] and dck [Lp] (atomic adds)."""
-    del dk_in_ref, dv_in_ref, dck_in_ref  # the same buffers as dk_ref, dv_ref, dck_ref
-    block_q, block_k, sm_scale = q_ref.shape[0], config.blocks.block_k_bwd, config.sm_scale
-    row0 = pl.program_id(0) * block_q
-    rows = row0 + jnp.arange(block_q)
-    seg_rows = None if seg_q_ref is None else seg_q_ref[...]
-    q, do, c_rows, lse, delta = q_ref[...], do_ref[...], c_q_ref[...], lse_ref[...], delta_ref[...]
+def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+                     dcq_ref, dck_ref, *, config: RowConfig):
+    """Program n: the gradients of key block n (dk, dv and the keys' part of dc) over the query blocks that see it,
+    then those of query block n (dq and the rows' part of dc) over the key blocks it sees; M = block_q_bwd rows or
+    keys, walking blocks of block_k_bwd. Refs: q/do [Lp, Dp] of the head, k/v [Lp, Dp] of its kv head, c, lse (base
+    2), delta [Lp] of the head, document ids seg [Lp] (None without documents); outputs dq/dk/dv [M, Dp] and
+    dcq/dck [M]."""
+    major, minor, padded = config.blocks.block_q_bwd, config.blocks.block_k_bwd, q_ref.shape[0]
+    scale2, plain = config.sm_scale * _LOG2E, config.window is None and seg_ref is None
+    start = pl.program_id(0) * major
+    span, own = start + jnp.arange(major), pl.ds(start, major)
+    seg_span = None if seg_ref is None else seg_ref[own]
 
-    def tile(index, carry):
-        dq, dc_rows = carry
-        keys = pl.ds(index * block_k, block_k)
-        mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
-                        None if seg_k_ref is None else seg_k_ref[keys])
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        probs = jnp.where(mask, jnp.exp(_logits(q, k, c_rows, c_k_ref[keys], mask, sm_scale) - lse[:, None]), 0.0)
-        ds = probs * (dot(do, v, trans_b=True) - delta[:, None])  # ∂L/∂logits
-        jax.ref.addupdate(dk_ref, (keys, slice(None)), sm_scale * dot(ds.astype(q.dtype), q, trans_a=True))
-        jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(probs.astype(do.dtype), do, trans_a=True))
-        jax.ref.addupdate(dck_ref, (keys,), -jnp.sum(ds, axis=0))
-        return dq + sm_scale * dot(ds.astype(k.dtype), k), dc_rows + jnp.sum(ds, axis=1)
+    def grads(q, k, v, do, at_rows, at_keys, rows, cols, masked: bool):
+        """p and ds = ∂L/∂logits [rows, keys] of a tile (0 where masked)."""
+        p = jnp.exp2(_logits2(q, k, c_ref[at_rows] * _LOG2E, c_ref, at_keys, scale2)
+                     - lse_ref[at_rows][:, None])
+        if masked:
+            seg_rows, seg_cols = (None, None) if seg_ref is None else (seg_ref[at_rows], seg_ref[at_keys])
+            p = jnp.where(visible(rows, cols, config.window, seg_rows, seg_cols), p, 0.0)
+        return p, p * (dot(do, v, trans_b=True) - delta_ref[at_rows][:, None])
 
-    first, end = key_blocks(row0, block_q, block_k, config.window)
-    dq, dc_rows = lax.fori_loop(first, end, tile, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,),
-                                                                                               jnp.float32)))
-    dq_ref[...] = dq
-    dcq_ref[...] = dc_rows
+    k, v = k_ref[own, :], v_ref[own, :]
+
+    def key_side(index, carry, masked: bool):
+        dk, dv, dck = carry
+        at_rows = pl.ds(index * minor, minor)
+        q, do = q_ref[at_rows, :], do_ref[at_rows, :]
+        p, ds = grads(q, k, v, do, at_rows, own, index * minor + jnp.arange(minor), span, masked)
+        return (dk + config.sm_scale * dot(ds.astype(q.dtype), q, trans_a=True),
+                dv + dot(p.astype(do.dtype), do, trans_a=True), dck - jnp.sum(ds, axis=0))
+
+    first, end = query_blocks(start, major, minor, config.window, padded)
+    # Without a window or documents the query blocks wholly at or after the block's last key see all of it.
+    after = jnp.clip((start + major - 1 + minor - 1) // minor, first, end) if plain else end
+    zeros = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), jnp.zeros((major,), jnp.float32)
+    carry = lax.fori_loop(first, after, functools.partial(key_side, masked=True), zeros)
+    dk, dv, dck = lax.fori_loop(after, end, functools.partial(key_side, masked=False), carry)
+    dk_ref[...], dv_ref[...], dck_ref[...] = dk, dv, dck
+
+    q, do = q_ref[own, :], do_ref[own, :]
+
+    def row_side(index, carry, masked: bool):
+        dq, dcq = carry
+        at_keys = pl.ds(index * minor, minor)
+        k, v = k_ref[at_keys, :], v_ref[at_keys, :]
+        _, ds = grads(q, k, v, do, own, at_keys, span, index * minor + jnp.arange(minor), masked)
+        return dq + config.sm_scale * dot(ds.astype(k.dtype), k), dcq + jnp.sum(ds, axis=1)
+
+    first, end = key_blocks(start, major, minor, config.window)
+    below = (start + 1) // minor if plain else first  # key blocks wholly at or below the block's first row
+    carry = lax.fori_loop(first, below, functools.partial(row_side, masked=False),
+                          (jnp.zeros(q.shape, jnp.float32), jnp.zeros((major,), jnp.float32)))
+    dq, dcq = lax.fori_loop(below, end, functools.partial(row_side, masked=True), carry)
+    dq_ref[...], dcq_ref[...] = dq, dcq
 
 
 def _forward_call(config: RowConfig, q, k, v, c, seg):
@@ -157,24 +190,18 @@ def _forward_call(config: RowConfig, q, k, v, c, seg):
 
 
 def _backward_call(config: RowConfig, q, k, v, c, seg, do, lse, delta):
-    """dq [B, Lp, Hq, Dp], d c (query side) [B, Hq, Lp], dk, dv [B, Lp, Hkv, Dp], d c (key side) [B, Hq, Lp], all
+    """dq, dk, dv [B, Lp, Hq, Dp] (dk and dv per query head), d c from the rows and from the keys [B, Hq, Lp], all
     float32."""
     specs = row_specs(q, k, config.blocks.block_q_bwd)
-    segs = specs.segments(seg)
-    zeros = [jnp.zeros_like(k, jnp.float32), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(c, jnp.float32)]
-    inputs = [q, k, v, c, c, seg, seg, do, lse, delta]
-    accumulated = [specs.kv_full, specs.kv_full, specs.stat_full]
-    aliased_from = len(jax.tree.leaves(inputs))  # the flat index of the first zeros (None inputs are no operand)
+    per_head = output_struct(q.shape, jnp.float32, q)
     return pl.pallas_call(
         functools.partial(_backward_kernel, config=config), grid=specs.grid,
-        in_specs=[specs.row, specs.kv_full, specs.kv_full, specs.stat, specs.stat_full, *segs, specs.row,
-                  specs.stat, specs.stat, *accumulated],
-        out_specs=[specs.row, specs.stat, *accumulated],
-        out_shape=[output_struct(q.shape, jnp.float32, q), output_struct(c.shape, jnp.float32, q),
-                   *(output_struct(x.shape, x.dtype, q) for x in zeros)],
-        input_output_aliases={aliased_from + i: 2 + i for i in range(len(zeros))},
+        in_specs=[specs.row_full, specs.kv_full, specs.kv_full, specs.stat_full,
+                  None if seg is None else specs.seg_keys, specs.row_full, specs.stat_full, specs.stat_full],
+        out_specs=[specs.row, specs.row, specs.row, specs.stat, specs.stat],
+        out_shape=[per_head, per_head, per_head, *[output_struct(c.shape, jnp.float32, q)] * 2],
         compiler_params=config.compiler_params(backward=True), interpret=config.interpret, name="fox_backward",
-    )(*inputs, *zeros)
+    )(q, k, v, c, seg, do, lse, delta)
 
 
 def _padded(q, k, v, c, segment_ids, blocks: BlockSizes):
@@ -195,9 +222,11 @@ def _fox_pallas_bwd(config: RowConfig, residuals, dout):
     qp, kp, vp, cp, seg = _padded(q, k, v, c, segment_ids, config.blocks)
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - dout.shape[1]), (0, 0), (0, out.shape[3] - dout.shape[3])])
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dc_q, dk, dv, dc_k = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, cp,
+    dq, dk, dv, dc_q, dc_k = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, cp,
                                               seg, do.astype(q.dtype), lse, delta)
     length, d = config.length, q.shape[3]
+    batch, padded, num_kv, dp = kp.shape
+    dk, dv = (x.reshape(batch, padded, num_kv, -1, dp).sum(axis=3) for x in (dk, dv))  # over each group's heads
     dc = jnp.swapaxes((dc_q + dc_k)[:, :, :length], 1, 2)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),
             dv[:, :length, :, :d].astype(v.dtype), dc.astype(c.dtype), None)
