@@ -19,7 +19,10 @@ the SFU's own instructions, where exp and log1p compile to long libdevice sequen
 Backward: the same reverse walk and split, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(do_i·o_i + ρ_i − S_ij), w = do·vᵀ, ρ_i the remainder's cotangent times
 it, σ(±z) powers of 2 of the tile's logarithms. dq stays in registers; dk, dv are atomic adds into float32
-zero-initialised outputs spanning the kv head's rows (so their last bits vary run to run). Compiled for sm_90a
+zero-initialised outputs spanning the kv head's rows (so their last bits vary run to run, and Pallas' atomics add
+GPU-scope fences). Forgetting attention's split into a pass per key block and one per query block, which needs no
+atomics, does not carry over: a key block's gradients need each row's R and S over the keys after it, which only
+the walk from the diagonal produces; kept per key block they would take O(L²/block_k) memory. Compiled for sm_90a
 without a GPU (tools/compile_report.py), not yet timed on one: `impl="auto"` does not pick it.
 """
 from __future__ import annotations
