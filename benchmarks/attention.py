@@ -1,12 +1,16 @@
 """Benchmark of the contextual attentions: time and peak memory, forward and forward+backward.
 
 CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_attention` with impl = reference,
-blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed); plain RoPE attention
-through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
+blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed), and with --ops forgetting
+(`jaxpe.forgetting_attention`, gates σ of a fixed draw) and stick-breaking attention (`jaxpe.stickbreaking_attention`),
+which have no triton impl; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
-    python benchmarks/attention.py --out results/bench            # GPU sweep: L 512 .. 32768, D 64 and 128, G 1, 4
-    python benchmarks/attention.py --out results/bench --quick    # CPU-sized sweep
+    python benchmarks/attention.py --out results/bench            # GPU sweep at training shapes: B 4, Hq 16,
+                                                                  # L 1024 .. 16384, D 64 and 128, G 1 and 4
+    python benchmarks/attention.py --out results/bench --quick    # CPU-sized sweep (B 1, Hq 8; without --quick
+                                                                  # L 512 .. 32768 on CPU)
+    python benchmarks/attention.py --out DIR --ops fox,stickbreaking --impls pallas,anchor --lengths 4096
     python benchmarks/attention.py --out DIR --lengths 1024,4096 --impls blockwise,anchor --ops cope
     python benchmarks/attention.py --out DIR --lengths 4096,32768 --groups 4 --impls pallas,triton,anchor  # GPU paths
 
@@ -34,8 +38,11 @@ import jax.numpy as jnp
 
 import jaxpe
 
-OPS = ("cope", "corope")
+OPS = ("cope", "corope", "fox", "stickbreaking")
 IMPLS = ("reference", "blockwise", "pallas", "triton", "anchor")
+NATIVE_OPS = ("cope", "corope")  # the ops with a triton impl
+GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # the lengths people train at
+CPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MODES = ("fwd", "fwd+bwd")
 
 
@@ -62,6 +69,12 @@ def _attention(case: Case):
         return (lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=case.impl)), (pos_emb.astype(case.dtype),)
     if case.op == "corope":
         return (lambda q, k, v: jaxpe.corope_attention(q, k, v, impl=case.impl)), ()
+    if case.op == "fox":
+        shape = (case.batch, case.length, case.heads)
+        log_fgate = jax.nn.log_sigmoid(2.0 + jax.random.normal(jax.random.PRNGKey(3), shape))
+        return (lambda q, k, v, g: jaxpe.forgetting_attention(q, k, v, g, impl=case.impl)), (log_fgate,)
+    if case.op == "stickbreaking":
+        return (lambda q, k, v: jaxpe.stickbreaking_attention(q, k, v, impl=case.impl)), ()
 
     # cuDNN's fused flash attention on a GPU (XLA's own path there materialises L×L logits), XLA's on CPU.
     implementation = "cudnn" if jax.default_backend() == "gpu" else None
@@ -162,7 +175,8 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                     if "anchor" in args.impls:
                         cases.append(Case(op="rope", impl="anchor", **common))
                     for op in args.ops:
-                        cases += [Case(op=op, impl=impl, **common) for impl in args.impls if impl != "anchor"]
+                        cases += [Case(op=op, impl=impl, **common) for impl in args.impls
+                                  if impl != "anchor" and (impl != "triton" or op in NATIVE_OPS)]
     return cases
 
 
@@ -237,9 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", type=_ints, help="comma-separated GQA group sizes G (default 1,4)")
     parser.add_argument("--impls", type=_names(IMPLS), default=[i for i in IMPLS if i != "triton"],
                         help=f"subset of {IMPLS} (default all but triton, which needs jax-triton on a GPU)")
-    parser.add_argument("--ops", type=_names(OPS), default=list(OPS), help=f"subset of {OPS}")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8, help="query heads Hq")
+    parser.add_argument("--ops", type=_names(OPS), default=list(NATIVE_OPS),
+                        help=f"subset of {OPS} (default {','.join(NATIVE_OPS)})")
+    parser.add_argument("--batch", type=int, help="B (default 4 on a GPU, 1 on CPU)")
+    parser.add_argument("--heads", type=int, help="query heads Hq (default 16 on a GPU, 8 on CPU)")
     parser.add_argument("--npos", type=int, default=64, help="CoPE table rows")
     parser.add_argument("--dtype", default=None, help="input dtype (default bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median reported)")
@@ -265,11 +280,15 @@ def main(argv: list[str] | None = None) -> None:
         args.slow_s = 60.0 if args.slow_s is None else args.slow_s
         args.head_dims = args.head_dims or [64]
         args.groups = args.groups or [1]
-    args.lengths = args.lengths or [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    args.lengths = args.lengths or list(GPU_LENGTHS if on_gpu else CPU_LENGTHS)
+    args.batch = args.batch or (4 if on_gpu else 1)
+    args.heads = args.heads or (16 if on_gpu else 8)
     args.head_dims = args.head_dims or [64, 128]
     args.groups = args.groups or [1, 4]
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     args.slow_s = float("inf") if args.slow_s is None else args.slow_s
+    if args.batch < 1 or args.heads < 1:
+        raise ValueError(f"--batch={args.batch} and --heads={args.heads} must be positive")
     for name in ("lengths", "head_dims", "groups"):
         if any(x < 1 for x in getattr(args, name)):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")

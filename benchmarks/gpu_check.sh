@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU, in one go and in order of what matters most: (1) the GPU tests of the native Triton
 # kernels (every interpret-mode sweep, compiled now) and of both fused paths at long lengths, (2) the native kernels'
-# tile and warp variants (benchmarks/tiles.py), (3) the attention benchmark of the Pallas and native paths beside
-# cuDNN's flash attention at L 4096 (Pallas too) and 32768. Each stage has a time limit, so a slow one cannot starve
-# the next; every stage's JSON and log land in DEST (default results/bench). Needs jax with CUDA, triton and the
-# jax-triton release of the installed jax (`pip install 'jaxpe[gpu,triton]'`).
+# tile and warp variants (benchmarks/tiles.py), (3) the attention benchmark at training shapes (B 4, 16 query heads,
+# GQA 4) of the Pallas and native paths beside cuDNN's flash attention at L 4096 (Pallas too) and 32768, and of
+# forgetting and stick-breaking attention's Pallas kernels at L 4096. Each stage has a time limit, so a slow one
+# cannot starve the next; every stage's JSON and log land in DEST (default results/bench). Needs jax with CUDA,
+# triton and the jax-triton release of the installed jax (`pip install 'jaxpe[gpu,triton]'`).
 # Usage: bash benchmarks/gpu_check.sh [DEST]     (TESTS_S, TILES_S, BENCH_S: seconds per stage; STAGES=tests,tiles
 # or STAGES=bench runs some of them, e.g. to split the list over two calls of a machine with a time limit per call;
 # IMPLS_4096=triton,anchor leaves Pallas out of the L 4096 benchmark; PYTEST_ARGS adds to the tests' pytest line)
@@ -65,7 +66,9 @@ if [[ $STAGES == *,bench,* ]]; then
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_4096 --lengths 4096 --groups 4 \
       --impls ${IMPLS_4096:-pallas,triton,anchor} --repeats 5 &&
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_32768 --lengths 32768 --groups 4 \
-      --impls triton,anchor --repeats 3" > "$WORK/bench.log" 2>&1
+      --impls triton,anchor --repeats 3 &&
+    $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_fox_sb --lengths 4096 --groups 4 \
+      --ops fox,stickbreaking --impls pallas,anchor --repeats 5" > "$WORK/bench.log" 2>&1
   echo "attention: exit $? in $SECONDS s" | tee -a "$log"
   cp "$WORK"/bench_gpu_native_*.json "$DEST"/ 2>/dev/null
   grep '^{' "$WORK/bench.log" > "$DEST/bench_rows.jsonl"
