@@ -9,13 +9,12 @@ keys (visible and j < i, or j ≤ i with attend_current), log A_ij = log σ(z_ij
 out_i = Σ_j A_ij v_j, remainder exp(R_i), R_i = Σ_k log σ(−z_ik).
 
 Forward: one program per (query block, batch, head) walks the key blocks in reverse from the diagonal, carrying R
-(the suffix sum over the keys already walked); inside a tile the suffix sums over keys are one product with the
-constant triangular matrix [t ≥ j] (Pallas-Triton cannot lower a reverse cumsum), float32-accurate, and R grows by
-the tile's row sums. Without a window or documents, the key blocks wholly before the query block, which every row
-attends in full, run without the mask (a loop of their own, as forgetting attention's forward splits its tiles). The
-logarithms are to base 2 (log2 e folded into sm_scale; exp2 and, compiled for a GPU, the softplus's ex2 and lg2 are
-the SFU's own instructions, where exp and log1p compile to long libdevice sequences). It keeps out and R
-[B, Hq, Lp].
+(the suffix sum over the keys already walked); inside a tile the suffix sums over keys are the row's total less a
+running sum (Pallas-Triton lowers a running sum, not a reverse one), and R grows by the tile's row sums. Without a
+window or documents, the key blocks wholly before the query block, which every row attends in full, run without the
+mask (a loop of their own, as forgetting attention's forward splits its tiles). The logarithms are to base 2 (log2 e
+folded into sm_scale; exp2 and, compiled for a GPU, the softplus's ex2 and lg2 are the SFU's own instructions, where
+exp and log1p compile to long libdevice sequences). It keeps out and R [B, Hq, Lp].
 Backward: the same reverse walk and split, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(do_i·o_i + ρ_i − S_ij), w = do·vᵀ, ρ_i the remainder's cotangent times
 it, σ(±z) powers of 2 of the tile's logarithms. dq stays in registers; dk, dv are atomic adds into float32
@@ -54,7 +53,7 @@ class BlockSizes(SharedBlockSizes):
         every choice within the compile report's spill budgets. Up to Dp = 128: forward tiles of 128 × 64 in 16 bits
         and 128 × 32 in float32 at 8 warps (D 64: 0.20 / 0.34, D 128: 0.25 / 0.56, against 0.23 / 0.44 and 0.31 /
         0.75 at 64 × 32 and 4 warps; float32's 128 × 64 spill at D 128), backward tiles of 64 × 32 (D 64: 0.73 /
-        1.13, D 128: 1.06 / 2.75 against 1.28 / 2.03 and 2.03 / 3.28 at 32 × 32). At Dp = 256: 64 × 16 forward
+        1.13, D 128: 1.06 / 2.50 against 1.28 / 2.03 and 2.03 / 3.28 at 32 × 32). At Dp = 256: 64 × 16 forward
         tiles and 32 × 16 backward ones (larger ones spill)."""
         if tile_extent(head_dim) > 128:
             return cls(64, 16, 32, 16)
