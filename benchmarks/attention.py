@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxpe
+from jaxpe.dispatch import PATHS
 
 OPS = ("cope", "corope", "fox", "stickbreaking")
 IMPLS = ("reference", "blockwise", "pallas", "triton", "anchor")
-NATIVE_OPS = ("cope", "corope")  # the ops with a triton impl
 GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # the lengths people train at
 CPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MODES = ("fwd", "fwd+bwd")
@@ -176,7 +176,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                         cases.append(Case(op="rope", impl="anchor", **common))
                     for op in args.ops:
                         cases += [Case(op=op, impl=impl, **common) for impl in args.impls
-                                  if impl != "anchor" and (impl != "triton" or op in NATIVE_OPS)]
+                                  if (op, impl) in PATHS]  # fox, stickbreaking: no triton
     return cases
 
 
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", type=_ints, help="comma-separated GQA group sizes G (default 1,4)")
     parser.add_argument("--impls", type=_names(IMPLS), default=[i for i in IMPLS if i != "triton"],
                         help=f"subset of {IMPLS} (default all but triton, which needs jax-triton on a GPU)")
-    parser.add_argument("--ops", type=_names(OPS), default=list(NATIVE_OPS),
-                        help=f"subset of {OPS} (default {','.join(NATIVE_OPS)})")
+    parser.add_argument("--ops", type=_names(OPS), default=["cope", "corope"],
+                        help=f"subset of {OPS} (default cope,corope)")
     parser.add_argument("--batch", type=int, help="B (default 4 on a GPU, 1 on CPU)")
     parser.add_argument("--heads", type=int, help="query heads Hq (default 16 on a GPU, 8 on CPU)")
     parser.add_argument("--npos", type=int, default=64, help="CoPE table rows")

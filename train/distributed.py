@@ -228,12 +228,17 @@ def put_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, *, axis: int = 0) -> 
     return out
 
 
+def on_cpu(mesh: Mesh) -> bool:
+    """Whether every device of the mesh is a CPU."""
+    return all(device.platform == "cpu" for device in mesh.devices.flat)
+
+
 def one_program_at_a_time(mesh: Mesh) -> bool:
     """Whether programs on this mesh must run one after another: several CPU devices in one process (e.g.
     `split_host_cpu`'s). XLA's in-process CPU all-reduce can deadlock when a program is queued on the devices while
     the previous one is still running (jax 0.10, a device per core on 2 cores: "waiting for `all reduce
     RendezvousKey...` ... may be stuck", then the process aborts), so callers wait for each before the next."""
-    return mesh.size > 1 and all(device.platform == "cpu" for device in mesh.devices.flat)
+    return mesh.size > 1 and on_cpu(mesh)
 
 
 def to_host(tree: Any) -> Any:

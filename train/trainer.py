@@ -221,8 +221,8 @@ class Trainer:
         run.compile_ahead says: "auto" on accelerators only (on a CPU the compiler takes the cores training uses,
         and a run cut short compiles for nothing), "on" on a CPU too, "off" never; not with run.pad_to "block" (one
         eval step, compiled at once)."""
-        setting, on_cpu = self.config.run.compile_ahead, all(d.platform == "cpu" for d in self.mesh.devices.flat)
-        if setting == "off" or (setting == "auto" and on_cpu) or self.pad_to == "block":
+        setting = self.config.run.compile_ahead
+        if setting == "off" or (setting == "auto" and distributed.on_cpu(self.mesh)) or self.pad_to == "block":
             return
         plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
         lengths = sorted({int(n) for plan in plans for n in plan})
