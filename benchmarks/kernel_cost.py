@@ -711,8 +711,8 @@ def _tile(kernel: Any) -> tuple[tuple[int, int, int], frozenset[int]]:
 
 def _triton_tile(c: Any, constexprs: dict[str, Any]) -> tuple[tuple[int, int, int], frozenset[int]]:
     """(BQ, BK, H) of a native Triton launch from its constexprs, and its inner loops' possible trip counts: none
-    in CoPE's kernels, Co-RoPE's rotary chunks (D/2 over BD)."""
-    if c.op == "cope":
+    in CoPE's and stick-breaking's kernels, Co-RoPE's rotary chunks (D/2 over BD)."""
+    if c.op in ("cope", "stickbreaking"):
         return (constexprs["BLOCK_Q"], constexprs["BLOCK_K"], 1), frozenset()
     if c.op == "corope":
         chunks = -(-(c.head_dim // 2) // constexprs["BD"])

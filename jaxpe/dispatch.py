@@ -56,6 +56,7 @@ PATHS = {
     ("stickbreaking", "reference"): "jaxpe.stickbreaking:reference_path",
     ("stickbreaking", "blockwise"): "jaxpe.stickbreaking:blockwise_path",
     ("stickbreaking", "pallas"): "jaxpe.stickbreaking:pallas_path",
+    ("stickbreaking", "triton"): "jaxpe.stickbreaking:triton_path",
 }
 # The fused paths that refuse some inputs "auto" would otherwise give them: (operation, impl) -> "module:function",
 # refusal(call) -> the error that path raises for these inputs, or None. "auto" runs "blockwise" instead.
@@ -63,6 +64,7 @@ REFUSALS = {
     ("cope", "triton"): "jaxpe.dispatch:native_triton_refusal",
     ("corope", "pallas"): "jaxpe.corope:pallas_refusal",
     ("corope", "triton"): "jaxpe.dispatch:native_triton_refusal",
+    ("stickbreaking", "triton"): "jaxpe.dispatch:native_triton_refusal",
 }
 
 
@@ -215,7 +217,7 @@ def _warn_once(message: str) -> None:
 # (stick-breaking) at L = 256, 46 / 779 and 194 / 3289 ms at L = 1024; below 256 the two were within the noise.
 UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 256, "stickbreaking": 256}
 # The fused paths they have, run only when asked for by name.
-UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas",)}
+UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas", "triton")}
 
 
 def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_unfused_impl, run_path
+from jaxpe.dispatch import Choice, resolve_unfused_impl, run_chosen
 from jaxpe.base import compute_dtype
 from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kv_cache import update_cache
@@ -127,7 +127,7 @@ def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array
     """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl, run through
     jaxpe.dispatch.PATHS."""
     call = Call(q, k, v, c, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window)
-    return run_path("fox", impl, call)
+    return run_chosen("fox", Choice(impl, impl), call)
 
 
 def reference_path(call: Call, compiled: bool) -> jax.Array:
@@ -145,11 +145,12 @@ def blockwise_path(call: Call, compiled: bool) -> jax.Array:
 
 
 def pallas_path(call: Call, compiled: bool) -> jax.Array:
-    """kernels/fox_pallas.py (causal), loaded when it first runs."""
+    """kernels/fox_pallas.py (causal), loaded when it first runs; interpreted off a GPU unless `compiled`."""
     from jaxpe.kernels.fox_pallas import forgetting_attention_pallas  # Pallas loads only when this path runs
 
     return forgetting_attention_pallas(call.q, call.k, call.v, call.c, sm_scale=call.sm_scale,
-                                       segment_ids=call.segment_ids, window=call.window)
+                                       segment_ids=call.segment_ids, window=call.window,
+                                       interpret=False if compiled else None)
 
 
 class FoXCore(nn.Module):

@@ -15,7 +15,8 @@ authors' layer does (github shawntan/stickbreaking-attention), zero at the start
 reference runs over the cached keys: O(S) work per token.
 
 Paths: the dense reference here, kernels/stickbreaking_blockwise.py (pure JAX, O(L·block) memory) and
-kernels/stickbreaking_pallas.py (fused; asked for by name only until compiled and timed on a GPU).
+kernels/stickbreaking_pallas.py and kernels/stickbreaking_triton.py (fused, Pallas and native Triton; asked for by
+name only until timed on a GPU).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpe.attention_core import AttentionContext
-from jaxpe.dispatch import resolve_unfused_impl, run_path
+from jaxpe.dispatch import Choice, resolve_unfused_impl, run_chosen
 from jaxpe.base import compute_dtype
 from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise, suffix_sums
 from jaxpe.registry import PEConfig, register
@@ -63,9 +64,10 @@ def stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scal
     sm_scale: None (D^−½), a number > 0 or a traced scalar (differentiable). attend_current: query i attends key i
     too. segment_ids [B, L] int: packed documents; window: each query sees itself and the window − 1 keys before
     it. impl: "reference" (dense, the ground truth), "blockwise" (pure JAX, O(L·block) memory, custom VJP),
-    "pallas" (fused kernels; interpret mode off GPU; not yet compiled on a GPU) or "auto" (the dense path for short
-    sequences, "blockwise" from jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on; never "pallas" yet); "triton" is
-    refused.
+    "pallas" (fused kernels; interpret mode off GPU), "triton" (native Triton kernels through jax-triton,
+    `jaxpe[triton]`; Triton's interpreter off GPU with TRITON_INTERPRET=1; float32, bfloat16 and float16) or "auto"
+    (the dense path for short sequences, "blockwise" from jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH on; never a
+    fused path yet: neither is timed on a GPU).
     """
     check_qkv(q, k, v)
     if q.shape[1] != k.shape[1]:
@@ -114,7 +116,7 @@ def _stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_sca
     """`stickbreaking_attention` on checked self-attention inputs and a resolved impl, run through
     jaxpe.dispatch.PATHS: (out, remainder) in q's dtype."""
     call = Call(q, k, v, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, attend_current, segment_ids, window)
-    return run_path("stickbreaking", impl, call)
+    return run_chosen("stickbreaking", Choice(impl, impl), call)
 
 
 def reference_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
@@ -132,10 +134,19 @@ def blockwise_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def pallas_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
-    """kernels/stickbreaking_pallas.py, loaded when it first runs."""
+    """kernels/stickbreaking_pallas.py, loaded when it first runs; interpreted off a GPU unless `compiled`."""
     from jaxpe.kernels.stickbreaking_pallas import stickbreaking_attention_pallas  # loads Pallas
 
-    out, remainder = stickbreaking_attention_pallas(call.q, call.k, call.v, **call.options())
+    out, remainder = stickbreaking_attention_pallas(call.q, call.k, call.v, **call.options(),
+                                                    interpret=False if compiled else None)
+    return out, remainder.astype(call.q.dtype)
+
+
+def triton_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
+    """kernels/stickbreaking_triton.py, loaded when it first runs."""
+    from jaxpe.kernels.stickbreaking_triton import stickbreaking_attention_triton  # loads Triton
+
+    out, remainder = stickbreaking_attention_triton(call.q, call.k, call.v, **call.options())
     return out, remainder.astype(call.q.dtype)
 
 
@@ -177,5 +188,5 @@ class StickBreakingConfig(PEConfig):
         check_bool("attend_current", self.attend_current)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses "triton" at construction
+        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses bad impls at construction
         return StickBreakingCore(attend_current=self.attend_current, impl=impl)

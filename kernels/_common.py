@@ -21,6 +21,13 @@ MAX_HEAD_DIM = 256  # the largest head dim D the fused kernels take (tiles pad D
 MIN_COMPUTE_CAPABILITY = 8.0  # Ampere: Triton's bfloat16 tensor-core dots
 MIN_BLOCK = 16  # the smallest tile side: Triton's dots need operands of at least 16 in each dimension
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite logit for masked keys (exp gives exactly 0)
+# Base-2 pieces as one PTX instruction sequence each ($1 the float32 argument, $0 the result) for the kernels compiled
+# for a GPU: the SFU's approximate ex2 and lg2, where libdevice's exp2, log1p and log are long sequences.
+# log2(1 + 2^x) (softplus in base 2, −log2 σ(−x·ln 2)), absolute error about 2^−22; x itself from x > 24 on, where
+# 1 + 2^x rounds to 2^x (and beyond 128 would overflow).
+SOFTPLUS2_PTX = ("{ .reg .f32 t; .reg .pred big; setp.gt.f32 big, $1, 0f41C00000; ex2.approx.ftz.f32 t, $1; "
+                 "add.f32 t, t, 0f3F800000; lg2.approx.ftz.f32 $0, t; @big mov.f32 $0, $1; }")
+EXP2_PTX = "ex2.approx.ftz.f32 $0, $1;"  # 2^x, results below 2^−126 flushed to 0
 
 
 def check_head_dim(head_dim: int) -> None:

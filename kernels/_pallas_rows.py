@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._checks import TRITON_DTYPES, check_fused, fused_refusal
-from jaxpe.kernels._common import BlockSizes, fold_scale, resolve_interpret, tile_extent, triton_compiler_params
+from jaxpe.kernels._common import BlockSizes, filled, fold_scale, resolve_interpret, tile_extent, triton_compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +74,19 @@ def row_specs(q: jax.Array, k: jax.Array, bq: int) -> RowSpecs:
 
 def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, blocks_type: type,
               default_warps: Callable[..., int], interpret: bool | None, num_warps: int | None,
-              num_stages: int | None) -> tuple[jax.Array, dict[str, Any]]:
-    """The opening of a row kernel's entry (its operation's checks already made): the fused path's refusals and
-    tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q (`fold_scale`),
-    blocks fitted to the length and dtype and num_warps (both kernels') by default the kernel's
-    `default_warps(D, dtype, backward=...)`."""
-    check_fused(q, fused_refusal(q, impl="pallas", dtypes=TRITON_DTYPES), block_sizes=block_sizes,
+              num_stages: int | None, impl: str = "pallas", defaults: BlockSizes | None = None
+              ) -> tuple[jax.Array, dict[str, Any]]:
+    """The opening of a row kernel's entry (its operation's checks already made): the fused path `impl`'s refusals
+    and tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q
+    (`fold_scale`), blocks fitted to the length (None fields: `defaults`, else `blocks_type.default` for D and
+    dtype) and num_warps (both kernels') by default the kernel's `default_warps(D, dtype, backward=...)`."""
+    check_fused(q, fused_refusal(q, impl=impl, dtypes=TRITON_DTYPES), block_sizes=block_sizes,
                 blocks_type=blocks_type, num_warps=num_warps, num_stages=num_stages)
     q, sm_scale = fold_scale(q, sm_scale)
-    blocks = (block_sizes or blocks_type()).fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype)
+    blocks = block_sizes or blocks_type()
+    if defaults is not None:
+        blocks = blocks_type(**filled(blocks, defaults))
+    blocks = blocks.fitted(length=q.shape[1], head_dim=q.shape[3], dtype=q.dtype)
     return q, dict(sm_scale=sm_scale, length=q.shape[1], blocks=blocks, interpret=resolve_interpret(interpret),
                    num_warps=num_warps or default_warps(q.shape[3], q.dtype, backward=False),
                    num_warps_bwd=num_warps or default_warps(q.shape[3], q.dtype, backward=True), num_stages=num_stages)

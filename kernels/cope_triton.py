@@ -50,6 +50,7 @@ import triton.language as tl
 from jaxpe.kernels._common import MASK_VALUE, filled, first_order_only, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
 from jaxpe.kernels._triton_memory import gather_pair, scatter_add, scatter_in_place
+from jaxpe.kernels._triton_rows import add_rows, aligned, first_key_block, load_rows, store_rows, strides, visible
 from jaxpe.kernels.cope_pallas import BlockSizes, open_cope_fused
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
@@ -98,89 +99,6 @@ def default_blocks(head_dim: int, dtype: jnp.dtype, *, gate_k: bool, num_warps_b
 
 
 @triton.jit
-def _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-             MASK_DEAD: tl.constexpr, live):
-    """[block_q, block_k] bool: key `cols` visible from row `rows` (causal, inside the window, the same document),
-    with MASK_DEAD from `live` rows (< L) only. seg_ptr points at the batch row's document ids [L]."""
-    mask = cols[None, :] <= rows[:, None]
-    if MASK_DEAD:
-        mask = mask & live[:, None]
-    if WINDOW > 0:
-        mask = mask & (rows[:, None] - cols[None, :] < WINDOW)
-    if HAS_SEGMENTS:
-        seg_cols = tl.load(seg_ptr + cols, mask=cols < length, other=-1)
-        mask = mask & (seg_rows[:, None] == seg_cols[None, :])
-    return mask
-
-
-@triton.jit
-def _aligned(index, stride, ALIGN: tl.constexpr):
-    """index·stride (element offsets, a scalar or [n]) marked as a multiple of ALIGN, so that loads along D
-    vectorise: jax-triton gives integer arguments no divisibility, and every q/k/v stride is a multiple of D. (The
-    mark goes on the product computed here: on a function's argument it would be lost.)"""
-    offset = index * stride
-    if ALIGN > 1:
-        offset = tl.multiple_of(offset, ALIGN)
-    return offset
-
-
-@triton.jit
-def _in_bounds(rows, dims, length, EVEN_L: tl.constexpr, MASK_D: tl.constexpr):
-    """The mask of [rows, dims] inside [L, D], with only the checks that can fail (EVEN_L: every row < L; MASK_D
-    0: every column < D, else D), for the load or store to broadcast."""
-    if EVEN_L:
-        mask = (dims < MASK_D)[None, :]
-    elif MASK_D == 0:
-        mask = (rows < length)[:, None]
-    else:
-        mask = (rows < length)[:, None] & (dims < MASK_D)[None, :]
-    return mask
-
-
-@triton.jit
-def _load_rows(ptr, rows, dims, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
-               MASK_D: tl.constexpr):
-    """[rows, dims] of a [L, ·, D] array whose head is at `ptr` (0 past L and past D)."""
-    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
-    if EVEN_L and MASK_D == 0:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D), other=0.0)
-    return tile
-
-
-@triton.jit
-def _store_rows(ptr, rows, dims, value, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
-                MASK_D: tl.constexpr):
-    """Store value [rows, Dp] into a [L, ·, D] array whose head is at `ptr` (rows < L, columns < D)."""
-    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
-    if EVEN_L and MASK_D == 0:
-        tl.store(ptrs, value)
-    else:
-        tl.store(ptrs, value, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D))
-
-
-@triton.jit
-def _add_rows(ptr, rows, dims, value, length, stride_l, ALIGN: tl.constexpr, EVEN_L: tl.constexpr,
-              MASK_D: tl.constexpr):
-    """Atomically add value [rows, Dp] (float32) into a [L, ·, D] float32 array whose head is at `ptr`."""
-    ptrs = ptr + _aligned(rows, stride_l, ALIGN)[:, None] + dims[None, :]
-    if EVEN_L and MASK_D == 0:
-        tl.atomic_add(ptrs, value, sem="relaxed")
-    else:
-        tl.atomic_add(ptrs, value, mask=_in_bounds(rows, dims, length, EVEN_L, MASK_D), sem="relaxed")
-
-
-@triton.jit
-def _first_key_block(row0, WINDOW: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first key block that row `row0` (or any later row) can see: 0 without a window."""
-    first = 0
-    if WINDOW > 0:
-        first = tl.maximum(row0 - (WINDOW - 1), 0) // BLOCK_K
-    return first
-
-
-@triton.jit
 def _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql, stride_kl,
                  ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr,
                  GATE_CHUNK: tl.constexpr):
@@ -192,20 +110,20 @@ def _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, 
     if GATE_CHUNK == 0:
         logits = tl.dot(q, tl.trans(kg))
     elif GATE_CHUNK == BLOCK_D:
-        k_lo = _load_rows(kl_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        k_lo = load_rows(kl_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         logits = tl.dot(q_hi, tl.trans(k_lo), input_precision="tf32")
-        k_hi = _load_rows(kh_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        k_hi = load_rows(kh_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         logits = tl.dot(q_lo, tl.trans(k_hi), logits, input_precision="tf32")
         logits = tl.dot(q_hi, tl.trans(k_hi), logits, input_precision="tf32")
     else:
         logits = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
         for start in tl.static_range(0, BLOCK_D, GATE_CHUNK):
             chunk = start + tl.arange(0, GATE_CHUNK)
-            hi = _load_rows(qh_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-            k_lo = _load_rows(kl_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            hi = load_rows(qh_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+            k_lo = load_rows(kl_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
             logits = tl.dot(hi, tl.trans(k_lo), logits, input_precision="tf32")
-            lo = _load_rows(ql_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-            k_hi = _load_rows(kh_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            lo = load_rows(ql_ptr, rows, chunk, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+            k_hi = load_rows(kh_ptr, cols, chunk, length, stride_kl, ALIGN, EVEN_L, MASK_D)
             logits = tl.dot(lo, tl.trans(k_hi), logits, input_precision="tf32")
             logits = tl.dot(hi, tl.trans(k_hi), logits, input_precision="tf32")
     return logits
@@ -223,7 +141,7 @@ def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, 
     kg = k
     if HAS_GATE_K:
         if WHOLE_KG or GATE_CHUNK == 0:
-            kg = _load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+            kg = load_rows(kg_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         s = tl.dot(q, tl.trans(k))
         logits = _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, length, stride_ql,
                               stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, GATE_CHUNK)
@@ -312,19 +230,19 @@ def _positions_tile(q, q_hi, q_lo, m, l, acc, r, index, rows, dims, live, seg_ro
     wholly below the diagonal, no window, no documents), and the two selects per logit go."""
     cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
     if MASKED:
-        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
+        mask = visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
     else:
         mask = None
-    k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+    k = load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
     if BLOCK_D >= 256:  # q held across the walk as a dot operand (whole, in every warp) spills: re-read it
-        q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     s, g, _ = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
                                 qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
                                 GATE_CHUNK, False)
     total = tl.sum(g, 1)
     p = tl.minimum(_gate_sums(g, r, later), clamp)
     _, _, w, z_lo, z_hi = _interpolation(z_rows, p, npos, FAST)
-    v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+    v = load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
     m, l, acc = _online_softmax(m, l, acc, s + z_lo + w * (z_hi - z_lo), mask, v, qk_scale)
     return m, l, acc, r + total
 
@@ -349,16 +267,16 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     rows = row0 + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
     live = rows < length
-    q_head = _aligned(b, stride_qb, ALIGN) + _aligned(h, stride_qh, ALIGN)
-    kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
+    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
+    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
     qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
-    q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     q_hi, q_lo = q, q
     if GATE_CHUNK == BLOCK_D:
-        q_hi = _load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        q_lo = _load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     z_rows = Z + b * stride_zb + h * stride_zh + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
     seg_ptr = SEG + b * stride_segb
     seg_rows = rows
@@ -374,7 +292,7 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     r = tl.zeros([BLOCK_Q], tl.float32)
     keys = tl.arange(0, BLOCK_K)
     later = (keys[:, None] >= keys[None, :]).to(tl.float16)  # [j', j]: key j' counts into key j's position
-    first = _first_key_block(row0, WINDOW, BLOCK_K)
+    first = first_key_block(row0, WINDOW, BLOCK_K)
     index = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K)) - 1
     unclamped = index >= first
     # Full tiles, from the diagonal back: those the causal mask cuts (or all, with a window or documents) masked,
@@ -398,13 +316,13 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
     for clamped in range(first, index + 1):  # every row's position is P − 1: no gates
         cols = clamped * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
-        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        mask = visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, False, live)
+        k = load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         m, l, acc = _online_softmax(m, l, acc, tl.dot(q, tl.trans(k)) + z_last[:, None], mask, v, qk_scale)
 
     out = (acc / l[:, None]).to(O.dtype.element_ty)
-    _store_rows(O + q_head, rows, dims, out, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    store_rows(O + q_head, rows, dims, out, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     stat = b * stride_sb + h * stride_sh + rows
     tl.store(LSE + stat, m + tl.log2(l), mask=live)
     tl.store(R + stat, r, mask=live)
@@ -429,17 +347,17 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
     rows = row0 + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
     live = rows < length
-    q_head = _aligned(b, stride_qb, ALIGN) + _aligned(h, stride_qh, ALIGN)
-    kv_head = _aligned(b, stride_kb, ALIGN) + _aligned(h // GROUPS, stride_kh, ALIGN)
+    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
+    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
     qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
-    q = _load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     q_hi, q_lo = q, q
     if GATE_CHUNK == BLOCK_D:
-        q_hi = _load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        q_lo = _load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    do = _load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    do = load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     z_head = b * stride_zb + h * stride_zh
     z_rows = Z + z_head + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
     dz_rows = DZ + z_head + rows * stride_zl
@@ -463,29 +381,29 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
     keys = tl.arange(0, BLOCK_K)
     before = -(keys[:, None] < keys[None, :]).to(tl.float16)  # [j', j]: key j' < j, negated
     through = (keys[:, None] <= keys[None, :]).to(tl.bfloat16 if FAST else tl.float32)  # [j', j]: key j' <= j
-    first = _first_key_block(row0, WINDOW, BLOCK_K)
+    first = first_key_block(row0, WINDOW, BLOCK_K)
     num_blocks = tl.minimum(tl.cdiv(row0 + BLOCK_Q, BLOCK_K), tl.cdiv(length, BLOCK_K))
     clamped_end = tl.minimum(tl.maximum(first, tl.min(e) // BLOCK_K), num_blocks)
     z_last = tl.load(z_rows + (npos - 1), mask=live, other=0.0)
     for index in range(first, clamped_end):  # clamped tiles: every position is P − 1
         cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
-        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        mask = visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
+        k = load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         t = tl.where(mask, (tl.dot(q, tl.trans(k)) + z_last[:, None]) * qk_scale, _MASK)
         probs = tl.exp2(t - lse[:, None])
         ds = sm_scale * probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dz_last += tl.sum(ds, 1)
         dq += tl.dot(ds.to(k.dtype), k)
-        _add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(ds.to(q.dtype)), q), length, stride_kl, ALIGN, EVEN_L,
+        add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(ds.to(q.dtype)), q), length, stride_kl, ALIGN, EVEN_L,
                   MASK_D)
-        _add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
+        add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
                   EVEN_L, MASK_D)
     for index in range(clamped_end, num_blocks):  # positions rebuilt from the saved R
         cols = index * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = _visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
-        k = _load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
-        v = _load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        mask = visible(rows, cols, seg_rows, seg_ptr, length, WINDOW, HAS_SEGMENTS, not EVEN_L, live)
+        k = load_rows(k_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
+        v = load_rows(v_ptr, cols, dims, length, stride_kl, ALIGN, EVEN_L, MASK_D)
         s, g, kg = _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask,
                                      qk_scale, length, stride_ql, stride_kl, ALIGN, EVEN_L, MASK_D, BLOCK_D, HAS_GATE_K,
                                      GATE_CHUNK, True)
@@ -506,26 +424,21 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
         if HAS_GATE_K:
             dscore = ds
             dq += tl.dot(dgate.to(kg.dtype), kg)
-            _add_rows(DKG + kv_head, cols, dims, tl.dot(tl.trans(dgate.to(q.dtype)), q), length, stride_kl, ALIGN,
+            add_rows(DKG + kv_head, cols, dims, tl.dot(tl.trans(dgate.to(q.dtype)), q), length, stride_kl, ALIGN,
                       EVEN_L, MASK_D)
         else:
             dscore = ds + dgate
         dq += tl.dot(dscore.to(k.dtype), k)
-        _add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(dscore.to(q.dtype)), q), length, stride_kl, ALIGN,
+        add_rows(DK + kv_head, cols, dims, tl.dot(tl.trans(dscore.to(q.dtype)), q), length, stride_kl, ALIGN,
                   EVEN_L, MASK_D)
-        _add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
+        add_rows(DV + kv_head, cols, dims, tl.dot(tl.trans(probs.to(do.dtype)), do), length, stride_kl, ALIGN,
                   EVEN_L, MASK_D)
 
-    _store_rows(DQ + q_head, rows, dims, dq, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    store_rows(DQ + q_head, rows, dims, dq, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     tl.atomic_add(dz_rows + (npos - 1), dz_last, mask=live, sem="relaxed")
 
 
 # --- launches ------------------------------------------------------------------------------------------------------
-
-
-def _strides(x: jax.Array) -> tuple[int, ...]:
-    """Row-major element strides of `x` (what jax-triton and the interpreter pass: contiguous buffers)."""
-    return tuple(math.prod(x.shape[i + 1:]) for i in range(x.ndim))
 
 
 def _tf32_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -554,7 +467,7 @@ def _gate_parts(q: jax.Array, k: jax.Array, kg: jax.Array | None) -> list[jax.Ar
 def _common_args(config: _Config, q, k, kg, z, seg) -> tuple[list, dict]:
     """The scalar arguments shared by both kernels (sm_scale, L, P, strides) and their constexprs."""
     length, num_heads, dim = q.shape[1], q.shape[2], q.shape[3]
-    sq, sk, sz = _strides(q), _strides(k), _strides(z)
+    sq, sk, sz = strides(q), strides(k), strides(z)
     stat = (num_heads * length, length)  # per-row values [B, Hq, L]
     scalars = [config.sm_scale, length, config.npos, *sq[:3], *sk[:3], *sz[:3], *stat, length]
     block_d = tile_extent(dim)

@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
-from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
+from jaxpe.kernels._common import (EXP2_PTX, MASK_VALUE, SOFTPLUS2_PTX, dot, first_order_only, output_struct,
+                                   tile_extent, vary_alike)
 from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
@@ -83,19 +84,15 @@ def _asm(ptx: str, x: jax.Array) -> jax.Array:
 
 
 def _softplus2(x: jax.Array, interpret: bool) -> jax.Array:
-    """log2(1 + 2^x) = −log2 σ(−x·ln 2) for float32 x. Compiled for a GPU: the SFU's approximate ex2 and lg2 (absolute
-    error about 2^−22; libdevice's log1p, and the log and division under jnp.log2, are long sequences), x itself
-    from x > 24 on (where 1 + 2^x rounds to 2^x, and beyond 128 would overflow); interpreted: logaddexp2."""
-    if interpret:
-        return jnp.logaddexp2(x, 0.0)
-    return _asm("{ .reg .f32 t; .reg .pred big; setp.gt.f32 big, $1, 0f41C00000; ex2.approx.ftz.f32 t, $1; "
-                "add.f32 t, t, 0f3F800000; lg2.approx.ftz.f32 $0, t; @big mov.f32 $0, $1; }", x)
+    """log2(1 + 2^x) = −log2 σ(−x·ln 2) for float32 x: SOFTPLUS2_PTX compiled for a GPU (the log and division under
+    jnp.log2 and libdevice's log1p are long sequences); interpreted: logaddexp2."""
+    return jnp.logaddexp2(x, 0.0) if interpret else _asm(SOFTPLUS2_PTX, x)
 
 
 def _exp2(x: jax.Array, interpret: bool) -> jax.Array:
-    """2^x for float32 x: the SFU's ex2 compiled for a GPU, flushing results below 2^−126 to 0 (jnp.exp2 compiles to
-    libdevice's, which scales around the SFU for them); interpreted: jnp.exp2."""
-    return jnp.exp2(x) if interpret else _asm("ex2.approx.ftz.f32 $0, $1;", x)
+    """2^x for float32 x: EXP2_PTX compiled for a GPU (jnp.exp2 compiles to libdevice's, which scales around the SFU
+    for results below 2^−126); interpreted: jnp.exp2."""
+    return jnp.exp2(x) if interpret else _asm(EXP2_PTX, x)
 
 
 def _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config: _Config, masked: bool):
@@ -221,6 +218,13 @@ def _backward_call(config: _Config, q, k, v, seg, do, before):
     )(*inputs, *zeros)
 
 
+def row_terms(out: jax.Array, do: jax.Array, drem: jax.Array, r: jax.Array) -> jax.Array:
+    """The backward's per-row term do_i·o_i + ρ_i [B, Hq, L] float32, ρ_i = drem_i·exp(R_i) (the remainder's
+    cotangent times it): out, do [B, L, Hq, D], drem [B, L, Hq], r (R) [B, Hq, L]."""
+    rho = jnp.swapaxes(drem.astype(jnp.float32), 1, 2) * jnp.exp(r)
+    return jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) + rho
+
+
 def _sb_pallas_fwd(q, k, v, segment_ids, config: _Config):
     qp, kp, vp, seg = padded_inputs(q, k, v, segment_ids, max(dataclasses.astuple(config.blocks)))
     out, r = first_order_only("pallas", functools.partial(_forward_call, config), qp, kp, vp, seg)
@@ -235,8 +239,7 @@ def _sb_pallas_bwd(config: _Config, residuals, cotangents):
     qp, kp, vp, seg = padded_inputs(q, k, v, segment_ids, max(dataclasses.astuple(config.blocks)))
     length, d = config.length, q.shape[3]
     do = jnp.pad(dout, [(0, 0), (0, out.shape[1] - length), (0, 0), (0, out.shape[3] - d)])
-    rho = jnp.pad(jnp.swapaxes(drem.astype(jnp.float32), 1, 2), [(0, 0), (0, 0), (0, out.shape[1] - length)])
-    before = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) + rho * jnp.exp(r)
+    before = row_terms(out, do, jnp.pad(drem, [(0, 0), (0, out.shape[1] - length), (0, 0)]), r)
     dq, dk, dv = first_order_only("pallas", functools.partial(_backward_call, config), qp, kp, vp, seg,
                                   do.astype(q.dtype), before)
     return (dq[:, :length, :, :d].astype(q.dtype), dk[:, :length, :, :d].astype(k.dtype),

@@ -139,6 +139,23 @@ def test_model_lowers_and_exports_for_cuda(pe, impl):
         assert restored.mlir_module() == exported.mlir_module()
 
 
+@pytest.mark.parametrize(("pe", "impl"), [("fox", "pallas"), ("stickbreaking", "pallas"), ("stickbreaking", "triton")])
+def test_unfused_encodings_lower_for_cuda_with_their_fused_kernels(pe, impl):
+    """Forgetting and stick-breaking attention with a fused path asked for by name ("auto" does not pick those yet),
+    traced on CPU: for CUDA the kernels compiled (not Pallas's interpreter), per layer one kernel in the forward, the
+    forward that saves residuals and one fused backward in the training step, and no [L, L] array."""
+    if impl == "triton" and (reason := triton_skip_reason()) is not None:
+        pytest.skip(reason)
+    jitted, params = programs(pe, impl)
+    target = {"pallas": (PALLAS_CALL,), "triton": JAX_TRITON_CALLS}[impl]
+    for program, fn in jitted.items():
+        tokens = jax.ShapeDtypeStruct((2, L + (program == "train_step")), jnp.int32)
+        with jax.sharding.use_abstract_mesh(on_abstract_h100()):
+            module = fn.trace(params, tokens).lower(lowering_platforms=("cuda",)).as_text()
+        assert sum(kernel_calls(module, t) for t in target) == (1 if program == "forward" else 2) * NUM_LAYERS
+        assert not quadratic_arrays(module), (program, quadratic_arrays(module))
+
+
 @pytest.mark.parametrize("pe", CONTEXTUAL)
 def test_stacked_models_lower_for_cuda_with_the_native_kernels(pe):
     """Seeds trained as one program (jaxpe.train's stacked members) vmap the training step over the models: jax-triton

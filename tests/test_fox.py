@@ -256,11 +256,12 @@ def test_backward_never_builds_a_length_squared_array(impl):
 
 def test_auto_runs_dense_below_the_measured_length_and_blockwise_from_it():
     """jaxpe.dispatch.UNFUSED_BLOCKWISE_MIN_LENGTH (256): dense below, blockwise from it, dense at a symbolic length
-    (jax.export), and a fused path only when asked for by name."""
+    (jax.export), and a fused path only when asked for by name (stick-breaking has a native Triton one, FoX not)."""
     for encoding in ("fox", "stickbreaking"):
         pick = functools.partial(resolve_unfused_impl, encoding=encoding, batch_heads=8)
         assert (pick("auto", 255), pick("auto", 256), pick("pallas", 8)) == ("reference", "blockwise", "pallas")
         symbolic, = jax.export.symbolic_shape("l")
         assert pick("auto", symbolic) == "reference"
-        with pytest.raises(ValueError, match="impl='triton'"):
-            pick("triton", 8)
+    assert resolve_unfused_impl("triton", 8, encoding="stickbreaking", batch_heads=8) == "triton"
+    with pytest.raises(ValueError, match="impl='triton': fox has no such fused kernel"):
+        resolve_unfused_impl("triton", 8, encoding="fox", batch_heads=8)

@@ -138,7 +138,7 @@ def test_layer_adds_the_remainder_times_its_head_bias(key):
 
 
 BAD = [
-    (dict(impl="triton"), "impl='triton'"),
+    (dict(impl="fused"), "impl='fused'"),
     (dict(attend_current=1), "attend_current=1"),
     (dict(return_remainder="yes"), "return_remainder='yes'"),
     (dict(window=-2), "window=-2"),

@@ -6,13 +6,13 @@
     python tools/compile_report.py --no-write --paths triton       # the native Triton kernels only
 
 A command-line tool beside the library, not part of it: it imports the kernels from jaxpe.kernels (cope_pallas,
-corope_pallas, fox_pallas, stickbreaking_pallas; cope_triton, corope_triton) and is not installed with the wheel;
-`make compile-report` runs it into results/compile/.
+corope_pallas, fox_pallas, stickbreaking_pallas; cope_triton, corope_triton, stickbreaking_triton) and is not
+installed with the wheel; `make compile-report` runs it into results/compile/.
 
 Two paths, the same grid and budgets: "pallas", the Pallas kernels through XLA's Triton compiler, and "triton", the
-native Triton kernels through Triton's own compiler (as jax-triton compiles them when they run). Ops: CoPE and Co-RoPE
-on both paths; forgetting attention (FoX, "fox") and stick-breaking attention ("stickbreaking") on the Pallas path,
-their only fused one (OP_PATHS).
+native Triton kernels through Triton's own compiler (as jax-triton compiles them when they run). Ops: CoPE, Co-RoPE
+and stick-breaking attention ("stickbreaking") on both paths; forgetting attention (FoX, "fox") on the Pallas path,
+its only fused one (OP_PATHS).
 
 How, pallas (no GPU needed): each op and its gradient are lowered for CUDA
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`); every `stablehlo.custom_call` to
@@ -84,7 +84,7 @@ SPILL_BUDGET_BYTES = {"forward": 0, "forward_train": 0, "backward": 512}
 PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
 OPS = ("cope", "corope", "fox", "stickbreaking")
 PATHS = ("pallas", "triton")  # Pallas kernels through XLA's Triton compiler; native Triton kernels through Triton's
-OP_PATHS = {"cope": PATHS, "corope": PATHS, "fox": ("pallas",), "stickbreaking": ("pallas",)}  # each op's paths
+OP_PATHS = {"cope": PATHS, "corope": PATHS, "fox": ("pallas",), "stickbreaking": PATHS}  # each op's paths
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 HEADS = ((8, 2), (8, 8))  # (N, K): GQA with groups of 4, and MHA
@@ -327,7 +327,8 @@ def _attention(case: Case, path: str = "pallas") -> tuple[Callable[..., jax.Arra
     if case.op == "fox":
         fn = functools.partial(module.forgetting_attention_pallas, sm_scale=sm_scale, **options)
         return fn, (q, kv, kv, jax.ShapeDtypeStruct((case.batch, case.length, case.q_heads), jnp.float32))
-    sb = functools.partial(module.stickbreaking_attention_pallas, sm_scale=sm_scale, **options)
+    entry = module.stickbreaking_attention_pallas if path == "pallas" else module.stickbreaking_attention_triton
+    sb = functools.partial(entry, sm_scale=sm_scale, **options)
     return lambda q, k, v: sb(q, k, v)[0], (q, kv, kv)
 
 
