@@ -2,15 +2,16 @@
 
 CoPE and Co-RoPE through the public `jaxpe.cope_attention` / `jaxpe.corope_attention` with impl = reference,
 blockwise, pallas, triton (the native kernels; on a GPU where jax-triton is installed), and with --ops forgetting
-(`jaxpe.forgetting_attention`, gates σ of a fixed draw) and stick-breaking attention (`jaxpe.stickbreaking_attention`),
-which have no triton impl; plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the anchor.
+(`jaxpe.forgetting_attention`, gates σ of a fixed draw; no triton impl) and stick-breaking attention
+(`jaxpe.stickbreaking_attention`); plain RoPE attention through `jax.nn.dot_product_attention` (cuDNN on GPU) is the
+anchor.
 B batch, L length, Hq query heads, G = Hq // Hkv, D head dim, npos CoPE table rows.
 
     python benchmarks/attention.py --out results/bench            # GPU sweep at training shapes: B 4, Hq 16,
                                                                   # L 1024 .. 16384, D 64 and 128, G 1 and 4
     python benchmarks/attention.py --out results/bench --quick    # CPU-sized sweep (B 1, Hq 8; without --quick
                                                                   # L 512 .. 32768 on CPU)
-    python benchmarks/attention.py --out DIR --ops fox,stickbreaking --impls pallas,anchor --lengths 4096
+    python benchmarks/attention.py --out DIR --ops fox,stickbreaking --impls pallas,triton,anchor --lengths 4096
     python benchmarks/attention.py --out DIR --lengths 1024,4096 --impls blockwise,anchor --ops cope
     python benchmarks/attention.py --out DIR --lengths 4096,32768 --groups 4 --impls pallas,triton,anchor  # GPU paths
 
@@ -176,7 +177,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                         cases.append(Case(op="rope", impl="anchor", **common))
                     for op in args.ops:
                         cases += [Case(op=op, impl=impl, **common) for impl in args.impls
-                                  if (op, impl) in PATHS]  # fox, stickbreaking: no triton
+                                  if (op, impl) in PATHS]  # fox: no triton
     return cases
 
 

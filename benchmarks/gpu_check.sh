@@ -3,8 +3,9 @@
 # kernels (every interpret-mode sweep, compiled now) and of both fused paths at long lengths, (2) the native kernels'
 # tile and warp variants (benchmarks/tiles.py), (3) the attention benchmark at training shapes (B 4, 16 query heads,
 # GQA 4) of the Pallas and native paths beside cuDNN's flash attention at L 4096 (Pallas too) and 32768, and of
-# forgetting and stick-breaking attention's Pallas kernels at L 4096. Each stage has a time limit, so a slow one
-# cannot starve the next; every stage's JSON and log land in DEST (default results/bench). Needs jax with CUDA,
+# forgetting attention's Pallas kernels and stick-breaking attention's Pallas and native ones at L 4096. Each stage
+# has a time limit, so a slow one cannot starve the next; every stage's JSON and log land in DEST (default
+# results/bench). Needs jax with CUDA,
 # triton and the jax-triton release of the installed jax (`pip install 'jaxpe[gpu,triton]'`).
 # Usage: bash benchmarks/gpu_check.sh [DEST]     (TESTS_S, TILES_S, BENCH_S: seconds per stage; STAGES=tests,tiles
 # or STAGES=bench runs some of them, e.g. to split the list over two calls of a machine with a time limit per call;
@@ -43,7 +44,8 @@ PLUGIN
   GPU_FAILURES_LOG="$DEST/gpu_failures.log" PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}" \
     timeout -s INT -k 30 "${TESTS_S:-300}" $PYTHON -m pytest -v -rfE -n 8 -p no:cacheprovider \
     -p gpu_failures_plugin --durations=20 ${PYTEST_ARGS:-} tests/test_kernels_cope_triton.py \
-    tests/test_kernels_corope_triton.py tests/test_gpu_long.py > "$DEST/gpu_tests.log" 2>&1
+    tests/test_kernels_corope_triton.py tests/test_kernels_stickbreaking_triton.py tests/test_gpu_long.py \
+    > "$DEST/gpu_tests.log" 2>&1
   echo "tests: exit $? in $SECONDS s" | tee -a "$log"
   grep -E "^\[gw[0-9]+\].*(FAILED|ERROR)|^(FAILED|ERROR) | passed| failed" "$DEST/gpu_tests.log" | tail -40 |
     tee -a "$log"
@@ -68,7 +70,7 @@ if [[ $STAGES == *,bench,* ]]; then
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_32768 --lengths 32768 --groups 4 \
       --impls triton,anchor --repeats 3 &&
     $PYTHON benchmarks/attention.py --out '$WORK' --name bench_gpu_native_fox_sb --lengths 4096 --groups 4 \
-      --ops fox,stickbreaking --impls pallas,anchor --repeats 5" > "$WORK/bench.log" 2>&1
+      --ops fox,stickbreaking --impls pallas,triton,anchor --repeats 5" > "$WORK/bench.log" 2>&1
   echo "attention: exit $? in $SECONDS s" | tee -a "$log"
   cp "$WORK"/bench_gpu_native_*.json "$DEST"/ 2>/dev/null
   grep '^{' "$WORK/bench.log" > "$DEST/bench_rows.jsonl"

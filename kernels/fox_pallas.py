@@ -35,11 +35,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
-from jaxpe.kernels._common import MASK_VALUE, dot, first_order_only, output_struct, tile_extent, vary_alike
+from jaxpe.kernels._common import (MASK_VALUE, dot, first_order_only, fori_loop32, output_struct, tile_extent,
+                                   vary_alike)
 from jaxpe.kernels._pallas_rows import (RowConfig, key_blocks, open_rows, padded_inputs, query_blocks, row_specs,
                                        visible)
 
@@ -86,7 +86,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     seg_q [bq] and key ids seg_k [Lp] (None without documents), lse [bq]."""
     block_q, block_k = q_ref.shape[0], config.blocks.block_k
     row0 = pl.program_id(0) * block_q
-    rows = row0 + jnp.arange(block_q)
+    rows = row0 + jnp.arange(block_q, dtype=jnp.int32)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q, c2_rows = q_ref[...], c_q_ref[...] * _LOG2E
     scale2 = config.sm_scale * _LOG2E
@@ -96,7 +96,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
         keys = pl.ds(index * block_k, block_k)
         logits = _logits2(q, k_ref[keys, :], c2_rows, c_k_ref, keys, scale2)
         if masked:
-            mask = visible(rows, index * block_k + jnp.arange(block_k), config.window, seg_rows,
+            mask = visible(rows, index * block_k + jnp.arange(block_k, dtype=jnp.int32), config.window, seg_rows,
                            None if seg_k_ref is None else seg_k_ref[keys])
             logits = jnp.where(mask, logits, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -111,8 +111,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
     below = first if config.window is not None or seg_rows is not None else (row0 + 1) // block_k
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
-    carry = lax.fori_loop(first, below, functools.partial(tile, masked=False), init)
-    m, l, acc = lax.fori_loop(below, end, functools.partial(tile, masked=True), carry)
+    carry = fori_loop32(first, below, functools.partial(tile, masked=False), init)
+    m, l, acc = fori_loop32(below, end, functools.partial(tile, masked=True), carry)
     l = jnp.where(l > 0, l, 1.0)  # padded rows see nothing
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)  # the log-sum-exp in base 2, as the backward reads it
@@ -128,8 +128,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
     major, minor, padded = config.blocks.block_q_bwd, config.blocks.block_k_bwd, q_ref.shape[0]
     scale2, plain = config.sm_scale * _LOG2E, config.window is None and seg_ref is None
     start = pl.program_id(0) * major
-    span, own = start + jnp.arange(major), pl.ds(start, major)
-    seg_span = None if seg_ref is None else seg_ref[own]
+    span, own = start + jnp.arange(major, dtype=jnp.int32), pl.ds(start, major)
 
     def grads(q, k, v, do, at_rows, at_keys, rows, cols, masked: bool):
         """p and ds = ∂L/∂logits [rows, keys] of a tile (0 where masked)."""
@@ -146,7 +145,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
         dk, dv, dck = carry
         at_rows = pl.ds(index * minor, minor)
         q, do = q_ref[at_rows, :], do_ref[at_rows, :]
-        p, ds = grads(q, k, v, do, at_rows, own, index * minor + jnp.arange(minor), span, masked)
+        p, ds = grads(q, k, v, do, at_rows, own, index * minor + jnp.arange(minor, dtype=jnp.int32), span, masked)
         return (dk + config.sm_scale * dot(ds.astype(q.dtype), q, trans_a=True),
                 dv + dot(p.astype(do.dtype), do, trans_a=True), dck - jnp.sum(ds, axis=0))
 
@@ -154,8 +153,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
     # Without a window or documents the query blocks wholly at or after the block's last key see all of it.
     after = jnp.clip((start + major - 1 + minor - 1) // minor, first, end) if plain else end
     zeros = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), jnp.zeros((major,), jnp.float32)
-    carry = lax.fori_loop(first, after, functools.partial(key_side, masked=True), zeros)
-    dk, dv, dck = lax.fori_loop(after, end, functools.partial(key_side, masked=False), carry)
+    carry = fori_loop32(first, after, functools.partial(key_side, masked=True), zeros)
+    dk, dv, dck = fori_loop32(after, end, functools.partial(key_side, masked=False), carry)
     dk_ref[...], dv_ref[...], dck_ref[...] = dk, dv, dck
 
     q, do = q_ref[own, :], do_ref[own, :]
@@ -164,14 +163,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
         dq, dcq = carry
         at_keys = pl.ds(index * minor, minor)
         k, v = k_ref[at_keys, :], v_ref[at_keys, :]
-        _, ds = grads(q, k, v, do, own, at_keys, span, index * minor + jnp.arange(minor), masked)
+        _, ds = grads(q, k, v, do, own, at_keys, span, index * minor + jnp.arange(minor, dtype=jnp.int32), masked)
         return dq + config.sm_scale * dot(ds.astype(k.dtype), k), dcq + jnp.sum(ds, axis=1)
 
     first, end = key_blocks(start, major, minor, config.window)
     below = (start + 1) // minor if plain else first  # key blocks wholly at or below the block's first row
-    carry = lax.fori_loop(first, below, functools.partial(row_side, masked=False),
-                          (jnp.zeros(q.shape, jnp.float32), jnp.zeros((major,), jnp.float32)))
-    dq, dcq = lax.fori_loop(below, end, functools.partial(row_side, masked=True), carry)
+    carry = fori_loop32(first, below, functools.partial(row_side, masked=False),
+                        (jnp.zeros(q.shape, jnp.float32), jnp.zeros((major,), jnp.float32)))
+    dq, dcq = fori_loop32(below, end, functools.partial(row_side, masked=True), carry)
     dq_ref[...], dcq_ref[...] = dq, dcq
 
 

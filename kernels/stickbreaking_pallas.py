@@ -32,13 +32,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
-from jaxpe.kernels._common import (EXP2_PTX, MASK_VALUE, SOFTPLUS2_PTX, dot, first_order_only, output_struct,
-                                   tile_extent, vary_alike)
+from jaxpe.kernels._common import (EXP2_PTX, MASK_VALUE, SOFTPLUS2_PTX, dot, first_order_only, fori_loop32,
+                                   output_struct, tile_extent, vary_alike)
 from jaxpe.kernels._pallas_rows import RowConfig, key_blocks, open_rows, padded_inputs, row_specs, visible
 
 
@@ -106,7 +105,7 @@ def _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config: _Config, 
     ulps of S (Pallas-Triton lowers a running sum, not the reverse one that would not subtract)."""
     z2 = (config.sm_scale * _LOG2E) * dot(q, k, trans_b=True)
     if masked:  # a key not attended breaks nothing: z2 = MASK_VALUE gives softplus2 0 and A 0
-        cols = index * block_k + jnp.arange(block_k)
+        cols = index * block_k + jnp.arange(block_k, dtype=jnp.int32)
         keys = pl.ds(index * block_k, block_k)
         mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
         z2 = jnp.where(mask & (cols[None, :] < rows[:, None] + int(config.attend_current)), z2, MASK_VALUE)
@@ -126,8 +125,8 @@ def _walk(tile, init, row0, block_q: int, block_k: int, config: _Config, has_seg
     def reverse(hi, masked):
         return lambda i, carry: tile(hi - 1 - i, carry, masked)
 
-    carry = lax.fori_loop(0, end - below, reverse(end, True), init)
-    return lax.fori_loop(0, below - first, reverse(below, False), carry)
+    carry = fori_loop32(0, end - below, reverse(end, True), init)
+    return fori_loop32(0, below - first, reverse(below, False), carry)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, config: _Config):
@@ -135,7 +134,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, 
     [bq] and key ids seg_k [Lp] (None without documents), r [bq]."""
     block_q, block_k = q_ref.shape[0], config.blocks.block_k
     row0 = pl.program_id(0) * block_q
-    rows = row0 + jnp.arange(block_q)
+    rows = row0 + jnp.arange(block_q, dtype=jnp.int32)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q = q_ref[...]
 
@@ -160,7 +159,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, do_ref, before_r
     del dk_in_ref, dv_in_ref  # the same buffers as dk_ref, dv_ref
     block_q, block_k, sm_scale = q_ref.shape[0], config.blocks.block_k_bwd, config.sm_scale
     row0 = pl.program_id(0) * block_q
-    rows = row0 + jnp.arange(block_q)
+    rows = row0 + jnp.arange(block_q, dtype=jnp.int32)
     seg_rows = None if seg_q_ref is None else seg_q_ref[...]
     q, do, before = q_ref[...], do_ref[...], before_ref[...]
 

@@ -172,8 +172,9 @@ def test_through_the_public_function_equals_the_numpy_restatement():
     k, v = (jax.random.normal(key, (2, 19, 2, 16)) for key in keys[1:])
     out, remainder = jaxpe.stickbreaking_attention(q, k, v, impl="triton", attend_current=True, return_remainder=True)
     want, want_remainder = ref.stickbreaking_attention(*map(np.asarray, (q, k, v)), attend_current=True)
-    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(remainder, want_remainder, atol=2e-6, rtol=2e-5)
+    atol, rtol = (2e-5, 2e-5) if INTERPRETED else GPU_TOLERANCE["float32"]["out"]  # TF32 products on a GPU
+    np.testing.assert_allclose(out, want, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(remainder, want_remainder, atol=atol / 10, rtol=rtol)
 
 
 def test_the_layer_runs_the_triton_kernels():
@@ -189,9 +190,10 @@ def test_the_layer_runs_the_triton_kernels():
         return lambda p: jnp.mean(model.apply(p, tokens) ** 2)
 
     got, want = (jax.value_and_grad(loss(impl))(params) for impl in ("triton", "reference"))
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    tol = 1e-5 if INTERPRETED else GPU_TOLERANCE["float32"]["out"][1]  # TF32 products on a GPU
+    np.testing.assert_allclose(got[0], want[0], rtol=tol)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(g, w, atol=tol, rtol=10 * tol)
 
 
 def test_default_blocks_fit_the_length():

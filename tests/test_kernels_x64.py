@@ -1,4 +1,5 @@
-"""The fused paths under jax_enable_x64: impl "pallas" and "triton", CoPE and Co-RoPE, take float32 and 16-bit inputs
+"""The fused paths under jax_enable_x64: impl "pallas" and "triton" of CoPE, Co-RoPE and stick-breaking attention,
+and FoX's Pallas one, take float32 and 16-bit inputs
 and give, forward and backward, what they give without x64 (as jax.nn.dot_product_attention does); their kernels
 index in int32 (no 64-bit value is computed inside a Pallas kernel or handed to one), and the Pallas kernels' gradient
 lowers for CUDA. On CPU: Pallas in interpret mode, Triton in its interpreter (which multiplies bfloat16 dots wrongly,
@@ -16,6 +17,8 @@ import pytest
 import jaxpe
 from jaxpe.kernels.cope_pallas import cope_attention_pallas
 from jaxpe.kernels.corope_pallas import corope_attention_pallas
+from jaxpe.kernels.fox_pallas import forgetting_attention_pallas
+from jaxpe.kernels.stickbreaking_pallas import stickbreaking_attention_pallas
 from kernel_harness import equations, outputs_and_grads
 
 B, L, HQ, HKV, D, NPOS = 1, 24, 4, 2, 8, 6  # L not a block multiple: the kernels pad it
@@ -23,8 +26,15 @@ KERNEL_CALLS = ("pallas_call", "pure_callback")  # a Pallas kernel; a Triton lau
 
 
 def attention(encoding: str, impl: str) -> Callable[..., jax.Array]:
+    """encoding's public function of (q, k, v, e): e is CoPE's table, FoX's log forget gates its first column's
+    −softplus per query head, unread by the others."""
     if encoding == "cope":
         return lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=impl)
+    if encoding == "fox":
+        return lambda q, k, v, e: jaxpe.forgetting_attention(
+            q, k, v, -jax.nn.softplus(jnp.broadcast_to(e[:HQ, 0].astype(jnp.float32), (B, L, HQ))), impl=impl)
+    if encoding == "stickbreaking":
+        return lambda q, k, v, e: jaxpe.stickbreaking_attention(q, k, v, impl=impl)
     return lambda q, k, v, e: jaxpe.corope_attention(q, k, v, impl=impl)
 
 
@@ -38,7 +48,8 @@ def inputs(dtype: jnp.dtype) -> tuple[jax.Array, ...]:
 
 @pytest.mark.parametrize("encoding, impl, dtype", [
     ("cope", "pallas", jnp.bfloat16), ("corope", "pallas", jnp.float32), ("corope", "pallas", jnp.bfloat16),
-    ("cope", "triton", jnp.float32), ("corope", "triton", jnp.float16)])
+    ("cope", "triton", jnp.float32), ("corope", "triton", jnp.float16), ("fox", "pallas", jnp.bfloat16),
+    ("stickbreaking", "pallas", jnp.float32), ("stickbreaking", "triton", jnp.float16)])
 def test_fused_paths_under_x64_as_without(encoding, impl, dtype):
     """Output and gradients (q, k, v and CoPE's table) in the input dtype, equal to the same impl's without x64."""
     *args, cotangent = inputs(dtype)
@@ -66,8 +77,9 @@ def wide_values(fn: Callable, *args: jax.Array) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("impl", ["pallas", "triton"])
-@pytest.mark.parametrize("encoding", ["cope", "corope"])
+@pytest.mark.parametrize(("encoding", "impl"), [("cope", "pallas"), ("cope", "triton"), ("corope", "pallas"),
+                                               ("corope", "triton"), ("fox", "pallas"), ("stickbreaking", "pallas"),
+                                               ("stickbreaking", "triton")])
 def test_kernels_index_in_int32_under_x64(encoding, impl):
     """In x64 mode no kernel of the forward or the gradient takes or computes a 64-bit value: indices, loop counters
     and tiles stay 32-bit."""
@@ -79,12 +91,19 @@ def test_kernels_index_in_int32_under_x64(encoding, impl):
         assert wide_values(attention(encoding, impl), *args) == []
 
 
-@pytest.mark.parametrize("encoding", ["cope", "corope"])
+@pytest.mark.parametrize("encoding", ["cope", "corope", "fox", "stickbreaking"])
 def test_pallas_gradient_lowers_for_cuda_under_x64(encoding):
-    """Lowered for CUDA (no GPU needed), the forward and the fused backward are Pallas kernels lowered to Triton."""
+    """Lowered for CUDA (no GPU needed), the forward and the fused backward are Pallas kernels lowered to Triton (a
+    64-bit index inside one is refused there)."""
     *args, _ = inputs(jnp.bfloat16)
     if encoding == "cope":
         fn = functools.partial(cope_attention_pallas, sm_scale=D**-0.5, interpret=False)
+    elif encoding == "fox":
+        fn = lambda q, k, v, e: forgetting_attention_pallas(  # noqa: E731
+            q, k, v, jnp.cumsum(-jax.nn.softplus(jnp.ones((B, L, HQ))), axis=1), sm_scale=D**-0.5, interpret=False)
+    elif encoding == "stickbreaking":
+        fn = lambda q, k, v, e: stickbreaking_attention_pallas(  # noqa: E731
+            q, k, v, sm_scale=D**-0.5, interpret=False)[0]
     else:
         fn = lambda q, k, v, e: corope_attention_pallas(q, k, v, theta=1e4, sm_scale=D**-0.5,  # noqa: E731
                                                         interpret=False)
