@@ -1,6 +1,7 @@
 """What the Pallas kernels of forgetting attention and stick-breaking attention share: one program per (query block,
-batch, query head), its BlockSpecs, and the key blocks a query block walks; and the visibility of a tile, which
-CoPE's Pallas kernels use too.
+batch, query head), its BlockSpecs, the key blocks a query block walks and the query blocks a key block's gradients
+walk (each split where whole tiles are visible and need no mask); and the visibility of a tile, which CoPE's Pallas
+kernels use too.
 
 Letters: B batch, L length (Lp padded), Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head dim (Dp padded to
 a power of two). Tiles are [block_q, block_k].
@@ -114,17 +115,25 @@ def visible(rows: jax.Array, cols: jax.Array, window: int | None, seg_rows: jax.
     return mask
 
 
-def key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None) -> tuple[jax.Array, jax.Array]:
-    """[first, end) key blocks the rows row0 .. row0 + block_q − 1 can see."""
+def key_blocks(row0: jax.Array, block_q: int, block_k: int, window: int | None, has_segments: bool, *,
+               diagonal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(first, below, end): the rows row0 .. row0 + block_q − 1 see key blocks [first, end); without a window or
+    documents those before `below` hold only keys every row sees (keys <= row0 with `diagonal`, keys < row0
+    without), so their tiles need no mask; with either, below = first (every tile masked)."""
     first = 0 if window is None else jnp.maximum(row0 - (window - 1), 0) // block_k
-    return first, (row0 + block_q + block_k - 1) // block_k
+    below = first if window is not None or has_segments else (row0 + int(diagonal)) // block_k
+    return first, below, (row0 + block_q + block_k - 1) // block_k
 
 
-def query_blocks(col0: jax.Array, block_k: int, block_q: int, window: int | None, padded: int
-                 ) -> tuple[jax.Array, jax.Array]:
-    """[first, end) query blocks (of block_q rows, Lp = padded) with a row that can see a key of col0 ..
-    col0 + block_k − 1."""
-    end = padded // block_q
+def query_blocks(col0: jax.Array, block_k: int, block_q: int, window: int | None, padded: int, has_segments: bool
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(first, after, end): query blocks [first, end) (of block_q rows, Lp = padded) hold a row that can see a key
+    of col0 .. col0 + block_k − 1; without a window or documents those from `after` on hold only rows at or after the
+    block's last key, which see every key of it, so their tiles need no mask; with either, after = end (every tile
+    masked)."""
+    first, end = col0 // block_q, padded // block_q
     if window is not None:
         end = jnp.minimum(end, (col0 + block_k - 1 + window - 1) // block_q + 1)
-    return col0 // block_q, end
+    if window is not None or has_segments:
+        return first, end, end
+    return first, jnp.clip((col0 + block_k - 1 + block_q - 1) // block_q, first, end), end

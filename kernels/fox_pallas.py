@@ -106,9 +106,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, c_q_ref, c_k_ref, seg_q_ref, seg_k_ref,
         v = v_ref[keys, :]
         return m_new, l * correction + jnp.sum(probs, axis=1), acc * correction[:, None] + dot(probs.astype(v.dtype), v)
 
-    first, end = key_blocks(row0, block_q, block_k, config.window)
-    # Without a window or documents the key blocks wholly at or below row0 are seen by every row: no mask there.
-    below = first if config.window is not None or seg_rows is not None else (row0 + 1) // block_k
+    first, below, end = key_blocks(row0, block_q, block_k, config.window, seg_rows is not None, diagonal=True)
     init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     carry = fori_loop32(first, below, functools.partial(tile, masked=False), init)
@@ -126,7 +124,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
     2), delta [Lp] of the head, document ids seg [Lp] (None without documents); outputs dq/dk/dv [M, Dp] and
     dcq/dck [M]."""
     major, minor, padded = config.blocks.block_q_bwd, config.blocks.block_k_bwd, q_ref.shape[0]
-    scale2, plain = config.sm_scale * _LOG2E, config.window is None and seg_ref is None
+    scale2 = config.sm_scale * _LOG2E
     start = pl.program_id(0) * major
     span, own = start + jnp.arange(major, dtype=jnp.int32), pl.ds(start, major)
 
@@ -149,9 +147,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
         return (dk + config.sm_scale * dot(ds.astype(q.dtype), q, trans_a=True),
                 dv + dot(p.astype(do.dtype), do, trans_a=True), dck - jnp.sum(ds, axis=0))
 
-    first, end = query_blocks(start, major, minor, config.window, padded)
-    # Without a window or documents the query blocks wholly at or after the block's last key see all of it.
-    after = jnp.clip((start + major - 1 + minor - 1) // minor, first, end) if plain else end
+    first, after, end = query_blocks(start, major, minor, config.window, padded, seg_ref is not None)
     zeros = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), jnp.zeros((major,), jnp.float32)
     carry = fori_loop32(first, after, functools.partial(key_side, masked=True), zeros)
     dk, dv, dck = fori_loop32(after, end, functools.partial(key_side, masked=False), carry)
@@ -166,8 +162,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, c_ref, seg_ref, do_ref, lse_ref, delta
         _, ds = grads(q, k, v, do, own, at_keys, span, index * minor + jnp.arange(minor, dtype=jnp.int32), masked)
         return dq + config.sm_scale * dot(ds.astype(k.dtype), k), dcq + jnp.sum(ds, axis=1)
 
-    first, end = key_blocks(start, major, minor, config.window)
-    below = (start + 1) // minor if plain else first  # key blocks wholly at or below the block's first row
+    first, below, end = key_blocks(start, major, minor, config.window, seg_ref is not None, diagonal=True)
     carry = fori_loop32(first, below, functools.partial(row_side, masked=False),
                         (jnp.zeros(q.shape, jnp.float32), jnp.zeros((major,), jnp.float32)))
     dq, dcq = fori_loop32(below, end, functools.partial(row_side, masked=True), carry)

@@ -119,8 +119,7 @@ def _walk(tile, init, row0, block_q: int, block_k: int, config: _Config, has_seg
     """`tile(index, carry, masked)` over the key blocks the rows row0 .. row0 + block_q − 1 see, in reverse from the
     diagonal: first the blocks with a masked key, then (without a window or documents) the blocks wholly before
     row0, which every row attends in full, without the mask."""
-    first, end = key_blocks(row0, block_q, block_k, config.window)
-    below = first if config.window is not None or has_segments else row0 // block_k
+    first, below, end = key_blocks(row0, block_q, block_k, config.window, has_segments, diagonal=False)
 
     def reverse(hi, masked):
         return lambda i, carry: tile(hi - 1 - i, carry, masked)
