@@ -42,6 +42,31 @@ def aligned(index, stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh, GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ALIGN: tl.constexpr):
+    """What a program over (query block, batch, query head) of the grid (L / BLOCK_Q, B, Hq) starts from: b, h, its
+    first row row0, rows [BLOCK_Q], dims [BLOCK_D], live (rows < L), and the element offsets of its query head's
+    [L, D] rows in [B, L, Hq, D] arrays (q_head) and of its kv head's (h // GROUPS) in [B, L, Hkv, D] ones (kv_head)."""
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    row0 = block * BLOCK_Q
+    rows = row0 + tl.arange(0, BLOCK_Q)
+    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
+    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
+    return b, h, row0, rows, tl.arange(0, BLOCK_D), rows < length, q_head, kv_head
+
+
+@triton.jit
+def document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS: tl.constexpr):
+    """(seg_ptr, seg_rows): the batch row's document ids [L] in SEG [B, L] and the rows' own (the rows themselves,
+    unread, without documents)."""
+    seg_ptr = SEG + b * stride_segb
+    seg_rows = rows
+    if HAS_SEGMENTS:
+        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    return seg_ptr, seg_rows
+
+
+@triton.jit
 def in_bounds(rows, dims, length, EVEN_L: tl.constexpr, MASK_D: tl.constexpr):
     """The mask of [rows, dims] inside [L, D], with only the checks that can fail (EVEN_L: every row < L; MASK_D
     0: every column < D, else D), for the load or store to broadcast."""

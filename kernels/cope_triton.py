@@ -50,7 +50,8 @@ import triton.language as tl
 from jaxpe.kernels._common import MASK_VALUE, filled, first_order_only, output_struct, tile_extent
 from jaxpe.kernels._triton_launch import interpreted, launch
 from jaxpe.kernels._triton_memory import gather_pair, scatter_add, scatter_in_place
-from jaxpe.kernels._triton_rows import add_rows, aligned, first_key_block, load_rows, store_rows, strides, visible
+from jaxpe.kernels._triton_rows import (add_rows, document_rows, first_key_block, load_rows, program_rows,
+                                        store_rows, strides, visible)
 from jaxpe.kernels.cope_pallas import BlockSizes, open_cope_fused
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x·log2(e))
@@ -262,13 +263,8 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     masked), else 0; EVEN_L: L a multiple of BLOCK_Q and BLOCK_K (no row masks); ALIGN a power of two dividing D
     (<= 16); WINDOW 0: none; GATE_CHUNK as `_gate_logits` takes it; MASK_ALL (a window or documents): every tile
     masked."""
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    row0 = block * BLOCK_Q
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, BLOCK_D)
-    live = rows < length
-    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
-    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
+    b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                                 GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
     qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
@@ -278,10 +274,7 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
         q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
         q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     z_rows = Z + b * stride_zb + h * stride_zh + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
-    seg_ptr = SEG + b * stride_segb
-    seg_rows = rows
-    if HAS_SEGMENTS:
-        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    seg_ptr, seg_rows = document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS)
     sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
     qk_scale = sm_scale * _LOG2E
     clamp = npos - 1.0
@@ -342,13 +335,8 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
     clamped tiles first. Inputs as the forward's, plus DO [B, L, Hq, D] and LSE (lse₂), DELTA = rowsum(o·do), R, E
     [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DZ [B, Hq, L, P], DK, DV, DKG [B, L, Hkv, D] (atomic adds
     into zeros; DKG written only with HAS_GATE_K)."""
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    row0 = block * BLOCK_Q
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, BLOCK_D)
-    live = rows < length
-    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
-    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
+    b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                                 GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
     q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
     kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
     qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
@@ -366,10 +354,7 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
     delta = tl.load(DELTA + stat, mask=live, other=0.0)
     r = tl.load(R + stat, mask=live, other=0.0)
     e = tl.load(E + stat, mask=live, other=length)
-    seg_ptr = SEG + b * stride_segb
-    seg_rows = rows
-    if HAS_SEGMENTS:
-        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    seg_ptr, seg_rows = document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS)
     sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
     qk_scale = sm_scale * _LOG2E
     clamp = npos - 1.0

@@ -35,7 +35,8 @@ from jaxpe.kernels._common import (EXP2_PTX, MASK_VALUE, SOFTPLUS2_PTX, first_or
                                    vary_alike)
 from jaxpe.kernels._pallas_rows import RowConfig, open_rows
 from jaxpe.kernels._triton_launch import interpreted, launch, require
-from jaxpe.kernels._triton_rows import add_rows, aligned, first_key_block, load_rows, store_rows, strides, visible
+from jaxpe.kernels._triton_rows import (add_rows, document_rows, first_key_block, load_rows, program_rows,
+                                        store_rows, strides, visible)
 from jaxpe.kernels.stickbreaking_pallas import BlockSizes, row_terms
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -140,19 +141,11 @@ def _forward_kernel(Q, K, V, SEG, sm_scale, length,
     K/V [B, L, Hkv, D], SEG [B, L] int32 (read only with HAS_SEGMENTS); output R [B, Hq, L] float32. Constexprs:
     BLOCK_D = Dp; MASK_D = D when D < Dp, else 0; EVEN_L: L a multiple of both blocks; ALIGN a power of two dividing
     D (<= 16); WINDOW 0: none; MASK_ALL (a window or documents): every tile masked."""
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    row0 = block * BLOCK_Q
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, BLOCK_D)
-    live = rows < length
-    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
-    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
+    b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                                 GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
     k_ptr, v_ptr = K + kv_head, V + kv_head
     q = load_rows(Q + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    seg_ptr = SEG + b * stride_segb
-    seg_rows = rows
-    if HAS_SEGMENTS:
-        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    seg_ptr, seg_rows = document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS)
     qk_scale = tl.cast(sm_scale, tl.float32) * _LOG2E  # jax-triton passes Python floats as float64
 
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
@@ -210,21 +203,13 @@ def _backward_kernel(Q, K, V, SEG, DO, BEFORE, sm_scale, length,
     """One query block of one (batch, query head), the forward's walk. Inputs as the forward's, plus DO
     [B, L, Hq, D] and BEFORE (do·o + ρ) [B, Hq, L]; outputs float32 DQ [B, L, Hq, D] (stored), DK, DV
     [B, L, Hkv, D] (relaxed atomic adds into zeros)."""
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    row0 = block * BLOCK_Q
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, BLOCK_D)
-    live = rows < length
-    q_head = aligned(b, stride_qb, ALIGN) + aligned(h, stride_qh, ALIGN)
-    kv_head = aligned(b, stride_kb, ALIGN) + aligned(h // GROUPS, stride_kh, ALIGN)
+    b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                                 GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
     k_ptr, v_ptr, dk_ptr, dv_ptr = K + kv_head, V + kv_head, DK + kv_head, DV + kv_head
     q = load_rows(Q + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     do = load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     before = tl.load(BEFORE + b * stride_sb + h * stride_sh + rows, mask=live, other=0.0)
-    seg_ptr = SEG + b * stride_segb
-    seg_rows = rows
-    if HAS_SEGMENTS:
-        seg_rows = tl.load(seg_ptr + rows, mask=live, other=-1)
+    seg_ptr, seg_rows = document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS)
     sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
     qk_scale = sm_scale * _LOG2E
 

@@ -19,25 +19,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_harness import (GPU_TOLERANCE, TOLERANCE, assert_matches, assert_matches_elementwise, float32_products,
-                            square_intermediates_of_grad)
+from kernel_harness import assert_matches, assert_matches_elementwise, float32_products, square_intermediates_of_grad
 
 import jaxpe
 import numpy_reference as ref
 
 pytest.importorskip("triton")
 
+# the native kernels' sweep settings: TRITON_INTERPRET=1 or not, tolerances with float16, bfloat16 on a GPU only
+from test_kernels_cope_triton import (BFLOAT16_ON_GPU, GPU_TOLERANCES, INTERPRETED, TOLERANCES,  # noqa: E402
+                                      documents)
+
 from jaxpe.kernels import _triton_launch  # noqa: E402  (after the importorskip: it imports triton)
 from jaxpe.kernels.stickbreaking_pallas import BlockSizes  # noqa: E402
 from jaxpe.kernels.stickbreaking_triton import default_blocks, stickbreaking_attention_triton  # noqa: E402
-
-INTERPRETED = _triton_launch.interpreted()
-# float16 against the float16 reference on the CPU: ~3× the largest errors seen over the sweep; on a GPU bfloat16's.
-TOLERANCES = {**TOLERANCE, "float16": {"out": (3e-3, 3e-3), "grad": (3e-2, 3e-3)}}
-GPU_TOLERANCES = {**GPU_TOLERANCE, "float16": GPU_TOLERANCE["bfloat16"]}
-BFLOAT16_ON_GPU = [pytest.mark.gpu,
-                   pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter multiplies bfloat16 dots wrongly (an "
-                                                          "upstream limitation): bfloat16 runs compiled on a GPU")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +74,6 @@ GPU_CASES = [
     Case(length=130, head_dim=64, groups=1, dtype="bfloat16", kv_heads=2, window=50, attend_current=True,
          traced_scale=True, blocks=None),
 ]
-
-
-def documents(batch: int, length: int, seed: int) -> jax.Array:
-    """Document ids [B, L] int32: about one boundary per 25 tokens, at random."""
-    starts = np.random.default_rng(seed).random((batch, length)) < 0.04
-    return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
 
 def make_inputs(case: Case) -> tuple[list[jax.Array], dict, tuple[jax.Array, jax.Array]]:
@@ -154,13 +143,10 @@ def assert_matches_reference(case: Case) -> None:
         assert_matches_elementwise(got, want, names=names, dtype=case.dtype, context=str(case), table=table)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", [*CASES, *(pytest.param(case, marks=BFLOAT16_ON_GPU) for case in GPU_CASES)],
+                         ids=str)
 def test_matches_reference(case: Case):
-    assert_matches_reference(case)
-
-
-@pytest.mark.parametrize("case", [pytest.param(case, marks=BFLOAT16_ON_GPU) for case in GPU_CASES], ids=str)
-def test_bfloat16_matches_reference(case: Case):
+    """The sweep, and bfloat16 on a GPU."""
     assert_matches_reference(case)
 
 
@@ -172,7 +158,7 @@ def test_through_the_public_function_equals_the_numpy_restatement():
     k, v = (jax.random.normal(key, (2, 19, 2, 16)) for key in keys[1:])
     out, remainder = jaxpe.stickbreaking_attention(q, k, v, impl="triton", attend_current=True, return_remainder=True)
     want, want_remainder = ref.stickbreaking_attention(*map(np.asarray, (q, k, v)), attend_current=True)
-    atol, rtol = (2e-5, 2e-5) if INTERPRETED else GPU_TOLERANCE["float32"]["out"]  # TF32 products on a GPU
+    atol, rtol = (2e-5, 2e-5) if INTERPRETED else GPU_TOLERANCES["float32"]["out"]  # TF32 products on a GPU
     np.testing.assert_allclose(out, want, atol=atol, rtol=rtol)
     np.testing.assert_allclose(remainder, want_remainder, atol=atol / 10, rtol=rtol)
 
@@ -190,7 +176,7 @@ def test_the_layer_runs_the_triton_kernels():
         return lambda p: jnp.mean(model.apply(p, tokens) ** 2)
 
     got, want = (jax.value_and_grad(loss(impl))(params) for impl in ("triton", "reference"))
-    tol = 1e-5 if INTERPRETED else GPU_TOLERANCE["float32"]["out"][1]  # TF32 products on a GPU
+    tol = 1e-5 if INTERPRETED else GPU_TOLERANCES["float32"]["out"][1]  # TF32 products on a GPU
     np.testing.assert_allclose(got[0], want[0], rtol=tol)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(g, w, atol=tol, rtol=10 * tol)
