@@ -11,7 +11,7 @@ things differ:
   GPU-scope fence) into zero-initialised float32 [B, L, Hkv, D] outputs, from one query-major program per
   (query block, batch, query head): a key block's gradients need each row's R and S over the keys after it, which
   only the walk from the diagonal produces, so the deterministic split of forgetting attention's kernels does not
-  carry over (their last bits vary run to run).
+  carry over (and dk's and dv's last bits vary run to run).
 
 Letters (as in stickbreaking_pallas.py): B batch, L length, Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head
 dim (Dp its tile). Kernel tiles are [block_q, block_k].
