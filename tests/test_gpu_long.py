@@ -1,9 +1,10 @@
-"""On a GPU, at the lengths users train at: the fused kernels of both GPU paths (impl "pallas" and, where jax-triton
-is installed, "triton") against the blockwise path (the O(L)-memory JAX
-restatement the CPU suite checks against the dense references), outputs and every gradient, with packed documents and
-a window at L 4096, causal and windowed at L 32768. The dense reference fits only the shorter length; its output is
-checked there too. The wanted values are computed with float32 matmuls (`jax.default_matmul_precision("highest")`:
-XLA would use TF32 on the GPU), so the tolerance covers the kernels' own TF32 logits only.
+"""On a GPU, at the lengths users train at: the fused kernels of both GPU paths (impl "pallas" and, where jax-triton is
+installed, "triton") against the blockwise path (the O(L)-memory JAX restatement the CPU suite checks against the
+dense references), outputs and every gradient, with packed documents and a window at L 4096, causal and windowed at L
+32768; forgetting and stick-breaking attention's fused paths at L 4096. The dense reference fits only the shorter
+length; its output is checked there too. The wanted values are computed with float32 matmuls
+(`jax.default_matmul_precision("highest")`: XLA would use TF32 on the GPU), so the tolerance covers the kernels' own
+TF32 logits only.
 
 CoPE's gradient is discontinuous where a position crosses an integer or reaches npos − 1 (the kinks of its linear
 interpolation and clamp): two float32 computations that round a position differently take different sides there, and
@@ -51,7 +52,7 @@ def _inputs(length: int, head_dim: int, dtype: str, *, documents: bool):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
-@pytest.mark.parametrize("op", ["cope", "corope"])
+@pytest.mark.parametrize("op", ["cope", "corope", "fox", "stickbreaking"])
 @pytest.mark.parametrize("length,head_dim,dtype,documents,window", [
     (4096, 64, "float32", True, 700),
     (4096, 128, "bfloat16", True, None),
@@ -60,12 +61,24 @@ def _inputs(length: int, head_dim: int, dtype: str, *, documents: bool):
 ])
 def test_fused_matches_blockwise_at_long_lengths(impl: str, op: str, length: int, head_dim: int, dtype: str,
                                                  documents: bool, window: int | None) -> None:
+    """Forgetting and stick-breaking attention at L 4096 only (their fused paths are not "auto"'s yet); FoX has no
+    "triton" path."""
+    if op in ("fox", "stickbreaking") and length > 4096 or (op, impl) == ("fox", "triton"):
+        pytest.skip("not in the sweep: forgetting and stick-breaking attention at L 4096, FoX on Pallas only")
     if impl == "triton" and (reason := unavailable()):
         pytest.skip(reason)
     q, k, v, pos_emb, cotangent, segment_ids = _inputs(length, head_dim, dtype, documents=documents)
     if op == "cope":
         attention = functools.partial(jaxpe.cope_attention, segment_ids=segment_ids, window=window)
         args, names = (q, k, v, pos_emb), ["out", "dq", "dk", "dv", "dpos_emb"]
+    elif op == "fox":  # log forget gates −softplus(N(0, 1) − 2), about −0.13: a decay over tens of tokens
+        gates = -jax.nn.softplus(jax.random.normal(jax.random.PRNGKey(length), q.shape[:3]) - 2.0)
+        attention = functools.partial(jaxpe.forgetting_attention, log_fgate=gates, segment_ids=segment_ids,
+                                      window=window)
+        args, names = (q, k, v), ["out", "dq", "dk", "dv"]
+    elif op == "stickbreaking":
+        attention = functools.partial(jaxpe.stickbreaking_attention, segment_ids=segment_ids, window=window)
+        args, names = (q, k, v), ["out", "dq", "dk", "dv"]
     else:
         attention = functools.partial(jaxpe.corope_attention, segment_ids=segment_ids, window=window)
         args, names = (q, k, v), ["out", "dq", "dk", "dv"]
