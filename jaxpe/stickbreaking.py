@@ -143,7 +143,10 @@ def pallas_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def triton_path(call: Call, compiled: bool) -> tuple[jax.Array, jax.Array]:
-    """kernels/stickbreaking_triton.py, loaded when it first runs."""
+    """kernels/stickbreaking_triton.py through jax-triton (Triton's interpreter off a GPU), loaded when it first runs."""
+    from jaxpe.kernels._triton_launch import require  # the extra to install, in words
+
+    require()
     from jaxpe.kernels.stickbreaking_triton import stickbreaking_attention_triton  # loads Triton
 
     out, remainder = stickbreaking_attention_triton(call.q, call.k, call.v, **call.options())

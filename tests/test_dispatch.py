@@ -334,12 +334,14 @@ def test_auto_staged_for_cuda_limits(monkeypatch):
 # --- impl="triton" -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+@pytest.mark.parametrize("encoding", [*dispatch.ENCODINGS, "stickbreaking"])
 def test_triton_without_triton_names_the_extra(monkeypatch, encoding):
     for name in ("triton", "jax_triton"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed: find_spec gives None, import fails
+    run = attention(encoding, "triton") if encoding in dispatch.ENCODINGS else \
+        lambda q, k, v, e: jaxpe.stickbreaking_attention(q, k, v, impl="triton")
     with pytest.raises(ValueError, match=re.escape("pip install 'jaxpe[triton]'")):
-        attention(encoding, "triton")(*inputs(16))
+        run(*inputs(16))
 
 
 def test_jaxpe_imports_and_runs_without_triton():
