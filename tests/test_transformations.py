@@ -1,10 +1,13 @@
-"""The contextual attentions inside the programs researchers write: jit, vmap over an extra axis, remat with its
-policies, lax.scan over stacked layers, eval_shape, each for every impl, against the dense reference called
+"""The contextual attentions (CoPE, Co-RoPE, forgetting and stick-breaking attention) inside the programs researchers
+write: jit, vmap over an extra axis, remat with its policies, lax.scan over stacked layers, eval_shape, each for every
+impl (stick-breaking's native Triton kernels in Triton's interpreter too), against the dense reference called
 plainly. (shard_map, x64, dtypes, export and bidirectional attention per encoding: test_transformations_cope.py and
 test_transformations_corope.py.)"""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +22,14 @@ B, L, HQ, HKV, D, NPOS = 2, 24, 4, 2, 8, 12
 
 
 def _attention(encoding: str, impl: str):
-    """attention(q, k, v, e) for the encoding; e is CoPE's table (ignored by Co-RoPE)."""
+    """attention(q, k, v, e) for the encoding; e is CoPE's table (ignored by the others). FoX's log forget gates come
+    from q's first feature (−softplus: content-dependent, differentiable, and mapped along with q)."""
     if encoding == "cope":
         return lambda q, k, v, e: jaxpe.cope_attention(q, k, v, e, impl=impl)
+    if encoding == "fox":
+        return lambda q, k, v, e: jaxpe.forgetting_attention(q, k, v, -jax.nn.softplus(q[..., 0]), impl=impl)
+    if encoding == "stickbreaking":
+        return lambda q, k, v, e: jaxpe.stickbreaking_attention(q, k, v, impl=impl)
     return lambda q, k, v, e: jaxpe.corope_attention(q, k, v, impl=impl)
 
 
@@ -37,11 +45,15 @@ def _loss(attention, q, k, v, e):
     return jnp.sum(jnp.sin(attention(q, k, v, e)))
 
 
-ENCODINGS = pytest.mark.parametrize("encoding", ["cope", "corope"])
+ENCODINGS = ("cope", "corope", "fox", "stickbreaking")
+# stick-breaking's native kernels, in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+TRITON = pytest.param("stickbreaking", "triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="impl='triton' needs triton (Triton's interpreter on CPU)"))
+EVERY_IMPL = pytest.mark.parametrize(("encoding", "impl"), [*itertools.product(ENCODINGS, IMPLS), TRITON])
+FAST = pytest.mark.parametrize(("encoding", "impl"), [*itertools.product(ENCODINGS, FAST_IMPLS), TRITON])
 
 
-@ENCODINGS
-@pytest.mark.parametrize("impl", IMPLS)
+@EVERY_IMPL
 def test_jit_and_grad_match_the_reference(encoding, impl):
     args = _inputs()
     want = _attention(encoding, "reference")(*args)
@@ -53,8 +65,7 @@ def test_jit_and_grad_match_the_reference(encoding, impl):
         np.testing.assert_allclose(got_g, want_g, atol=5e-4, rtol=5e-4)
 
 
-@ENCODINGS
-@pytest.mark.parametrize("impl", FAST_IMPLS)
+@FAST
 def test_vmap_over_an_extra_axis_is_the_loop(encoding, impl):
     """vmap over a leading axis of q, k, v (an ensemble, say) equals calling each member; so do its gradients."""
     q, k, v, e = _inputs(lead=(3,))
@@ -71,8 +82,7 @@ def test_vmap_over_an_extra_axis_is_the_loop(encoding, impl):
     np.testing.assert_allclose(de, sum(w[1] for w in want), atol=2e-3, rtol=2e-3)  # the table is shared: summed
 
 
-@ENCODINGS
-@pytest.mark.parametrize("impl", FAST_IMPLS)
+@FAST
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
 def test_remat_with_its_policies_keeps_the_gradient(encoding, impl, policy):
     args = _inputs(1)
@@ -84,8 +94,7 @@ def test_remat_with_its_policies_keeps_the_gradient(encoding, impl, policy):
         np.testing.assert_allclose(got_g, want_g, atol=5e-4, rtol=5e-4)
 
 
-@ENCODINGS
-@pytest.mark.parametrize("impl", FAST_IMPLS)
+@FAST
 def test_scan_over_stacked_layers(encoding, impl):
     """A residual stack of attention layers run by lax.scan over stacked projections (the scan-over-layers recipe),
     its value and gradient equal to the same layers in a Python loop on the reference."""
@@ -113,8 +122,7 @@ def test_scan_over_stacked_layers(encoding, impl):
     np.testing.assert_allclose(jax.jit(jax.grad(scanned))(weights), jax.grad(looped)(weights), atol=2e-3, rtol=2e-3)
 
 
-@ENCODINGS
-@pytest.mark.parametrize("impl", IMPLS)
+@EVERY_IMPL
 def test_eval_shape_runs_nothing_and_gives_the_output_type(encoding, impl):
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs()]
     out = jax.eval_shape(_attention(encoding, impl), *shapes)
