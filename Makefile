@@ -23,11 +23,11 @@ test: .venv
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 # The built wheel in a fresh venv outside the repository, on $(PY), on Python 3.12 and on Python 3.13 (the newest jax
-# on both).
+# on both; on 3.13 also the native kernels in the interpreter of Triton 3.6, which a user's torch may pin).
 test-wheel:
 	.ci/wheel_smoke $(PY)
 	.ci/newest_jax --wheel
-	.ci/wheel_smoke "$$(.ci/find_python 3.13)"
+	.ci/wheel_smoke "$$(.ci/find_python 3.13)" 3.6.0
 
 # The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to
 # the installed jaxlib; jax 0.10 is the last whose plugin exposes it), ptxas and nvdisasm (its version), in their own

@@ -67,6 +67,8 @@ class Attention(nn.Module):
         check_fraction("dropout", self.dropout, one=False)
         check_impl(self.impl)
         check_window(self.window)
+        if self.window is not None:
+            object.__setattr__(self, "window", int(self.window))  # NumPy ints too: the kernels take Python ints
         check_float_dtype("dtype", self.dtype)
         check_float_dtype("param_dtype", self.param_dtype)
         check_bool("causal", self.causal)

@@ -11,6 +11,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -19,6 +20,12 @@ def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
     rotary angles in, for floating inputs `arrays`: float64 where one is float64 (x64 mode), else float32 (bfloat16
     and float16 inputs included). The Pallas and Triton kernels compute in float32 whatever the inputs."""
     return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
+
+
+def bidirectional_refusal(impl: str) -> ValueError:
+    """The error of a fused path (impl "pallas" or "triton") asked for bidirectional attention."""
+    return ValueError(f"causal=False is not supported by impl={impl!r} (the fused kernels are causal); "
+                      f"impl='blockwise' and impl='reference' are bidirectional with causal=False")
 
 
 def rotary_frequencies(head_dim: int, theta: float | jax.Array, pairs: jax.Array | None = None,
@@ -199,15 +206,29 @@ def check_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) ->
 def check_window(window: int | None) -> None:
     """Sliding window: None (the whole causal prefix) or an int >= 1, the query itself and window − 1 keys before."""
     if window is not None and not is_int(window, 1):
-        raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before it)")
+        static = "; a static setting, not a jax array or a traced value" if isinstance(window, jax.Array) else ""
+        raise ValueError(f"window={window!r} must be None or an int >= 1 (the query and the window − 1 keys before "
+                         f"it{static})")
+
+
+def document_ids(segment_ids: jax.Array | np.ndarray) -> jax.Array:
+    """Integer document ids [B, L] as int32 ids [B, L] equal where they are equal: ids of 32 bits or fewer cast
+    (which keeps different ids different), wider ones (NumPy's default int64, 64-bit hashes) replaced by their rank
+    in their row."""
+    if jnp.dtype(segment_ids.dtype).itemsize <= 4:
+        return jnp.asarray(segment_ids).astype(jnp.int32)
+    if isinstance(segment_ids, np.ndarray):  # on the host: without jax_enable_x64 jax would wrap them to 32 bits
+        return jnp.asarray(np.unique(segment_ids, return_inverse=True)[1].reshape(segment_ids.shape), jnp.int32)
+    return jax.vmap(jnp.searchsorted)(jnp.sort(segment_ids, axis=-1), segment_ids).astype(jnp.int32)
 
 
 def open_attention(q: jax.Array, *, causal: bool, segment_ids: jax.Array | None, window: int | None
                    ) -> tuple[bool, jax.Array | None, int | None]:
     """The opening every attention entry point shares, after its own checks of q, k, v: causal a bool,
-    segment_ids [B, L] integer (or None) and the window. Returns (empty, segment_ids as int32, window): empty when
-    there is no query (the entry returns jnp.zeros(q.shape, q.dtype), as jax.nn.dot_product_attention gives), and
-    the window None where it covers every key at this length (a symbolic length, under jax.export, keeps it)."""
+    segment_ids [B, L] integer (or None) and the window. Returns (empty, segment_ids as int32 (`document_ids`),
+    window): empty when there is no query (the entry returns jnp.zeros(q.shape, q.dtype), as
+    jax.nn.dot_product_attention gives), and the window a Python int, or None where it covers every key at this
+    length (a symbolic length, under jax.export, keeps it)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be a bool")
     check_segment_ids(segment_ids, q.shape[0], q.shape[1])
@@ -215,8 +236,8 @@ def open_attention(q: jax.Array, *, causal: bool, segment_ids: jax.Array | None,
     length = q.shape[1]
     if window is not None and isinstance(length, int) and window >= length:
         window = None
-    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return length == 0 or q.shape[0] == 0, segment_ids, window
+    segment_ids = None if segment_ids is None else document_ids(segment_ids)
+    return length == 0 or q.shape[0] == 0, segment_ids, None if window is None else int(window)
 
 
 def check_attention_mask(mask: jax.Array | None, batch: int, lq: int, lk: int) -> None:

@@ -121,12 +121,13 @@ def resolve_impl(impl: str, length: int, head_dim: int, *, encoding: str, batch_
     in O(L·block) memory. This is the one place that chooses; the entry points have refused what an explicit impl
     cannot run.
 
-    causal=False: "auto" never picks a fused path (the fused kernels are causal). dense: the call needs the dense path
+    causal=False: "auto" never picks a fused path (the fused kernels are causal; asked for by name, a ValueError).
+    dense: the call needs the dense path
     (keys from a decoding cache under a mask, extra logits, CoPE's dense-only variants): "reference" whatever `impl`.
     kernel_refusal: kernel_refusal(fused) gives the reason the fused path `fused` ("triton" or "pallas") refuses these
     inputs (None: it runs them); "auto" then runs "blockwise".
     """
-    check_impl(impl)
+    check_impl(impl, causal=causal)
     if encoding not in ENCODINGS:
         raise ValueError(f"{encoding=} must be one of {ENCODINGS}")
     if dense:
@@ -220,12 +221,12 @@ UNFUSED_BLOCKWISE_MIN_LENGTH = {"fox": 256, "stickbreaking": 256}
 UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas", "triton")}
 
 
-def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int) -> str:
+def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int, causal: bool = True) -> str:
     """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference",
     "blockwise" or a fused path of UNFUSED_KERNELS as asked, "auto" by length (above), or "reference" at a symbolic
-    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks is a
-    ValueError."""
-    check_impl(impl)
+    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks, or one
+    asked for bidirectional attention (causal=False), is a ValueError."""
+    check_impl(impl, causal=causal)
     if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
         raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
     if impl in ("pallas", "triton") and impl not in UNFUSED_KERNELS[encoding]:

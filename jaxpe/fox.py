@@ -41,7 +41,7 @@ from jaxpe.validation import check_array, check_float, check_qkv, check_sm_scale
 
 def check_log_fgate(log_fgate: jax.Array, q: jax.Array) -> None:
     """log_fgate: a float array [B, L, Hq] matching q [B, L, Hq, D]; where concrete, every entry <= 0 (the log of a
-    gate in (0, 1])."""
+    gate in (0, 1]) and finite (a gate of 0, log −inf, makes the running sums' differences −inf − (−inf))."""
     check_array("log_fgate", log_fgate, "B L Hq")
     check_float("log_fgate", log_fgate)
     if tuple(log_fgate.shape) != tuple(q.shape[:3]):
@@ -49,9 +49,13 @@ def check_log_fgate(log_fgate: jax.Array, q: jax.Array) -> None:
                          f"log_fgate.shape={tuple(log_fgate.shape)}")
     if isinstance(log_fgate, jax.core.Tracer) or not log_fgate.size:
         return
-    largest = float(np.max(np.asarray(log_fgate, np.float64)))
+    values = np.asarray(log_fgate, np.float64)
+    largest, smallest = float(np.max(values)), float(np.min(values))
     if not largest <= 0.0:
         raise ValueError(f"log_fgate must be <= 0 (the log of forget gates in (0, 1]), got max(log_fgate)={largest}")
+    if not np.isfinite(smallest):
+        raise ValueError(f"log_fgate must be finite (a forget gate of exactly 0 has no finite log; a very negative "
+                         f"value, e.g. -1e4, forgets as completely), got min(log_fgate)={smallest}")
 
 
 def forget_gate_cumsum(log_fgate: jax.Array) -> jax.Array:
@@ -97,10 +101,7 @@ def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: ja
     check_log_fgate(log_fgate, q)
     check_sm_scale(sm_scale)
     empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
-    impl = resolve_unfused_impl(impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * q.shape[2])
-    if impl == "pallas" and not causal:
-        raise ValueError("impl='pallas' runs causal forgetting attention only; for causal=False use "
-                         "impl='blockwise', 'reference' or 'auto'")
+    impl = resolve_unfused_impl(impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * q.shape[2], causal=causal)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     return _forgetting_attention(q, k, v, forget_gate_cumsum(log_fgate), sm_scale=sm_scale, causal=causal,
@@ -177,8 +178,9 @@ class FoXCore(nn.Module):
             c_k = update_cache(self, "fgate_cumsum", c, index)
         if ctx.mask is not None:  # keys from the cache, documents and window folded into the mask
             return forgetting_attention_reference(q, k, v, c, c_k, sm_scale=q.shape[-1] ** -0.5, mask=ctx.mask)
-        impl = resolve_unfused_impl(self.impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * hq)
-        return _forgetting_attention(q, k, v, c, sm_scale=None, causal=True, segment_ids=ctx.segment_ids,
+        impl = resolve_unfused_impl(self.impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * hq,
+                                    causal=ctx.causal)
+        return _forgetting_attention(q, k, v, c, sm_scale=None, causal=ctx.causal, segment_ids=ctx.segment_ids,
                                      window=ctx.window, impl=impl)
 
 

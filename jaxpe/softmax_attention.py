@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxpe.base import GATE_PRECISION, compute_dtype
+from jaxpe.base import GATE_PRECISION, compute_dtype, document_ids
 from jaxpe.validation import check_qkv
 
 
@@ -54,8 +54,8 @@ def fold_padding(segment_ids: jax.Array | None, padding_mask: jax.Array | None) 
     """Document ids [B, L] int32 with padded tokens (padding_mask False) moved to PAD_SEGMENT; None when neither is
     given. A padded query then sees only padded keys, so its (ignored) output stays finite."""
     if padding_mask is None:
-        return None if segment_ids is None else segment_ids.astype(jnp.int32)
-    ids = jnp.zeros(padding_mask.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        return None if segment_ids is None else document_ids(segment_ids)
+    ids = jnp.zeros(padding_mask.shape, jnp.int32) if segment_ids is None else document_ids(segment_ids)
     return jnp.where(padding_mask, ids, PAD_SEGMENT)
 
 

@@ -193,3 +193,6 @@ class StickBreakingConfig(PEConfig):
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses bad impls at construction
         return StickBreakingCore(attend_current=self.attend_current, impl=impl)
+
+    def causal_only(self) -> str | None:
+        return "each query breaks the stick over the keys before it, nearest first"

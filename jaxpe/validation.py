@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpe.base import (check_array, check_attention_mask, check_cope_inputs, check_corope_inputs, check_even_head_dim,
-                        check_float, check_npos, check_padding_mask, check_pos_emb, check_positive, check_qkv,
-                        check_rank, check_segment_ids, check_sm_scale, check_window, is_int, open_attention)
+from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask, check_cope_inputs,
+                        check_corope_inputs, check_even_head_dim, check_float, check_npos, check_padding_mask,
+                        check_pos_emb, check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
+                        check_window, is_int, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype",
@@ -25,10 +26,12 @@ IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only
 
 
-def check_impl(impl: str) -> None:
-    """Raise ValueError unless `impl` names an implementation."""
+def check_impl(impl: str, *, causal: bool = True) -> None:
+    """Raise ValueError unless `impl` names an implementation that runs attention in this direction (`causal`)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{impl=} must be one of {IMPLS}")
+    if not causal and impl in FUSED_IMPLS:
+        raise bidirectional_refusal(impl)
 
 
 def check_bool(name: str, value: Any) -> None:

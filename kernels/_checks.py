@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpe.base import open_attention
+from jaxpe.base import bidirectional_refusal, open_attention
 from jaxpe.kernels._common import check_head_dim
 
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Co-RoPE Pallas kernels take
@@ -30,8 +30,7 @@ def fused_refusal(q: jax.Array, *, impl: str, dtypes: tuple[type, ...] | None, c
     fused kernels are causal, take `dtypes` (None: every dtype the operation takes) and static shapes, not
     jax.export's symbolic ones. impl='blockwise' and impl='reference' take them all."""
     if not causal:
-        return ValueError(f"causal=False is not supported by impl={impl!r} (the fused kernels are causal); "
-                          f"impl='blockwise' and impl='reference' are bidirectional with causal=False")
+        return bidirectional_refusal(impl)
     if dtypes is not None and q.dtype not in dtypes:
         names = [jnp.dtype(dtype).name for dtype in dtypes]
         takes = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

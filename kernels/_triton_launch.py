@@ -13,8 +13,10 @@ that hides where they run.
   first (it only describes TMA tensors, which jaxpe's kernels never take).
 - Interpreted (TRITON_INTERPRET=1 set before Triton is imported, as its interpreter requires): on CPU, through
   `jax.pure_callback`, on NumPy arrays wrapped in the few tensor methods the interpreter calls (`HostTensor`); no
-  torch. The interpreter multiplies bfloat16 dots wrongly (it reads their raw bits), so the tests run it in float32
-  and float16.
+  torch. The interpreter multiplies bfloat16 dots wrongly (it reads their raw bits), so bfloat16 arrays reach it
+  as float32 and outputs come back rounded to bfloat16 (the kernels then compute as on float32 inputs). Triton 3.6's interpreter (the release torch 2.11 pins) holds every scalar as a one-element array and
+  takes it as a loop bound with `int()`, which NumPy 2.5 refuses for arrays of one dimension;
+  `_interpreter_scalars` gives it Triton 3.7's squeeze first.
 """
 from __future__ import annotations
 
@@ -236,18 +238,42 @@ class HostTensor:
         return self
 
 
+def _host_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype the interpreter computes right in: bfloat16's is float32 (which holds it exactly), others their own."""
+    return np.dtype(np.float32) if dtype == jax.numpy.bfloat16 else np.dtype(dtype)
+
+
+@functools.cache
+def _interpreter_scalars() -> None:
+    """Make Triton 3.6's interpreter index with its one-element scalars (`range(0, n)` on a kernel argument or a
+    program id) under NumPy >= 2.5, as Triton 3.7's does: `int(data.squeeze())` where it calls `int(data)`."""
+    import triton  # optional: imported only for impl='triton'
+    from triton.runtime import interpreter  # optional, as triton above
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 7):
+        return
+    patch_tensor = interpreter._patch_lang_tensor  # private: where the interpreter gives tensors Python's protocols
+
+    def with_squeezed_index(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = with_squeezed_index
+
+
 def _launch_interpreted(kernel: Any, args: Sequence[jax.Array | int | float], *,
                         out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
                         **constexprs: Any) -> list[jax.Array]:
+    _interpreter_scalars()
     is_array = [isinstance(a, jax.Array) or hasattr(a, "shape") for a in args]
     arrays = [a for a, flag in zip(args, is_array) if flag]
 
     def host(*host_arrays: np.ndarray) -> list[np.ndarray]:
-        inputs = iter(HostTensor(np.ascontiguousarray(a)) for a in host_arrays)
-        outputs = [HostTensor(np.zeros(s.shape, s.dtype)) for s in out_shapes]
+        inputs = iter(HostTensor(np.ascontiguousarray(a, _host_dtype(a.dtype))) for a in host_arrays)
+        outputs = [HostTensor(np.zeros(s.shape, _host_dtype(s.dtype))) for s in out_shapes]
         kernel_args = [next(inputs) if flag else a for a, flag in zip(args, is_array)]
         kernel[grid](*kernel_args, *outputs, **constexprs)
-        return [o.array for o in outputs]
+        return [o.array.astype(s.dtype) for o, s in zip(outputs, out_shapes)]
 
     results = jax.pure_callback(host, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes], *arrays,
                                 vmap_method="sequential")

@@ -1,9 +1,11 @@
 """Edge inputs of the library behave the same in every impl: empty sequences, degenerate shapes and scales, AM-SPE's
-detail level, and a NaN row of the CoPE position table reaching only the queries that use it."""
+detail level, a NaN row of the CoPE position table reaching only the queries that use it, 64-bit document ids, NumPy
+windows, and bfloat16 in Triton's interpreter."""
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -343,3 +345,89 @@ def test_nnx_sizes_as_numpy_integers_and_bools():
         model.init_cache(True, 8)
     layer = jaxpe.nnx.Attention(np.int64(6), num_heads=2, num_kv_heads=1, head_dim=4, pe="cope", rngs=nnx.Rngs(0))
     assert type(layer.d_model) is int
+
+
+def _attend(op: str, impl: str, **options) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """op's public function of (q, k) (k also the values; CoPE's table and FoX's gates fixed) with `options`."""
+    table = jnp.asarray(0.3 * np.random.default_rng(5).standard_normal((8, 16)), jnp.float32)  # the same under x64
+    calls = {"cope": lambda q, k: jaxpe.cope_attention(q, k, k, table.astype(q.dtype), impl=impl, **options),
+             "corope": lambda q, k: jaxpe.corope_attention(q, k, k, impl=impl, **options),
+             "fox": lambda q, k: jaxpe.forgetting_attention(q, k, k, jnp.full(q.shape[:3], -0.2), impl=impl,
+                                                            **options),
+             "stickbreaking": lambda q, k: jaxpe.stickbreaking_attention(q, k, k, impl=impl, **options)}
+    return calls[op]
+
+
+def _qk(length: int = 12, dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array]:
+    q = jax.random.normal(jax.random.PRNGKey(0), (2, length, 2, 16))
+    return q.astype(dtype), q[:, :, :1].astype(dtype)
+
+
+OPS = ("cope", "corope", "fox", "stickbreaking")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "pallas"])
+def test_64_bit_document_ids_stay_different_documents(op, impl):
+    """Document ids that differ only above bit 31 (NumPy's int64, 64-bit hashes of documents) are two documents,
+    eagerly from NumPy and traced under x64: the same output as ids 0 and 1 (they were cast to int32, one document)."""
+    q, k = _qk()
+    want = _attend(op, impl, segment_ids=np.repeat([[0, 1]], 6, axis=1).repeat(2, axis=0))(q, k)
+    wide = np.repeat([[7, 7 + 2**32]], 6, axis=1).repeat(2, axis=0)
+    np.testing.assert_allclose(_attend(op, impl, segment_ids=wide)(q, k), want, atol=1e-6)
+    with jax.enable_x64(True):
+        traced = jax.jit(lambda q, k, ids: _attend(op, impl, segment_ids=ids)(q, k))(q, k, jnp.asarray(wide))
+    np.testing.assert_allclose(traced, want, atol=1e-6)
+
+
+def test_64_bit_document_ids_in_a_layer_restart_positions():
+    """The layer's packed documents from 64-bit ids: the same output as from ids 0 and 1 (positions restart)."""
+    layer = jaxpe.Attention(num_heads=2, num_kv_heads=1, head_dim=8, pe="rope")
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 16))
+    params = layer.init(jax.random.PRNGKey(1), x)
+    want = layer.apply(params, x, segment_ids=np.array([[0] * 4 + [1] * 4]))
+    np.testing.assert_allclose(layer.apply(params, x, segment_ids=np.array([[3] * 4 + [3 + 2**40] * 4])), want,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_numpy_window_is_the_same_window(op):
+    """window=np.int64(3) runs every impl as window=3 (the native kernels took it as a Triton constant and failed),
+    and a plain 3 after it still runs (a NumPy int equal to 3 shares jit's cache entry)."""
+    q, k = _qk()
+    want = _attend(op, "reference", window=3)(q, k)
+    impls = ["blockwise", "pallas"] + (["triton"] if op != "fox" and _triton_interprets() else [])
+    for impl in impls:
+        for window in (np.int64(3), 3):
+            np.testing.assert_allclose(_attend(op, impl, window=window)(q, k), want, atol=2e-5, err_msg=impl)
+
+
+def test_a_traced_window_says_it_must_be_static():
+    q, k = _qk()
+    with pytest.raises(ValueError, match="window=.* must be None or an int >= 1 .*not a jax array or a traced value"):
+        jax.jit(lambda q, k, w: _attend("corope", "blockwise", window=w)(q, k))(q, k, 3)
+
+
+def _triton_interprets() -> bool:
+    """Whether impl="triton" runs here in Triton's interpreter (triton installed, TRITON_INTERPRET=1)."""
+    from jaxpe.kernels._triton_launch import unavailable  # the reason impl="triton" cannot run, or None
+
+    return unavailable() is None and jax.default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("op", ["cope", "corope", "stickbreaking"])
+def test_bfloat16_in_the_triton_interpreter_is_the_float32_result_rounded(op):
+    """Triton's interpreter multiplies bfloat16 dots wrongly (it reads their bits): impl="triton" hands it float32
+    copies, so bfloat16 output and gradient are the float32 reference's on the same (rounded) inputs within
+    bfloat16's rounding (they were 1e8 off)."""
+    if not _triton_interprets():
+        pytest.skip("needs triton in its interpreter (CPU, TRITON_INTERPRET=1)")
+    q, k = _qk(24, jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    triton, reference = _attend(op, "triton"), _attend(op, "reference")
+    got = jax.vjp(triton, q, k)
+    want = jax.vjp(reference, q.astype(jnp.float32), k.astype(jnp.float32))
+    assert got[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), want[0], atol=3e-2, rtol=2e-2)
+    for g, w in zip(got[1](cotangent.astype(jnp.bfloat16)), want[1](cotangent)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=6e-2, rtol=3e-2)

@@ -161,9 +161,11 @@ def test_layer_equals_the_function_with_its_gates(key):
 
 BAD = [
     (dict(log_fgate=jnp.full((2, 11, 4), 0.5)), "log_fgate must be <= 0"),
+    (dict(log_fgate=jnp.full((2, 11, 4), -0.1).at[0, 3, 1].set(-jnp.inf)),
+     r"log_fgate must be finite.*min\(log_fgate\)=-inf"),
     (dict(log_fgate=jnp.zeros((2, 11, 2))), "log_fgate must have shape"),
     (dict(impl="triton"), "impl='triton'"),
-    (dict(impl="pallas", causal=False), "impl='pallas' runs causal"),
+    (dict(impl="pallas", causal=False), "causal=False is not supported by impl='pallas'"),
     (dict(window=0), "window=0"),
     (dict(causal=1), "causal=1"),
     (dict(sm_scale=-1.0), "sm_scale"),

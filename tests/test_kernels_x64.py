@@ -113,3 +113,13 @@ def test_pallas_gradient_lowers_for_cuda_under_x64(encoding):
     with jax.enable_x64(True), jax.sharding.use_abstract_mesh(mesh):
         module = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert module.count("@__gpu$xla.gpu.triton(") == 2
+
+
+@pytest.mark.parametrize("encoding", ["cope", "corope", "stickbreaking"])
+def test_native_kernels_refuse_float64_naming_what_takes_it(encoding):
+    """impl="triton" takes float32 and 16-bit inputs: float64 (x64 mode) is a TypeError naming the impl and the paths
+    that run it, before any kernel runs (CoPE's native forward used to run it, and its backward fail in Triton)."""
+    with jax.enable_x64(True):
+        args = [x.astype(jnp.float64) for x in inputs(jnp.float32)[:4]]
+        with pytest.raises(TypeError, match="q.dtype=float64 is not supported by impl='triton'.*impl='blockwise'"):
+            jax.grad(lambda q: attention(encoding, "triton")(q, *args[1:]).sum())(args[0])

@@ -19,8 +19,8 @@ import jaxpe.nnx as jnnx
 from numpy_reference import rope as np_rope
 
 LAYER = dict(num_heads=2, num_kv_heads=1, head_dim=8, max_len=16)
-BIDIRECTIONAL = ("none", "learned", "rope", "cope", "cope_rope", "corope")  # a sample of those that run both ways
-CAUSAL_ONLY = ("alibi", "relative")
+BIDIRECTIONAL = ("none", "learned", "rope", "cope", "cope_rope", "corope", "fox")  # a sample of those both ways
+CAUSAL_ONLY = ("alibi", "relative", "stickbreaking")
 
 
 def _x(length: int = 6, batch: int = 2, width: int = 16) -> jax.Array:
@@ -145,19 +145,34 @@ def test_bidirectional_none_layer_is_permutation_equivariant():
         assert same == (not causal)
 
 
-@pytest.mark.parametrize("pe", ["cope", "corope"])
+@pytest.mark.parametrize("pe", ["cope", "corope", "fox"])
 def test_bidirectional_contextual_layer_is_its_pure_function(pe):
-    """The layer's causal=False is cope_attention / corope_attention with causal=False on its projections."""
+    """The layer's causal=False is cope_attention / corope_attention / forgetting_attention with causal=False on its
+    projections (FoX's log forget gates log σ(x·W + b), restated in NumPy)."""
     x = _x()
     layer = jaxpe.Attention(pe=pe, causal=False, **LAYER)
     params = nn.meta.unbox(layer.init(jax.random.key(0), x))
     q, k, v = (jnp.asarray(_project(params, name, np.asarray(x))) for name in ("query", "key", "value"))
     if pe == "cope":
         heads = jaxpe.cope_attention(q, k, v, params["params"]["pe"]["pos_emb"], causal=False, impl="reference")
-    else:
+    elif pe == "corope":
         heads = jaxpe.corope_attention(q, k, v, causal=False, impl="reference")
+    else:
+        gate = params["params"]["pe"]["fgate"]
+        logits = np.asarray(x, np.float64) @ np.asarray(gate["kernel"], np.float64) + np.asarray(gate["bias"])
+        heads = jaxpe.forgetting_attention(q, k, v, jnp.asarray(-np.logaddexp(0.0, -logits), jnp.float32),
+                                           causal=False, impl="reference")
     want = jnp.einsum("bqhd,hde->bqe", heads, params["params"]["out"]["kernel"])
     chex.assert_trees_all_close(layer.apply(params, x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pe, impl", [("cope", "pallas"), ("cope", "triton"), ("corope", "pallas"),
+                                      ("corope", "triton"), ("fox", "pallas")])
+def test_bidirectional_layer_refuses_the_causal_kernels(pe, impl):
+    """A layer asked for a fused (causal) kernel and causal=False says so, rather than attending causally."""
+    layer = jaxpe.Attention(pe=pe, causal=False, impl=impl, **LAYER)
+    with pytest.raises(ValueError, match=f"causal=False is not supported by impl='{impl}'"):
+        layer.init(jax.random.key(0), _x())
 
 
 @pytest.mark.parametrize("pe", CAUSAL_ONLY)
