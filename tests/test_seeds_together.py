@@ -82,9 +82,9 @@ def test_several_steps_a_dispatch_match_one_at_a_time_with_host_batches(tmp_path
 
 def test_a_time_limit_checkpoints_and_the_rerun_ends_where_an_uninterrupted_run_does(tmp_path):
     """A time limit that has passed at once stops every seed after the first dispatch with a checkpoint there;
-    running again resumes all of them and ends with the uninterrupted run's results. In train_seeds a member whose
-    newest checkpoint is lost (a save cut between members) sends the others back to their common step
-    (compare_encodings would group the seeds by their step instead)."""
+    running again resumes all of them and ends with the uninterrupted run's results. A member whose newest checkpoint
+    is lost (a save cut between members) sends the others back to their common step, in train_seeds and in
+    compare_encodings, so that the rerun still ends where the uninterrupted one does."""
     config = counting("run.steps=8", "run.log_every=2", "run.checkpoint_every=4", "run.steps_per_dispatch=3",
                       "run.async_checkpoints=false")
     whole = experiments.compare_encodings([config], [0, 1, 2], tmp_path / "whole")["runs"]
@@ -98,11 +98,17 @@ def test_a_time_limit_checkpoints_and_the_rerun_ends_where_an_uninterrupted_run_
     with pytest.raises(TimeLimitReached):
         experiments.compare_encodings([config], [0, 1, 2], tmp_path / "cut", time_limit=1e-9)
     assert [experiments.latest_checkpoint_step(d) for d in cut] == [6, 6, 6]
-    shutil.rmtree(cut[1] / "checkpoints" / "6")  # seed 1 lost its newest save: all go back to step 4
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut2")
+    for parent in (tmp_path / "cut", tmp_path / "cut2"):
+        shutil.rmtree(parent / "cope" / "seed1" / "checkpoints" / "6")  # seed 1 lost its newest save: back to 4
     task, model = experiments.validate_config(config)
     resumed = experiments.train_seeds([seeded(config, s) for s in (0, 1, 2)], cut, task=task, model=model)
     assert {r["resumed_from"] for r in resumed} == {4}
-    assert_same_runs(resumed, whole, (cut, [tmp_path / "whole" / "cope" / f"seed{s}" for s in (0, 1, 2)]))
+    whole_dirs = [tmp_path / "whole" / "cope" / f"seed{s}" for s in (0, 1, 2)]
+    assert_same_runs(resumed, whole, (cut, whole_dirs))
+    compared = experiments.compare_encodings([config], [0, 1, 2], tmp_path / "cut2")["runs"]
+    assert {r["resumed_from"] for r in compared} == {4}
+    assert_same_runs(compared, whole, ([tmp_path / "cut2" / "cope" / f"seed{s}" for s in (0, 1, 2)], whole_dirs))
 
 
 def test_dispatches_end_where_a_hook_is_due():

@@ -277,3 +277,15 @@ def test_committed_run_configs_load_and_keep_every_saved_value(path):
 def test_configs_built_in_python_name_a_field_of_the_wrong_type(cls, field, value, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         cls(**{field: value})
+
+
+@pytest.mark.parametrize("seed, message", [
+    (-1, "run.seed=-1 must be >= 0"),
+    (2**31, "run.seed=2147483648 must be <= 2147483647"),  # int32 overflow when seeds are stacked
+    (2**32, "run.seed=4294967296 must be <= 2147483647"),  # PRNGKey would train seed 0's model
+    (10**20, "must be <= 2147483647"),
+])
+def test_seeds_outside_32_bits_are_refused(seed, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunConfig(seed=seed)
+    assert RunConfig(seed=2**31 - 1).seed == 2**31 - 1

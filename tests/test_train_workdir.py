@@ -62,6 +62,9 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     # fewer steps than the saved checkpoint: refused, no result.json whose steps disagree with the model
     with pytest.raises(ValueError, match=r"run\.steps=2 is below the checkpoint at step 4"):
         train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=2"), tmp_path)
+    # the same config without checkpointing: refused too (it would train afresh beside the checkpoints it ignores)
+    with pytest.raises(ValueError, match=r"checkpoints \(up to step 4\) that run\.checkpoint_every=0 would neither"):
+        train_and_evaluate(tiny("run.steps=2"), tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
     assert cli.eval_main(["--workdir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "eval.json").read_text())["step"] == 4 == first["steps"]
@@ -232,3 +235,17 @@ def test_compare_says_how_many_finished_runs_it_reused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "INFO jaxpe.train.experiments: reused 1 finished run(s) with the same config: rope/seed0" in err
     assert f"outputs in {tmp_path}: compare.json" in err
+
+
+@pytest.mark.parametrize("pe", ["learned", "rope"])
+def test_a_position_table_shorter_than_the_task_is_refused_before_training(tmp_path, pe):
+    """model.max_len below the task's longest sequence: an additive encoding's table cannot hold it, which is refused
+    naming the key before a step trains (it failed at the final evaluation, with no checkpoint saved); the
+    encodings without such a table train."""
+    config = tiny("run.steps=1", "model.max_len=8", pe=pe)
+    if pe == "learned":
+        with pytest.raises(ValueError, match=r"model\.max_len=8 is shorter than the longest sequence .*pe='learned'"):
+            train_and_evaluate(config, tmp_path)
+        assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    else:
+        assert train_and_evaluate(config, tmp_path)["steps"] == 1

@@ -59,6 +59,9 @@ def _check_at_least(config: object, section: str, names: Sequence[str], minimum:
             raise ValueError(f"{section}.{name}={value!r} must be >= {minimum}")
 
 
+MAX_SEED = 2**31 - 1  # the largest run.seed: int32, as the seeds a program stacks are
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     batch_size: int = 32  # global batch (sequences per optimizer step, over all devices and hosts)
@@ -124,7 +127,9 @@ class RunConfig:
         _check_at_least(self, "run", ("steps", "log_every", "keep", "eval_batch_size", "pad_multiple",
                                       "steps_per_dispatch"), 1,
                         integer=True)
-        _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices"), 0, integer=True)
+        _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices", "seed"), 0, integer=True)
+        if self.seed > MAX_SEED:  # stacked seeds are int32, and PRNGKey keeps 32 bits of a seed: 2^32 is seed 0
+            raise ValueError(f"run.seed={self.seed} must be <= {MAX_SEED} (seeds are 32-bit)")
         for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")

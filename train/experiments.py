@@ -32,8 +32,8 @@ from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.workdir import (check_same_run, check_workdir, config_differences, locked_workdir, resolved_pair,
-                                 write_json)
+from jaxpe.train.workdir import (check_same_run, check_workdir, checkpoint_steps, config_differences, locked_workdir,
+                                 resolved_pair, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,12 @@ def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
     if unknown:
         raise ValueError(f"run.eval_splits: unknown split(s) {unknown} for task {config.task.name!r}; "
                          f"choose from {', '.join(splits)}")
-    return task, build_model(config.model, task.vocab_size, longest_length(task))
+    longest, max_len = longest_length(task), config.model.max_len
+    if max_len is not None and max_len < longest and config.model.pe_config.additive:
+        raise ValueError(f"model.max_len={max_len} is shorter than the longest sequence of task "
+                         f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
+                         f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
+    return task, build_model(config.model, task.vocab_size, longest)
 
 
 def check_tokens(task: Task, batch_size: int) -> None:
@@ -419,8 +424,11 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         if finished is not None:
             results[run_dir] = finished
         else:
-            key = (run_config.model.pe, latest_checkpoint_step(run_dir) if seeds_together else run_config.run.seed)
-            groups.setdefault(key, []).append((run_config, run_dir, task, model))
+            groups.setdefault((run_config.model.pe, None if seeds_together else run_config.run.seed), []).append(
+                (run_config, run_dir, task, model))
+    if seeds_together:
+        groups = {(key[0], i): part for key, group in groups.items()
+                  for i, part in enumerate(_resumable_together(group, [g[1] for g in group]))}
     for group in groups.values():
         group_configs, run_dirs = [g[0] for g in group], [g[1] for g in group]
         task, model = group[0][2], group[0][3]
@@ -462,9 +470,22 @@ def write_comparison(directory: str | pathlib.Path, comparison: Mapping[str, Any
 def latest_checkpoint_step(run_dir: pathlib.Path) -> int | None:
     """The newest step saved in run_dir/checkpoints (orbax's step directories; unfinished saves are not steps), or
     None. A cheap look, before anything is read."""
-    directory = run_dir / "checkpoints"
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    return max(steps, default=None)
+    return max(checkpoint_steps(run_dir), default=None)
+
+
+def _resumable_together(members: list[Any], run_dirs: Sequence[pathlib.Path]) -> list[list[Any]]:
+    """The seeds of one encoding (`members`, one per run_dir) as the programs they resume in: all in one where they
+    start afresh or every one holds a checkpoint at the oldest of their newest steps (a save cut between members:
+    `_restore_members` resumes all there, so the run ends as an uninterrupted one), else grouped by newest step
+    (seeds added to a cut comparison keep their progress; stacked otherwise, their last bits may differ)."""
+    steps = [set(checkpoint_steps(run_dir)) for run_dir in run_dirs]
+    newest = [max(s, default=None) for s in steps]
+    if None not in newest and all(min(newest) in s for s in steps) or set(newest) == {None}:
+        return [list(members)]
+    groups: dict[int | None, list[Any]] = {}
+    for member, step in zip(members, newest, strict=True):
+        groups.setdefault(step, []).append(member)
+    return list(groups.values())
 
 
 def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:

@@ -142,7 +142,8 @@ def check_workdir(workdir: pathlib.Path) -> None:
 def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
     """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
     resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
-    config.json, or a checkpoint past `config.run.steps` that the run would resume. The saved config is read back
+    config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
+    checkpointing (run.checkpoint_every=0) would leave behind. The saved config is read back
     first, so that a field added since it was written (with its default) is no difference."""
     check_workdir(workdir)
     path = workdir / "config.json"
@@ -157,7 +158,11 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
         raise ValueError(f"workdir {str(workdir)!r} holds a run with another config ({', '.join(differences)}); "
                          "use a new workdir, or the saved config (--config <workdir>/config.json) to resume it")
     steps = checkpoint_steps(workdir)
-    if config.run.checkpoint_every and steps and steps[-1] > config.run.steps:
+    if steps and not config.run.checkpoint_every:
+        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints (up to step {steps[-1]}) that "
+                         "run.checkpoint_every=0 would neither resume nor replace; set run.checkpoint_every > 0 to "
+                         "resume them, or use a new workdir")
+    if steps and steps[-1] > config.run.steps:
         raise ValueError(f"run.steps={config.run.steps} is below the checkpoint at step {steps[-1]} in "
                          f"{str(workdir / 'checkpoints')!r}; set run.steps >= {steps[-1]} to resume it, or use a "
                          "new workdir")
