@@ -14,9 +14,10 @@ that hides where they run.
 - Interpreted (TRITON_INTERPRET=1 set before Triton is imported, as its interpreter requires): on CPU, through
   `jax.pure_callback`, on NumPy arrays wrapped in the few tensor methods the interpreter calls (`HostTensor`); no
   torch. The interpreter multiplies bfloat16 dots wrongly (it reads their raw bits), so bfloat16 arrays reach it
-  as float32 and outputs come back rounded to bfloat16 (the kernels then compute as on float32 inputs). Triton 3.6's interpreter (the release torch 2.11 pins) holds every scalar as a one-element array and
-  takes it as a loop bound with `int()`, which NumPy 2.5 refuses for arrays of one dimension;
-  `_interpreter_scalars` gives it Triton 3.7's squeeze first.
+  as float32 and outputs come back rounded to bfloat16 (the kernels then compute as on float32 inputs). Triton
+  3.6's interpreter (the release torch 2.11 pins) holds every scalar as a one-element array and takes it as a loop
+  bound with `int()`, which NumPy 2.5 refuses for arrays of one dimension; `_interpreter_scalars` gives it Triton
+  3.7's squeeze first.
 """
 from __future__ import annotations
 

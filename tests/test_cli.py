@@ -66,6 +66,8 @@ def test_help_lists_the_encodings_tasks_and_presets(main, prog, capsys):
     (cli.train_main, ["model.num_layer=2"], "jaxpe-train: error: unknown config key 'model.num_layer'"),
     (cli.train_main, ["--config", "nowhere/config.json"], "jaxpe-train: error: config file 'nowhere/config.json'"),
     (cli.train_main, ["--show-config", "task.nvarz=3"], "unknown option 'nvarz' for task 'flipflop'"),
+    (cli.train_main, ["--show-config", "task.seed=abc"], "seed='abc' must be an int"),  # a task option's TypeError
+    (cli.compare_main, ["--show-config", "--pe", "rope", "task.seq_len=1.5"], "seq_len=1.5 must be an int"),
     (cli.train_main, [], "jaxpe-train: error: the following arguments are required: --workdir"),
     (cli.eval_main, [], "jaxpe-eval: error: the following arguments are required: --workdir"),
 ])

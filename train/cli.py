@@ -116,7 +116,7 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
         configs = [build_config(config=saved, preset=args.preset, task=args.task, pe=pe, overrides=args.overrides)
                    for pe in pes]
         shown = [format_config(c) for c in configs] if args.show_config else []
-    except ValueError as error:
+    except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         if args.debug:
             raise
         parser.error(str(error))
