@@ -47,7 +47,7 @@ from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
-from jaxpe.validation import (FUSED_IMPLS, check_array, check_attention_mask, check_bool, check_choice,
+from jaxpe.validation import (check_array, check_attention_mask, check_bool, check_choice,
                               check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask, check_positive,
                               check_pos_emb, check_positive_number, check_qkv, check_sm_scale,
                               open_attention)
@@ -297,9 +297,6 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     _, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
     check_soft_onehot_temp(soft_onehot_temp)
     check_talking_heads(talking_heads, q.shape[2])
-    if not causal and impl in FUSED_IMPLS:
-        raise ValueError(f"impl={impl!r} runs causal CoPE only; for causal=False use impl='blockwise', 'reference' "
-                         "or 'auto'")
     if soft_onehot_temp is not None or talking_heads is not None:
         check_dense_impl(impl)
     return _cope_attention(q, k, v, pos_emb, sm_scale=sm_scale, causal=causal, gate_k=gate_k,

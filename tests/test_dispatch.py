@@ -399,7 +399,7 @@ def test_triton_refuses_what_pallas_refuses():
     """Bidirectional attention, CoPE's dense-only variants and symbolic shapes, in the words that name the impl."""
     triton_entries()
     q, k, v, e = inputs(16)
-    with pytest.raises(ValueError, match="impl='triton' runs causal CoPE only"):
+    with pytest.raises(ValueError, match="causal=False is not supported by impl='triton'"):
         jaxpe.cope_attention(q, k, v, e, causal=False, impl="triton")
     with pytest.raises(ValueError, match="causal=False is not supported by impl='triton'"):
         jaxpe.corope_attention(q, k, v, causal=False, impl="triton")

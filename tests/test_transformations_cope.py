@@ -338,5 +338,5 @@ def test_bidirectional_diagonal_dominates_float32():
 
 def test_bidirectional_pallas_refuses_clearly():
     q, k, v, pos_emb, _ = inputs(1, 16, GQA)
-    with pytest.raises(ValueError, match="impl='pallas' runs causal CoPE only"):
+    with pytest.raises(ValueError, match="causal=False is not supported by impl='pallas'"):
         attention("pallas", causal=False)(q, k, v, pos_emb)

@@ -583,9 +583,23 @@ def _to_ptx(kernel: Kernel | TritonLaunch, *, timeout: float | None, processes: 
     return triton_to_ptx(flag, source, kernel.num_warps, kernel.num_stages, timeout=timeout, processes=processes)
 
 
+# Triton -> PTX results of this process, by compiler, input and settings: the report and the cost model
+# (benchmarks/kernel_cost.py) compile many of the same kernels, in CI in one process.
+_PTX = _Once()
+
+
 def triton_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
                   processes: _Processes) -> dict[str, Any]:
-    """`flag` (COMPILE_FLAGS) on `source` in a subprocess of this script: {ptx, smem_bytes, seconds} or {error}."""
+    """`flag` (COMPILE_FLAGS) on `source` in a subprocess of this script: {ptx, smem_bytes, seconds} or {error};
+    once per process for the same flag, source and settings."""
+    key = hashlib.sha256(b"\0".join([flag.encode(), source, f"{num_warps}/{num_stages}".encode()])).hexdigest()
+    return _PTX.get(key, lambda: _compiled_to_ptx(flag, source, num_warps, num_stages, timeout=timeout,
+                                                  processes=processes))
+
+
+def _compiled_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
+                     processes: _Processes) -> dict[str, Any]:
+    """`triton_to_ptx`, uncached."""
     with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
         source_path, ptx_path = pathlib.Path(tmp, "kernel.in"), pathlib.Path(tmp, "kernel.ptx")
         source_path.write_bytes(source)
@@ -604,17 +618,14 @@ def triton_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, 
 def compile_kernel(kernel: Kernel | TritonLaunch, toolchain: Toolchain, *, timeout: float | None = 1800.0,
                    max_ptx_mib: float | None = MAX_PTX_MIB, ptxas_memory_gib: float | None = PTXAS_MEMORY_GIB,
                    ptx_dir: pathlib.Path | None = None, processes: _Processes | None = None,
-                   ptxas_results: _Once | None = None, compiles: _Once | None = None) -> Row:
-    """Triton -> PTX in a subprocess, then ptxas -v; failures become row.error. `compiles` and `ptxas_results` share
-    the work of identical kernels (same input and settings; same PTX) between calls.
+                   ptxas_results: _Once | None = None) -> Row:
+    """Triton -> PTX in a subprocess (`triton_to_ptx`: once per process for the same kernel), then ptxas -v;
+    failures become row.error. `ptxas_results` shares the work of identical PTX between calls.
 
     ptxas is not run on PTX over max_ptx_mib and is stopped at ptxas_memory_gib (None: no limit; see MAX_PTX_MIB).
     """
     processes = processes or _Processes()
-    flag, source = _compile_input(kernel)
-    key = hashlib.sha256(b"\0".join([flag.encode(), source, f"{kernel.num_warps}/{kernel.num_stages}".encode()]))
-    compiled = (compiles or _Once()).get(key.hexdigest(), lambda: _to_ptx(kernel, timeout=timeout,
-                                                                          processes=processes))
+    compiled = _to_ptx(kernel, timeout=timeout, processes=processes)
     if "error" in compiled:
         return _row(kernel, error=compiled["error"])
     ptx = compiled["ptx"]
@@ -690,7 +701,7 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequenc
         item[1] != "triton", cases[item[0]].op != "corope", -cases[item[0]].head_dim,
         cases[item[0]].dtype != "float32"))
     rows: dict[tuple[int, int, int], Row] = {}
-    processes, ptxas_results, compiles = _Processes(), _Once(), _Once()
+    processes, ptxas_results = _Processes(), _Once()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         try:
             futures = {}
@@ -708,7 +719,7 @@ def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequenc
                 for j, kernel in enumerate(kernels):
                     futures[pool.submit(compile_kernel, kernel, toolchain, timeout=timeout, max_ptx_mib=max_ptx_mib,
                                         ptxas_memory_gib=ptxas_memory_gib, ptx_dir=ptx_dir, processes=processes,
-                                        ptxas_results=ptxas_results, compiles=compiles)] = i, PATHS.index(path), j
+                                        ptxas_results=ptxas_results)] = i, PATHS.index(path), j
             for future in concurrent.futures.as_completed(futures):
                 rows[futures[future]] = row = future.result()
                 if progress is not None:
