@@ -37,7 +37,8 @@ from jaxpe.train.workdir import WorkdirBusyError
 PRECEDENCE = ("config precedence, later wins: the defaults (or the saved run of --config), --preset, --task and --pe "
               "(a task or encoding other than the one already set starts from its own default options, then the "
               "preset's options for it), key=value overrides")
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "result.json", "result.md", "result.png", "checkpoints/", "tb/")
+RUN_OUTPUTS = ("config.json", "corpus.json", "metrics.jsonl", "result.json", "result.md", "result.png", "checkpoints/",
+               "tb/")
 
 
 def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:

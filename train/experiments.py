@@ -32,8 +32,8 @@ from jaxpe.train.tables import results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.workdir import (check_same_run, check_workdir, checkpoint_steps, config_differences, locked_workdir,
-                                 resolved_pair, write_json)
+from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, checkpoint_steps, config_differences,
+                                 locked_workdir, resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def train_and_evaluate(
     time_limit: seconds after which training stops at the end of a dispatch, checkpoints that step and raises
     TimeLimitReached (run it again to resume); None: no limit.
     Writes in workdir: config.json (the config resolved with the task, config.resolve_config: every task option,
-    model.vocab_size and max_len filled in), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/,
+    model.vocab_size and max_len filled in), corpus.json (lm: its corpus' fingerprint, checked on resuming; see
+    jaxpe.train.workdir.check_same_corpus), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/,
     result.json, result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
@@ -89,6 +90,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
             check_same_run(workdir, config, task)  # again under the lock: a run that ended just before may have written
             if is_main:
                 write_json(workdir / "config.json", to_dict(config))
+                write_corpus(workdir, task)
         trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
                           seeds=None if len(configs) == 1 else tuple(seeds))
         return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
@@ -341,6 +343,7 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
     run = restore_run(workdir, step)
+    check_same_corpus(workdir, run.task)  # eval.json scores the run on its own data
     eval_splits = run.task.eval_splits()
     show = run.config.run.progress if progress is None else progress
     bar = None
@@ -401,6 +404,7 @@ def compare_encodings(
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
+            check_same_corpus(run_dir, task)  # a finished run on another corpus is not reused either
             finished = _finished_result(run_dir, run_config, task)
             if finished is None:
                 check_same_run(run_dir, run_config, task)
