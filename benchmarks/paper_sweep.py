@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides on top, before, between or after the flags")
+    args = parser.parse_intermixed_args(argv)
     start = time.time()
     try:
         nvars = tuple(int(n) for n in args.nvars.split(","))

@@ -109,6 +109,17 @@ def test_show_config_prints_every_key_and_runs_nothing(monkeypatch, tmp_path, ca
     assert out.count("resolved config") == 2 and "# model.pe=rope: resolved config" in out
 
 
+@pytest.mark.parametrize("main, flags", [(cli.train_main, ["--pe", "rope"]), (cli.compare_main, ["--pe", "rope"])])
+def test_overrides_may_come_before_between_and_after_the_flags(main, flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run.steps=60", "--task", "flipflop", "run.seed=3", "--show-config", *flags, "model.d_model=32",
+              "--preset", "cpu-small", "model.num_layers=3"])
+    assert exit_.value.code == 0
+    settings = {line.split("  # ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert {"run.steps=60", "run.seed=3", "model.d_model=32", "model.num_layers=3", "model.pe=rope",
+            "task.name=flipflop"} <= settings
+
+
 def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboardx(monkeypatch, tmp_path, capsys):
     first = tmp_path / "first"
     assert cli.train_main([*TINY, "--workdir", str(first)]) == 0

@@ -10,7 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import paper_sweep  # noqa: E402
 
 
 def sweep(dest: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
@@ -45,3 +49,15 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
     done = sweep(dest, "--plan-only")
     assert done.returncode == 0 and "1var/none        done" in done.stdout and "left: ~0 min, 0 call(s)" in done.stdout
     assert [(run / "result.json").stat().st_mtime_ns for run in runs] == written
+
+
+def test_overrides_may_come_after_the_flags(tmp_path, capsys):
+    """A bad override after a flag is read (and refused, exit 2); good ones between and after the flags plan as
+    usual (DEST stays the first word that is not a flag)."""
+    dest = str(tmp_path / "sweep")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([dest, "--dry-run", "--plan-only", "model.d_model=7", "--nvars", "1"])
+    assert exit_.value.code == 2 and "d_model=7 must be a multiple of" in capsys.readouterr().err
+    assert paper_sweep.main([dest, "--dry-run", "run.steps=8", "--plan-only", "model.d_model=32", "--nvars", "1",
+                             "optim.batch_size=4"]) == 0
+    assert "1var/cope        todo step      0" in capsys.readouterr().out

@@ -55,7 +55,8 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="stop training after this many seconds, at the end of a dispatch, with a checkpoint of "
                              "that step; exit status 3 (rerun the same command to go on)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. model.num_layers=2 task.nvars=3 model.pe_options.npos=32")
+                        help="config overrides, before, between or after the flags, e.g. model.num_layers=2 "
+                             "task.nvars=3 model.pe_options.npos=32")
     _multihost_flags(parser)
     return parser
 
@@ -227,7 +228,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-train: one run; prints the result table and where the outputs are."""
     parser = _config_parser("jaxpe-train", "Train one model on one task (resumes from --workdir's checkpoints).")
     parser.add_argument("--pe", choices=PE_NAMES, metavar="PE", help=f"positional encoding: {', '.join(PE_NAMES)}")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         [config] = _resolve(parser, args, [args.pe])
@@ -275,7 +276,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--separate-seeds", action="store_true",
                         help="train an encoding's seeds one after another (default: as one program, their models "
                              "stacked and vmapped through one step)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         configs = _resolve(parser, args, args.pe)
