@@ -17,13 +17,15 @@ them); a cut cell's stay, and are what resuming needs.
     benchmarks/paper_sweep_gpu.sh --dry-run DEST          # on CPU at a tiny scale: the same steps, in CI
     python benchmarks/paper_sweep.py DEST --plan-only      # print the plan and exit
 
-Exit status: 0 when the whole table is done, 3 when time ran out first (run again), 2 for bad arguments.
+Exit status: 0 when the whole table is done, 3 when time ran out first (run again), 2 for bad arguments or a config
+the task refuses (one line on stderr).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -36,7 +38,9 @@ import jax
 import jax.monitoring
 
 from jaxpe.train import TimeLimitReached, build_config, compare_encodings
-from jaxpe.train.config import TrainConfig
+from jaxpe.train.cli import int_list, pe_list, seconds, seed_list
+from jaxpe.train.config import MAX_SEED, TrainConfig, resolve_task
+from jaxpe.train.tasks.base import json_object
 from jaxpe.train.experiments import latest_checkpoint_step
 from jaxpe.train.workdir import write_json
 
@@ -83,9 +87,13 @@ class Cell:
 
 
 def cells(dest: pathlib.Path, nvars: tuple[int, ...], pes: tuple[str, ...], overrides: list[str]) -> list[Cell]:
-    return [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
+    """One cell per (variables, encoding), its config checked down to the task's options (ValueError, TypeError)."""
+    todo = [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
                                      overrides=[f"task.nvars={n}", *overrides]), dest / f"counting_{n}var")
             for n in nvars for pe in pes]
+    for cell in todo:
+        resolve_task(cell.config.task)
+    return todo
 
 
 def estimate_s(cell: Cell, from_step: int, measured: dict[str, Any], dry_run: bool) -> float:
@@ -112,33 +120,34 @@ def compile_seconds() -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="paper_sweep.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dest", type=pathlib.Path, help="the sweep's directory (made if absent; reused to resume)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny scale on CPU: a few runs of a few steps")
-    parser.add_argument("--time-limit", type=float, default=CALL_S, help=f"seconds for this call (default {CALL_S:.0f})")
-    parser.add_argument("--nvars", default=",".join(map(str, NVARS)), help="variable counts, in order (default 3,1,5)")
-    parser.add_argument("--pe", default=",".join(PES), help="encodings (default cope,relative,learned)")
-    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
+    parser.add_argument("--time-limit", type=seconds, default=CALL_S,
+                        help=f"seconds for this call, > 0 (default {CALL_S:.0f})")
+    parser.add_argument("--nvars", type=functools.partial(int_list, minimum=1), default=",".join(map(str, NVARS)),
+                        help="variable counts >= 1, in order, each once (default 3,1,5)")
+    parser.add_argument("--pe", type=pe_list, default=",".join(PES), help="encodings (default cope,relative,learned)")
+    parser.add_argument("--seeds", type=seed_list, default=",".join(map(str, SEEDS)),
+                        help=f"seeds, 0 to {MAX_SEED}, each once (default 0,1,2)")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides on top, before, between or after the flags")
     args = parser.parse_intermixed_args(argv)
     start = time.time()
-    try:
-        nvars = tuple(int(n) for n in args.nvars.split(","))
-        seeds = tuple(int(s) for s in args.seeds.split(","))
-    except ValueError as error:
-        parser.error(f"--nvars and --seeds take comma-separated integers ({error})")
-    if args.time_limit <= 0:
-        parser.error(f"--time-limit={args.time_limit} must be > 0 seconds")
+    nvars, seeds = tuple(args.nvars), tuple(args.seeds)
+    if args.dest.exists() and not args.dest.is_dir():
+        parser.error(f"dest {str(args.dest)!r} exists and is not a directory")
     overrides = [*(DRY_RUN if args.dry_run else PAPER), *args.overrides]
     try:
-        todo = cells(args.dest, nvars, tuple(args.pe.split(",")), overrides)
-    except ValueError as error:
+        todo = cells(args.dest, nvars, tuple(args.pe), overrides)
+        record_path = args.dest / "sweep.json"
+        record = (json_object(record_path.read_text(), str(record_path)) if record_path.is_file()
+                  else {"cells": {}, "measured": {}})
+    except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         parser.error(str(error))
-    record_path = args.dest / "sweep.json"
-    record = json.loads(record_path.read_text()) if record_path.is_file() else {"cells": {}, "measured": {}}
 
     plan, left = [], 0.0
     for cell in todo:
@@ -177,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{cell.name}: time limit reached at step {stop.step} (checkpointed); run again to resume")
             _write(record_path, record)
             return 3
+        except ValueError as error:  # a config the task or its data refuse (compare_encodings checks before training)
+            print(f"{parser.prog}: error: {cell.name}: {error}", file=sys.stderr)
+            _write(record_path, record)
+            return 2
         took, compile_s = time.time() - began, compiled[0] - compile_before
         steps_run = cell.config.run.steps - step
         rates = [r["tokens_per_s"] for d in cell.run_dirs(seeds)

@@ -62,6 +62,8 @@ def test_help_lists_the_encodings_tasks_and_presets(main, prog, capsys):
     (cli.train_main, ["--pe", "cop"], "jaxpe-train: error: argument --pe: invalid choice: 'cop'"),
     (cli.compare_main, ["--pe", "cope,ropey"], "jaxpe-compare: error: argument --pe: unknown encoding(s) ['ropey']"),
     (cli.compare_main, ["--seeds", "0,x"], "jaxpe-compare: error: argument --seeds: '0,x' must be"),
+    (cli.compare_main, ["--seeds", "-1"], "argument --seeds: '-1' must be comma-separated integers in [0, 2147483647]"),
+    (cli.compare_main, ["--seeds", "1,1"], "argument --seeds: '1,1' repeats 1: give each once"),
     (cli.train_main, ["--preset", "cpu-smal"], "jaxpe-train: error: preset name='cpu-smal' not found"),
     (cli.train_main, ["model.num_layer=2"], "jaxpe-train: error: unknown config key 'model.num_layer'"),
     (cli.train_main, ["--config", "nowhere/config.json"], "jaxpe-train: error: config file 'nowhere/config.json'"),

@@ -61,3 +61,37 @@ def test_overrides_may_come_after_the_flags(tmp_path, capsys):
     assert paper_sweep.main([dest, "--dry-run", "run.steps=8", "--plan-only", "model.d_model=32", "--nvars", "1",
                              "optim.batch_size=4"]) == 0
     assert "1var/cope        todo step      0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nvars", "0"], "argument --nvars: '0' must be comma-separated integers >= 1"),
+    (["--nvars", "3,x"], "argument --nvars: '3,x' must be comma-separated integers >= 1"),
+    (["--nvars", "3,3"], "argument --nvars: '3,3' repeats 3: give each once"),
+    (["--seeds", "0,0"], "argument --seeds: '0,0' repeats 0: give each once"),
+    (["--seeds", "-1"], "argument --seeds: '-1' must be comma-separated integers in [0, 2147483647]"),
+    (["--seeds", "2147483648"], "argument --seeds: '2147483648' must be comma-separated integers in [0, 2147483647]"),
+    (["--pe", "cope,cope"], "argument --pe: 'cope,cope' repeats cope: give each once"),
+    (["--pe", "cope,ropey"], "argument --pe: unknown encoding(s) ['ropey']"),
+    (["--time-limit", "nan"], "argument --time-limit: 'nan' must be > 0 seconds"),
+    (["--time-limit", "-5"], "argument --time-limit: '-5' must be > 0 seconds"),
+    (["task.seed=abc"], "seed='abc' must be an int"),
+])
+def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([str(tmp_path / "sweep"), "--dry-run", "--plan-only", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_dest_that_is_a_file_or_a_config_the_task_refuses_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([str(tmp_path / "file"), "--dry-run"])
+    assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+    # run.eval_splits names a split counting lacks: compare_encodings refuses it before training, in one line
+    assert paper_sweep.main([str(tmp_path / "sweep"), "--dry-run", "--nvars", "1", "--pe", "none",
+                             "run.eval_splits=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paper_sweep.py: error: 1var/none: run.eval_splits: unknown split(s) ['bogus']")
+    assert len(err.splitlines()) == 1
