@@ -68,8 +68,19 @@ def test_help_lists_the_encodings_tasks_and_presets(main, prog, capsys):
     (cli.train_main, ["model.num_layer=2"], "jaxpe-train: error: unknown config key 'model.num_layer'"),
     (cli.train_main, ["--config", "nowhere/config.json"], "jaxpe-train: error: config file 'nowhere/config.json'"),
     (cli.train_main, ["--show-config", "task.nvarz=3"], "unknown option 'nvarz' for task 'flipflop'"),
-    (cli.train_main, ["--show-config", "task.seed=abc"], "seed='abc' must be an int"),  # a task option's TypeError
-    (cli.compare_main, ["--show-config", "--pe", "rope", "task.seq_len=1.5"], "seq_len=1.5 must be an int"),
+    (cli.train_main, ["--show-config", "task.seed=abc"], "jaxpe-train: error: task.seed='abc' must be an int"),
+    (cli.compare_main, ["--show-config", "--pe", "rope", "task.seq_len=1.5"], "error: task.seq_len=1.5 must be an int"),
+    # keys as they are typed, however jaxpe.ModelConfig and the tasks' configs name their fields
+    (cli.train_main, ["--show-config", "model.d_model=64", "model.num_heads=3"],
+     "jaxpe-train: error: model.d_model=64 must be a multiple of model.num_heads=3\n"),
+    (cli.train_main, ["--show-config", "--pe", "cope", "model.pe_options.npos=1"],
+     "jaxpe-train: error: model.pe_options.npos=1 must be an int >= 2\n"),
+    (cli.train_main, ["--show-config", "--task", "lm", "task.valid_fraction=0.5", "task.test_fraction=0.5"],
+     "jaxpe-train: error: task.valid_fraction=0.5 + task.test_fraction=0.5 = 1.0 must be < 1\n"),
+    (cli.train_main, ["--show-config", "--task", "lm", "task.eval_multiples=[2,1]"],
+     "jaxpe-train: error: task.eval_multiples[1]=1 must be >= 2\n"),
+    (cli.train_main, ["--show-config", "--task", "counting", "task.nvars=0"],
+     "jaxpe-train: error: task.nvars=0 must be in [1, 26]\n"),
     (cli.train_main, [], "jaxpe-train: error: the following arguments are required: --workdir"),
     (cli.eval_main, [], "jaxpe-eval: error: the following arguments are required: --workdir"),
 ])

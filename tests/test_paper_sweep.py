@@ -74,7 +74,7 @@ def test_overrides_may_come_after_the_flags(tmp_path, capsys):
     (["--pe", "cope,ropey"], "argument --pe: unknown encoding(s) ['ropey']"),
     (["--time-limit", "nan"], "argument --time-limit: 'nan' must be > 0 seconds"),
     (["--time-limit", "-5"], "argument --time-limit: '-5' must be > 0 seconds"),
-    (["task.seed=abc"], "seed='abc' must be an int"),
+    (["task.seed=abc"], "paper_sweep.py: error: task.seed='abc' must be an int"),
 ])
 def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -100,10 +100,10 @@ class LMConfig:
         check_probability("valid_fraction", self.valid_fraction)
         check_probability("test_fraction", self.test_fraction)
         if self.valid_fraction + self.test_fraction >= 1:
-            raise ValueError(f"valid_fraction + test_fraction = {self.valid_fraction + self.test_fraction} "
-                             "must be < 1")
-        for m in self.eval_multiples:
-            check_int("eval_multiples entry", m, 2)
+            raise ValueError(f"valid_fraction={self.valid_fraction} + test_fraction={self.test_fraction} = "
+                             f"{self.valid_fraction + self.test_fraction} must be < 1")
+        for index, m in enumerate(self.eval_multiples):
+            check_int(f"eval_multiples[{index}]", m, 2)
         check_int("eval_bytes", self.eval_bytes, 1)
         if self.split_by not in SPLIT_BY:
             raise ValueError(f"split_by={self.split_by!r} must be one of {', '.join(SPLIT_BY)}")
