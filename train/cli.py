@@ -30,7 +30,7 @@ from jaxpe import PE_NAMES
 from jaxpe.train import _malloc, distributed, experiments
 from jaxpe.train.config import MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
-from jaxpe.train.tables import metric_label, results_markdown
+from jaxpe.train.tables import comparison_heading, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
 from jaxpe.train.workdir import WorkdirBusyError
 
@@ -293,9 +293,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
                                                    seeds_together=not args.separate_seeds, time_limit=args.time_limit)
-        seeds = ",".join(map(str, args.seeds))
-        label = metric_label(comparison["metric"])
-        print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
+        print(f"\n{comparison_heading(comparison['task'], comparison['metric'], args.seeds)}\n")
         print(comparison["table"], end="")
         _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
         return 0

@@ -28,7 +28,7 @@ from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
                                 resolve_config, to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
-from jaxpe.train.tables import results_markdown, summarize_seeds
+from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
@@ -376,8 +376,9 @@ def compare_encodings(
     seeds_together: bool = True, time_limit: float | None = None,
 ) -> dict[str, Any]:
     """Trains every (config, seed) in workdir/<pe>/seed<seed> and writes one comparison: compare.json,
-    compare.md and compare.png (mean ± std over seeds). Each run resumes from its own checkpoints; one that
-    finished with the same config is read back from its result.json, so a rerun or a wider sweep redoes nothing.
+    compare.md and compare.png (each encoding's mean over seeds and its 95 % interval, tables.summarize_seeds). Each
+    run resumes from its own checkpoints; one that finished with the same config is read back from its result.json,
+    so a rerun or a wider sweep redoes nothing.
 
     configs: one per encoding (same task), e.g. build_config(preset=..., pe=pe) for each pe.
     seeds_together: an encoding's unfinished seeds that stand at the same checkpoint train as one program
@@ -465,8 +466,8 @@ def write_comparison(directory: str | pathlib.Path, comparison: Mapping[str, Any
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / "compare.json", comparison)
-    (directory / "compare.md").write_text(
-        f"# {comparison['task']}: {comparison['metric']}, lower is better\n\n{comparison_markdown(comparison)}")
+    heading = comparison_heading(comparison["task"], comparison["metric"], comparison["seeds"])
+    (directory / "compare.md").write_text(f"# {heading}\n\n{comparison_markdown(comparison)}")
     plots.result_bars(comparison["rows"], metric=comparison["metric"], splits=comparison["splits"],
                       path=directory / "compare.png")
 
