@@ -175,8 +175,13 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
                      labels: Sequence[str] = ()) -> str:
     """Markdown: one row per encoding, one column per (comparison, split); errors in %, bits per byte as is,
     mean over seeds [95 % interval], a column's best mean in bold only when its interval overlaps no other. `splits`
-    narrows the columns (default: every split); `labels` names the comparisons (default: their directory names)."""
+    narrows the columns (default: every split; a split no comparison has is a ValueError listing those they have);
+    `labels` names the comparisons (default: their directory names)."""
     comparisons = [load_comparison(p) for p in paths]
+    known = list(dict.fromkeys(split for c in comparisons for split in c["splits"]))
+    unknown = [split for split in splits if split not in known]
+    if unknown:
+        raise ValueError(f"splits: unknown split(s) {', '.join(unknown)}; these comparisons have {', '.join(known)}")
     for c in comparisons:  # intervals from the per-seed runs, so older compare.json files get them too
         c["rows"] = summarize_seeds(c["runs"]) if c.get("runs") else c["rows"]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
