@@ -83,10 +83,30 @@ def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "10"]) == 0
     assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
         "counting_3var/cope/seed10"]
-    with pytest.raises(ValueError, match=r"encodings \['corope'\]"):
-        curves.collect(tmp_path, pes=["corope"])
+    with pytest.raises(ValueError, match=r"no runs of encodings \['relative'\] and seeds \[1\] together"):
+        curves.collect(tmp_path, pes=["relative"], seeds=[1])  # each is held, never both in one run
     with pytest.raises(SystemExit):
         curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "0,x"])
+
+
+def test_encodings_and_seeds_no_run_has_are_refused_listing_those_the_roots_hold(tmp_path, capsys):
+    """A name or seed that matches no run is a usage error (exit 2), even beside ones that match: not dropped."""
+    _write_run(tmp_path / "a", "counting_3var", "cope", 0, [(100, 0.5)])
+    _write_run(tmp_path / "a", "counting_3var", "cope", 10, [(100, 0.5)])
+    _write_run(tmp_path / "b", "counting_3var", "relative", 2, [(100, 0.5)])
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for flags, message in [(["--pes", "cope,corope,ropy"], "pes: unknown encoding(s) corope, ropy; the roots hold "
+                                                           "cope, relative"),
+                           (["--seeds", "0,1"], "seeds: unknown seed(s) 1; the roots hold 0, 2, 10"),
+                           (["--pes", "rope"], "pes: unknown encoding(s) rope; the roots hold cope, relative")]:
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([*roots, "--out", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {message}\n" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert curves.main([*roots, "--out", str(tmp_path / "out"), "--pes", "cope,relative", "--seeds", "2,10"]) == 0
+    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
+        "a/counting_3var/cope/seed10", "b/counting_3var/relative/seed2"]
 
 
 def test_several_roots_name_each_setting_by_its_root(tmp_path):

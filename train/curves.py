@@ -122,6 +122,11 @@ def run_curve(metrics_path: pathlib.Path, metric: str) -> dict[str, Any]:
     return curve
 
 
+def _pe_and_seed(metrics_path: pathlib.Path) -> tuple[str, str]:
+    """The encoding and seed (k, as written) of <setting>/<pe>/seed<k>/metrics.jsonl."""
+    return metrics_path.parent.parent.name, metrics_path.parent.name.removeprefix("seed")
+
+
 def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Sequence[str] = (),
             seeds: Sequence[int] = ()) -> dict[str, Any]:
     """{"settings": {setting: {pe: {"seed<k>": curve}}}, "metrics": {setting: metric}, "metric", "split",
@@ -129,14 +134,26 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
     of those of `pes` and `seeds` (empty: all). Each curve is `run_curve`'s in its task's metric (`run_metric`), with
     the run's `wall_seconds`; "metric" is the one metric of every setting, None when they differ. With several roots a
     setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). ValueError when there is no run,
-    or when a setting's runs trained tasks of different metrics."""
+    when an encoding of `pes` or a seed of `seeds` has no run under the roots (naming those they hold), when no run is
+    of both, or when a setting's runs trained tasks of different metrics."""
     roots = [pathlib.Path(roots)] if isinstance(roots, (str, pathlib.Path)) else [pathlib.Path(r) for r in roots]
-    found = [(root, path) for root in roots for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))
-             if (not pes or path.parent.parent.name in pes) and (not seeds or path.parent.name[4:] in map(str, seeds))]
+    every = [(root, path, *_pe_and_seed(path)) for root in roots
+             for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))]
+    if not every:
+        raise ValueError(f"no runs under {', '.join(map(str, roots))} (<setting>/<pe>/seed<k>/metrics.jsonl)")
+    wanted = {"pes": list(pes), "seeds": [str(seed) for seed in seeds]}
+    held = {"pes": sorted({pe for _, _, pe, _ in every}),
+            "seeds": sorted({seed for _, _, _, seed in every}, key=lambda seed: (len(seed), seed))}
+    for option, what in (("pes", "encoding"), ("seeds", "seed")):
+        unknown = [value for value in wanted[option] if value not in held[option]]
+        if unknown:
+            raise ValueError(f"{option}: unknown {what}(s) {', '.join(unknown)}; the roots hold "
+                             f"{', '.join(held[option])}")
+    found = [(root, path) for root, path, pe, seed in every
+             if (not pes or pe in wanted["pes"]) and (not seeds or seed in wanted["seeds"])]
     if not found:
-        which = f" of encodings {list(pes) or 'any'} and seeds {list(seeds) or 'any'}" if pes or seeds else ""
-        raise ValueError(f"no runs{which} under {', '.join(map(str, roots))} "
-                         "(<setting>/<pe>/seed<k>/metrics.jsonl)")
+        raise ValueError(f"no runs of encodings {wanted['pes']} and seeds {list(seeds)} together under "
+                         f"{', '.join(map(str, roots))}")
     settings: dict[str, dict[str, dict[str, Any]]] = {}
     metrics: dict[str, str] = {}
     configs, environments = {}, {}
@@ -224,9 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
     parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs")
     parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
-    parser.add_argument("--pes", default="", help="only these encodings (comma-separated; default all)")
+    parser.add_argument("--pes", default="",
+                        help="only these encodings, each one the roots hold (comma-separated; default all)")
     parser.add_argument("--window", default="", help="FIRST:LAST: a column of the mean error over those steps")
-    parser.add_argument("--seeds", default="", help="only these seeds (comma-separated integers; default all)")
+    parser.add_argument("--seeds", default="",
+                        help="only these seeds, each one the roots hold (comma-separated integers; default all)")
     args = parser.parse_args(argv)
     try:
         seeds = [int(seed) for seed in args.seeds.split(",") if seed]
