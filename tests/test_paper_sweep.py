@@ -53,7 +53,7 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
 
 def test_overrides_may_come_after_the_flags(tmp_path, capsys):
     """A bad override after a flag is read (and refused, exit 2); good ones between and after the flags plan as
-    usual (DEST stays the first word that is not a flag)."""
+    usual."""
     dest = str(tmp_path / "sweep")
     with pytest.raises(SystemExit) as exit_:
         paper_sweep.main([dest, "--dry-run", "--plan-only", "model.d_model=7", "--nvars", "1"])
@@ -61,6 +61,27 @@ def test_overrides_may_come_after_the_flags(tmp_path, capsys):
     assert paper_sweep.main([dest, "--dry-run", "run.steps=8", "--plan-only", "model.d_model=32", "--nvars", "1",
                              "optim.batch_size=4"]) == 0
     assert "1var/cope        todo step      0" in capsys.readouterr().out
+
+
+def test_an_override_before_dest_is_an_override_not_dest(tmp_path, capsys):
+    """DEST is the one positional word without '=', before or after the overrides: an override first is still read
+    (a bad one refused as such), and the plan is DEST's."""
+    dest = str(tmp_path / "sweep")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main(["model.d_model=7", dest, "--dry-run", "--plan-only", "--nvars", "1"])
+    assert exit_.value.code == 2 and "d_model=7 must be a multiple of" in capsys.readouterr().err
+    for words in (["run.steps=8", dest, "model.d_model=32"], [dest, "run.steps=8"],
+                  ["run.steps=8", "--keep-checkpoints", dest]):
+        assert paper_sweep.main([*words, "--dry-run", "--plan-only", "--nvars", "1", "--pe", "none"]) == 0
+        assert capsys.readouterr().out.startswith(f"paper sweep in {dest} (dry run, CPU): 1 cells x 3 seeds\n")
+    for words, got in ([["run.steps=8"], "got only key=value overrides"],
+                       [[dest, "run.steps=8", "other"], f"got {dest!r}, 'other'"]):
+        with pytest.raises(SystemExit) as exit_:
+            paper_sweep.main([*words, "--dry-run", "--plan-only"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err
+        assert f"error: give one DEST, the sweep's directory, beside the key=value overrides ({got})" in err
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
