@@ -12,7 +12,7 @@ import pytest
 
 from jaxpe.train import cli
 from jaxpe.train.config import build_config
-from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
+from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 from jaxpe.train.tasks import make_task
 
 SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
@@ -134,8 +134,9 @@ def _lm_config(source, steps: int):
 
 def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys):
     """The corpus' fingerprint (worked out here from the files' names and sizes) is saved with the run; the same
-    corpus resumes, a changed one (a file 12 bytes longer) is refused by a resume, jaxpe-eval, jaxpe-train and
-    jaxpe-compare's reuse of the finished run, naming task.source and both fingerprints, before anything is written."""
+    corpus resumes and reads back, a changed one (a file 12 bytes longer) is refused by a resume, restore_run,
+    jaxpe-eval, jaxpe-train and jaxpe-compare's reuse of the finished run, naming task.source and both fingerprints,
+    before anything is written."""
     corpus, workdir = tmp_path / "corpus", tmp_path / "run"
     corpus.mkdir()
     (corpus / "a.txt").write_bytes(bytes(range(32, 127)) * 8)  # 760 bytes
@@ -148,6 +149,7 @@ def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys)
     assert first["resumed_from"] is None
     resumed = train_and_evaluate(_lm_config(corpus, 4), workdir)  # the same corpus: resumes
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    assert int(restore_run(workdir).state.step) == 4  # the same corpus: read back
 
     (corpus / "b.txt").write_bytes(b"hello world\n" * 21)  # 252 bytes: another corpus
     changed = re.escape(f"the corpus of the run in {str(workdir)!r} changed: task.source={str(corpus)!r} now gives "
@@ -156,6 +158,8 @@ def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys)
     before = {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()}
     with pytest.raises(ValueError, match=changed):
         train_and_evaluate(_lm_config(corpus, 6), workdir)
+    with pytest.raises(ValueError, match=changed):
+        restore_run(workdir)  # a notebook's Run.task would be the changed corpus
     with pytest.raises(ValueError, match=changed):
         evaluate_checkpoint(workdir)
     assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before  # nothing written

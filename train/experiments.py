@@ -303,7 +303,8 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
     (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
     chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
-    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits.
+    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits. A ValueError when the
+    run's corpus changed since it began (jaxpe.train.workdir.check_same_corpus): Run.task would be other data.
     """
     workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
@@ -315,6 +316,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
+    check_same_corpus(workdir, task)  # the task rebuilt on a changed corpus is other data than the run's
     config = resolve_config(config, task)
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
@@ -342,8 +344,7 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
     `progress`: a tqdm bar (stderr, process 0) over the evaluated sequences; None: as the run's run.progress.
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
-    run = restore_run(workdir, step)
-    check_same_corpus(workdir, run.task)  # eval.json scores the run on its own data
+    run = restore_run(workdir, step)  # on the run's own corpus (check_same_corpus), so eval.json scores its data
     eval_splits = run.task.eval_splits()
     show = run.config.run.progress if progress is None else progress
     bar = None

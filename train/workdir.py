@@ -9,7 +9,7 @@ whatever the new run would resume, reuse or leave beside its own results for `ja
 saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
 filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
 unresolved. A task read from outside data (lm's corpus: `Task.corpus`) leaves its fingerprint in `corpus.json`
-(`write_corpus`), and `check_same_corpus` refuses to resume or reuse the run once that data changed.
+(`write_corpus`), and `check_same_corpus` refuses to resume, reuse or read back the run once that data changed.
 `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
