@@ -1,6 +1,8 @@
 """The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
 outputs (TensorBoard event files read back, with and without tensorboardX), and the paper preset end to end."""
+import io
 import json
+import logging
 import math
 import pathlib
 import struct
@@ -14,7 +16,7 @@ from tensorboardX.proto import event_pb2
 
 import jaxpe
 from jaxpe.train import cli, distributed, experiments, loop, tables
-from jaxpe.train.config import preset_names
+from jaxpe.train.config import build_config, preset_names
 from jaxpe.train.tasks import TASK_NAMES
 
 TINY = [
@@ -160,6 +162,28 @@ def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboar
     assert rerun["run"].pop("seed") == 1 and saved["run"].pop("seed") == 0 and rerun == saved
     assert not (second / "tb").exists()
     assert len((second / "metrics.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_repeated_commands_in_one_process_log_to_the_stderr_of_the_moment(monkeypatch, tmp_path, capsys):
+    """A notebook's session: jaxpe-train with stderr captured elsewhere (a cell's capture, closed since), then a run
+    through the library and jaxpe-train again: their INFO lines reach today's stderr, none goes to the closed stream
+    ("--- Logging error ---"), and the root logger holds one handler however many commands ran."""
+    earlier = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", earlier)
+    assert cli.train_main([*TINY, "--workdir", str(tmp_path / "first"), "run.tensorboard=false"]) == 0
+    monkeypatch.undo()
+    assert "INFO jaxpe.train.trainer: train step" in earlier.getvalue()
+    earlier.close()
+    capsys.readouterr()
+    overrides = [word for word in TINY if "=" in word]
+    config = build_config(task="flipflop", pe="rope", overrides=[*overrides, "run.tensorboard=false"])
+    experiments.train_and_evaluate(config, tmp_path / "library")
+    err = capsys.readouterr().err
+    assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
+    assert cli.train_main([*TINY, "--workdir", str(tmp_path / "second"), "run.tensorboard=false"]) == 0
+    err = capsys.readouterr().err
+    assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
+    assert len(logging.getLogger().handlers) == 1
 
 
 def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):

@@ -164,7 +164,7 @@ def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys)
         evaluate_checkpoint(workdir)
     assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before  # nothing written
     argv = ["--config", str(workdir / "config.json"), "--workdir", str(workdir), "run.steps=6"]
-    capsys.readouterr()  # what the runs above logged (through a handler an earlier test's jaxpe-train may have left)
+    capsys.readouterr()  # what the runs above logged
     assert cli.train_main(argv) == 2
     err = capsys.readouterr().err
     assert re.search("jaxpe-train: error: " + changed, err) and "Traceback" not in err

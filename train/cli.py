@@ -23,6 +23,7 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
 import jax
 
@@ -141,11 +142,25 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
     return configs
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to sys.stderr as it is at each record, not to the stream it was when the handler was
+    made: once the command ends, a later capture of stderr (a notebook cell's, pytest's) gets the lines, and a closed
+    earlier one is never written to."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # not StreamHandler's, which would set the stream once
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+
 def _start(args: argparse.Namespace) -> None:
     """jaxpe's INFO lines on stderr, then the multi-host setup. absl installs a root handler when orbax is imported,
-    so a plain basicConfig would do nothing: force=True replaces it. The root level stays WARNING (the libraries'
-    INFO chatter stays off); the jaxpe loggers pass INFO."""
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
+    so a plain basicConfig would do nothing: force=True replaces it (and the handler of an earlier command in this
+    process: one handler, however many commands ran). The root level stays WARNING (the libraries' INFO chatter stays
+    off); the jaxpe loggers pass INFO."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", handlers=[_CurrentStderr()], force=True)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
     distributed.split_host_cpu()
     _malloc.keep_freed_memory()
