@@ -5,8 +5,9 @@ seeds stacked, run.steps_per_dispatch steps a dispatch, the training set on the 
 DEST/counting_<n>var/<pe>/seed<s>/ as jaxpe-compare lays runs out. The sweep first prints its plan (each cell: done,
 cut at a step, or to do; the estimated minutes; how many calls of --time-limit the rest takes), then runs cells in
 order (3 variables first) while the time left allows: a cell is started only when its estimate fits (the first of a
-call always starts), and one that overruns stops at the end of a dispatch with a checkpoint (exit status 3). Called again on the same DEST it goes on
-where it stopped: finished runs (their result.json) are never redone, a cut cell resumes from its checkpoints.
+call always starts), and one that overruns stops at the end of a dispatch with a checkpoint (exit status 3). Called
+again on the same DEST it goes on where it stopped: finished runs (their result.json) are never redone, a cut cell
+resumes from its checkpoints.
 
 DEST keeps what matters and little else: each run's config.json, metrics.jsonl, result.json/md; each variable
 count's compare.json/md; sweep.json (the plan, every finished cell's measured seconds, compile seconds and
@@ -16,14 +17,17 @@ them); a cut cell's stay, and are what resuming needs.
     benchmarks/paper_sweep_gpu.sh DEST                    # on one GPU: as much of the table as 9 minutes allow
     benchmarks/paper_sweep_gpu.sh --dry-run DEST          # on CPU at a tiny scale: the same steps, in CI
     python benchmarks/paper_sweep.py DEST --plan-only      # print the plan and exit
+    python benchmarks/paper_sweep.py run.steps=800 DEST    # key=value overrides anywhere: DEST is the word without '='
 
-Exit status: 0 when the whole table is done, 3 when time ran out first (run again), 2 for bad arguments.
+Exit status: 0 when the whole table is done, 3 when time ran out first (run again), 2 for bad arguments or a config
+the task refuses (one line on stderr).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -36,7 +40,9 @@ import jax
 import jax.monitoring
 
 from jaxpe.train import TimeLimitReached, build_config, compare_encodings
-from jaxpe.train.config import TrainConfig
+from jaxpe.train.cli import int_list, pe_list, seconds, seed_list
+from jaxpe.train.config import MAX_SEED, TrainConfig, resolve_task
+from jaxpe.train.tasks.base import json_object
 from jaxpe.train.experiments import latest_checkpoint_step
 from jaxpe.train.workdir import write_json
 
@@ -83,9 +89,13 @@ class Cell:
 
 
 def cells(dest: pathlib.Path, nvars: tuple[int, ...], pes: tuple[str, ...], overrides: list[str]) -> list[Cell]:
-    return [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
+    """One cell per (variables, encoding), its config checked down to the task's options (ValueError, TypeError)."""
+    todo = [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
                                      overrides=[f"task.nvars={n}", *overrides]), dest / f"counting_{n}var")
             for n in nvars for pe in pes]
+    for cell in todo:
+        resolve_task(cell.config.task)
+    return todo
 
 
 def estimate_s(cell: Cell, from_step: int, measured: dict[str, Any], dry_run: bool) -> float:
@@ -112,32 +122,36 @@ def compile_seconds() -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dest", type=pathlib.Path, help="the sweep's directory (made if absent; reused to resume)")
+    parser = argparse.ArgumentParser(prog="paper_sweep.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dest", metavar="DEST", help="the sweep's directory (made if absent; reused to resume): the "
+                        "one word that is neither a flag nor key=value, before or after the overrides")
     parser.add_argument("--dry-run", action="store_true", help="a tiny scale on CPU: a few runs of a few steps")
-    parser.add_argument("--time-limit", type=float, default=CALL_S, help=f"seconds for this call (default {CALL_S:.0f})")
-    parser.add_argument("--nvars", default=",".join(map(str, NVARS)), help="variable counts, in order (default 3,1,5)")
-    parser.add_argument("--pe", default=",".join(PES), help="encodings (default cope,relative,learned)")
-    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
+    parser.add_argument("--time-limit", type=seconds, default=CALL_S,
+                        help=f"seconds for this call, > 0 (default {CALL_S:.0f})")
+    parser.add_argument("--nvars", type=functools.partial(int_list, minimum=1), default=",".join(map(str, NVARS)),
+                        help="variable counts >= 1, in order, each once (default 3,1,5)")
+    parser.add_argument("--pe", type=pe_list, default=",".join(PES), help="encodings (default cope,relative,learned)")
+    parser.add_argument("--seeds", type=seed_list, default=",".join(map(str, SEEDS)),
+                        help=f"seeds, 0 to {MAX_SEED}, each once (default 0,1,2)")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides on top, anywhere among DEST and the flags")
+    args = parser.parse_intermixed_args(argv)
     start = time.time()
+    nvars, seeds = tuple(args.nvars), tuple(args.seeds)
+    dest, given = _dest_and_overrides(parser, [args.dest, *args.overrides])
+    if dest.exists() and not dest.is_dir():
+        parser.error(f"DEST {str(dest)!r} exists and is not a directory")
+    overrides = [*(DRY_RUN if args.dry_run else PAPER), *given]
     try:
-        nvars = tuple(int(n) for n in args.nvars.split(","))
-        seeds = tuple(int(s) for s in args.seeds.split(","))
-    except ValueError as error:
-        parser.error(f"--nvars and --seeds take comma-separated integers ({error})")
-    if args.time_limit <= 0:
-        parser.error(f"--time-limit={args.time_limit} must be > 0 seconds")
-    overrides = [*(DRY_RUN if args.dry_run else PAPER), *args.overrides]
-    try:
-        todo = cells(args.dest, nvars, tuple(args.pe.split(",")), overrides)
-    except ValueError as error:
+        todo = cells(dest, nvars, tuple(args.pe), overrides)
+        record_path = dest / "sweep.json"
+        record = (json_object(record_path.read_text(), str(record_path)) if record_path.is_file()
+                  else {"cells": {}, "measured": {}})
+    except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         parser.error(str(error))
-    record_path = args.dest / "sweep.json"
-    record = json.loads(record_path.read_text()) if record_path.is_file() else {"cells": {}, "measured": {}}
 
     plan, left = [], 0.0
     for cell in todo:
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         left += minutes
         plan.append({"cell": cell.name, "state": state, "step": step, "estimated_min": round(minutes, 1)})
     calls = math.ceil(left * 60 / CALL_S) if left else 0
-    print(f"paper sweep in {args.dest} ({'dry run, CPU' if args.dry_run else jax.devices()[0].device_kind}): "
+    print(f"paper sweep in {dest} ({'dry run, CPU' if args.dry_run else jax.devices()[0].device_kind}): "
           f"{len(todo)} cells x {len(seeds)} seeds")
     for row in plan:
         print(f"  {row['cell']:<16} {row['state']:<4} step {row['step']:>6}  ~{row['estimated_min']:.1f} min")
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     compiled = compile_seconds()
-    args.dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
     ran = False  # the first cell of a call always starts: a cell longer than a call is cut, and resumed next call
     for cell in todo:
         state, step = cell.state(seeds)
@@ -176,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{cell.name}: time limit reached at step {stop.step} (checkpointed); run again to resume")
             _write(record_path, record)
             return 3
+        except ValueError as error:  # a config the task or its data refuse (compare_encodings checks before training)
+            print(f"{parser.prog}: error: {cell.name}: {error}", file=sys.stderr)
+            _write(record_path, record)
+            return 2
         took, compile_s = time.time() - began, compiled[0] - compile_before
         steps_run = cell.config.run.steps - step
         rates = [r["tokens_per_s"] for d in cell.run_dirs(seeds)
@@ -198,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
         if all(cell.state(seeds)[0] == "done" for cell in done):
             compare_encodings([cell.config for cell in done], seeds, done[0].dest)
     return 0
+
+
+def _dest_and_overrides(parser: argparse.ArgumentParser, words: list[str]) -> tuple[pathlib.Path, list[str]]:
+    """DEST and the key=value overrides from the positional words, in any order: argparse gives DEST the first, an
+    override too when it comes first; here a word with '=' is always an override. A usage error (exit 2) unless
+    exactly one word is DEST."""
+    dests = [word for word in words if "=" not in word]
+    if len(dests) != 1:
+        got = f"got {', '.join(map(repr, dests))}" if dests else "got only key=value overrides"
+        parser.error(f"give one DEST, the sweep's directory, beside the key=value overrides ({got})")
+    return pathlib.Path(dests[0]), [word for word in words if "=" in word]
 
 
 def _write(path: pathlib.Path, record: dict[str, Any]) -> None:

@@ -1,6 +1,9 @@
 """The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
 outputs (TensorBoard event files read back, with and without tensorboardX), and the paper preset end to end."""
+import io
 import json
+import logging
+import math
 import pathlib
 import struct
 import subprocess
@@ -12,8 +15,8 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 import jaxpe
-from jaxpe.train import cli, distributed, experiments, loop
-from jaxpe.train.config import preset_names
+from jaxpe.train import cli, distributed, experiments, loop, tables
+from jaxpe.train.config import build_config, preset_names
 from jaxpe.train.tasks import TASK_NAMES
 
 TINY = [
@@ -62,12 +65,25 @@ def test_help_lists_the_encodings_tasks_and_presets(main, prog, capsys):
     (cli.train_main, ["--pe", "cop"], "jaxpe-train: error: argument --pe: invalid choice: 'cop'"),
     (cli.compare_main, ["--pe", "cope,ropey"], "jaxpe-compare: error: argument --pe: unknown encoding(s) ['ropey']"),
     (cli.compare_main, ["--seeds", "0,x"], "jaxpe-compare: error: argument --seeds: '0,x' must be"),
+    (cli.compare_main, ["--seeds", "-1"], "argument --seeds: '-1' must be comma-separated integers in [0, 2147483647]"),
+    (cli.compare_main, ["--seeds", "1,1"], "argument --seeds: '1,1' repeats 1: give each once"),
     (cli.train_main, ["--preset", "cpu-smal"], "jaxpe-train: error: preset name='cpu-smal' not found"),
     (cli.train_main, ["model.num_layer=2"], "jaxpe-train: error: unknown config key 'model.num_layer'"),
     (cli.train_main, ["--config", "nowhere/config.json"], "jaxpe-train: error: config file 'nowhere/config.json'"),
     (cli.train_main, ["--show-config", "task.nvarz=3"], "unknown option 'nvarz' for task 'flipflop'"),
-    (cli.train_main, ["--show-config", "task.seed=abc"], "seed='abc' must be an int"),  # a task option's TypeError
-    (cli.compare_main, ["--show-config", "--pe", "rope", "task.seq_len=1.5"], "seq_len=1.5 must be an int"),
+    (cli.train_main, ["--show-config", "task.seed=abc"], "jaxpe-train: error: task.seed='abc' must be an int"),
+    (cli.compare_main, ["--show-config", "--pe", "rope", "task.seq_len=1.5"], "error: task.seq_len=1.5 must be an int"),
+    # keys as they are typed, however jaxpe.ModelConfig and the tasks' configs name their fields
+    (cli.train_main, ["--show-config", "model.d_model=64", "model.num_heads=3"],
+     "jaxpe-train: error: model.d_model=64 must be a multiple of model.num_heads=3\n"),
+    (cli.train_main, ["--show-config", "--pe", "cope", "model.pe_options.npos=1"],
+     "jaxpe-train: error: model.pe_options.npos=1 must be an int >= 2\n"),
+    (cli.train_main, ["--show-config", "--task", "lm", "task.valid_fraction=0.5", "task.test_fraction=0.5"],
+     "jaxpe-train: error: task.valid_fraction=0.5 + task.test_fraction=0.5 = 1.0 must be < 1\n"),
+    (cli.train_main, ["--show-config", "--task", "lm", "task.eval_multiples=[2,1]"],
+     "jaxpe-train: error: task.eval_multiples[1]=1 must be >= 2\n"),
+    (cli.train_main, ["--show-config", "--task", "counting", "task.nvars=0"],
+     "jaxpe-train: error: task.nvars=0 must be in [1, 26]\n"),
     (cli.train_main, [], "jaxpe-train: error: the following arguments are required: --workdir"),
     (cli.eval_main, [], "jaxpe-eval: error: the following arguments are required: --workdir"),
 ])
@@ -109,6 +125,17 @@ def test_show_config_prints_every_key_and_runs_nothing(monkeypatch, tmp_path, ca
     assert out.count("resolved config") == 2 and "# model.pe=rope: resolved config" in out
 
 
+@pytest.mark.parametrize("main, flags", [(cli.train_main, ["--pe", "rope"]), (cli.compare_main, ["--pe", "rope"])])
+def test_overrides_may_come_before_between_and_after_the_flags(main, flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run.steps=60", "--task", "flipflop", "run.seed=3", "--show-config", *flags, "model.d_model=32",
+              "--preset", "cpu-small", "model.num_layers=3"])
+    assert exit_.value.code == 0
+    settings = {line.split("  # ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert {"run.steps=60", "run.seed=3", "model.d_model=32", "model.num_layers=3", "model.pe=rope",
+            "task.name=flipflop"} <= settings
+
+
 def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboardx(monkeypatch, tmp_path, capsys):
     first = tmp_path / "first"
     assert cli.train_main([*TINY, "--workdir", str(first)]) == 0
@@ -135,6 +162,28 @@ def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboar
     assert rerun["run"].pop("seed") == 1 and saved["run"].pop("seed") == 0 and rerun == saved
     assert not (second / "tb").exists()
     assert len((second / "metrics.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_repeated_commands_in_one_process_log_to_the_stderr_of_the_moment(monkeypatch, tmp_path, capsys):
+    """A notebook's session: jaxpe-train with stderr captured elsewhere (a cell's capture, closed since), then a run
+    through the library and jaxpe-train again: their INFO lines reach today's stderr, none goes to the closed stream
+    ("--- Logging error ---"), and the root logger holds one handler however many commands ran."""
+    earlier = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", earlier)
+    assert cli.train_main([*TINY, "--workdir", str(tmp_path / "first"), "run.tensorboard=false"]) == 0
+    monkeypatch.undo()
+    assert "INFO jaxpe.train.trainer: train step" in earlier.getvalue()
+    earlier.close()
+    capsys.readouterr()
+    overrides = [word for word in TINY if "=" in word]
+    config = build_config(task="flipflop", pe="rope", overrides=[*overrides, "run.tensorboard=false"])
+    experiments.train_and_evaluate(config, tmp_path / "library")
+    err = capsys.readouterr().err
+    assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
+    assert cli.train_main([*TINY, "--workdir", str(tmp_path / "second"), "run.tensorboard=false"]) == 0
+    err = capsys.readouterr().err
+    assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
+    assert len(logging.getLogger().handlers) == 1
 
 
 def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
@@ -192,3 +241,23 @@ def test_paper_preset_trains_counting_end_to_end(tmp_path, capsys):
     result = json.loads((workdir / "result.json").read_text())
     assert set(result["splits"]) == {"valid", "test", "len_x2"} and result["steps"] == 2
     assert any((workdir / "checkpoints").iterdir())
+
+
+def test_compare_says_its_cells_are_means_and_95_percent_intervals(monkeypatch, tmp_path, capsys):
+    """Two seeds at 10 % and 20 % on 1000 sequences: the cell is 15.00 [low, high], the interval of the seed variance
+    of the mean (0.005 / 2) plus Agresti–Coull's binomial variance ((150 + 2) / 1004), and the line above says so."""
+    runs = [{"pe": "cope", "seed": seed, "splits": {"valid": {"seq_error": rate, "sequences": 1000}}}
+            for seed, rate in ((0, 0.1), (1, 0.2))]
+    comparison = {"task": "counting", "metric": "seq_error", "splits": ["valid"], "seeds": [0, 1],
+                  "rows": tables.summarize_seeds(runs)}
+    monkeypatch.setattr(cli, "_start", lambda args: None)
+    monkeypatch.setattr(experiments, "compare_encodings",
+                        lambda *a, **k: {**comparison, "table": experiments.comparison_markdown(comparison)})
+    assert cli.compare_main(["--task", "counting", "--pe", "cope", "--seeds", "0,1", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    shrunk = 152 / 1004
+    half = 1.96 * math.sqrt(0.005 / 2 + shrunk * (1 - shrunk) / 1004)
+    assert f"| cope | 0,1 | 15.00 [{100 * (0.15 - half):.2f}, {100 * (0.15 + half):.2f}] |" in out
+    assert ("counting: seq_error (%), lower is better; each cell: mean over seeds 0,1 [95 % interval: seed spread + "
+            "evaluation-set binomial error]") in out
+    assert "±" not in out and "std" not in out

@@ -32,16 +32,24 @@ def test_plateau_refuses_bad_input(steps, errors, sequences):
         curves.plateau(steps, errors, sequences)
 
 
-def _write_run(root, setting, pe, seed, valid):
+METRICS = ("seq_error", "token_error", "bits_per_byte")
+
+
+def _write_run(root, setting, pe, seed, valid, task="counting"):
+    """A run's metrics.jsonl and config.json: each evaluation record holds every metric, as Trainer.evaluate writes
+    them; the task's own metric is `valid`'s values (+ 0.2 on len_x2), the others are decoys (0.9, 0.8, 0.7)."""
     run = root / setting / pe / f"seed{seed}"
     run.mkdir(parents=True)
+    own = {"counting": "seq_error", "flipflop": "token_error", "selective_copy": "token_error",
+           "lm": "bits_per_byte"}[task]
     lines = []
     for step, error in valid:
         lines.append({"step": step, "split": "train", "loss": 2.0 - step / 1000, "accuracy": 0.5})
-        lines.append({"step": step, "split": "valid", "seq_error": error, "loss": 1.0, "sequences": 100})
-        lines.append({"step": step, "split": "len_x2", "seq_error": error + 0.2, "loss": 1.0, "sequences": 100})
+        for split, value in (("valid", error), ("len_x2", error + 0.2)):
+            decoys = {m: d for m, d in zip(METRICS, (0.9, 0.8, 0.7))}
+            lines.append({"step": step, "split": split, **decoys, own: value, "loss": 1.0, "sequences": 100})
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    (run / "config.json").write_text(json.dumps({"optim": {"learning_rate": 0.003}}))
+    (run / "config.json").write_text(json.dumps({"task": {"name": task}, "optim": {"learning_rate": 0.003}}))
 
 
 def test_collect_reads_every_run_and_writes_json_table_and_figure(tmp_path):
@@ -75,10 +83,30 @@ def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "10"]) == 0
     assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
         "counting_3var/cope/seed10"]
-    with pytest.raises(ValueError, match=r"encodings \['corope'\]"):
-        curves.collect(tmp_path, pes=["corope"])
+    with pytest.raises(ValueError, match=r"no runs of encodings \['relative'\] and seeds \[1\] together"):
+        curves.collect(tmp_path, pes=["relative"], seeds=[1])  # each is held, never both in one run
     with pytest.raises(SystemExit):
         curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "0,x"])
+
+
+def test_encodings_and_seeds_no_run_has_are_refused_listing_those_the_roots_hold(tmp_path, capsys):
+    """A name or seed that matches no run is a usage error (exit 2), even beside ones that match: not dropped."""
+    _write_run(tmp_path / "a", "counting_3var", "cope", 0, [(100, 0.5)])
+    _write_run(tmp_path / "a", "counting_3var", "cope", 10, [(100, 0.5)])
+    _write_run(tmp_path / "b", "counting_3var", "relative", 2, [(100, 0.5)])
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for flags, message in [(["--pes", "cope,corope,ropy"], "pes: unknown encoding(s) corope, ropy; the roots hold "
+                                                           "cope, relative"),
+                           (["--seeds", "0,1"], "seeds: unknown seed(s) 1; the roots hold 0, 2, 10"),
+                           (["--pes", "rope"], "pes: unknown encoding(s) rope; the roots hold cope, relative")]:
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([*roots, "--out", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {message}\n" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert curves.main([*roots, "--out", str(tmp_path / "out"), "--pes", "cope,relative", "--seeds", "2,10"]) == 0
+    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
+        "a/counting_3var/cope/seed10", "b/counting_3var/relative/seed2"]
 
 
 def test_several_roots_name_each_setting_by_its_root(tmp_path):
@@ -97,7 +125,7 @@ def test_window_mean_column(tmp_path):
     _write_run(tmp_path, "counting_5var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.1), (400, 0.3)])
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
     table = (tmp_path / "out" / "curves.md").read_text()
-    assert "mean error % over steps 200–300 |" in table
+    assert "mean seq_error % over steps 200–300 |" in table
     assert table.rstrip().endswith("| 15.0 | — |")  # (0.2 + 0.1) / 2; no event files, no wall time
     data = curves.collect(tmp_path)
     assert curves.window_mean(data["settings"]["counting_5var"]["cope"]["seed0"], 500, 600) is None
@@ -151,3 +179,52 @@ def test_table_has_each_runs_wall_time_and_each_settings_total(tmp_path):
     assert "| counting_5var | cope | seed0 | 100 | 70.0 (100) | 100 (70.0, 9.0) | — |" in table
     assert "Wall time, counting_3var: 2.50 h over 2 runs" in table
     assert "counting_5var:" not in table
+
+
+def test_each_run_is_read_in_its_tasks_metric(tmp_path):
+    """Flip-flop and selective copy in token_error, lm in bits_per_byte, counting in seq_error: each from its
+    config.json's task, never another metric of the same records (the decoys)."""
+    _write_run(tmp_path, "flipflop", "cope", 0, [(100, 0.30), (200, 0.05), (300, 0.04)], task="flipflop")
+    _write_run(tmp_path, "copy", "rope", 0, [(100, 0.5), (200, 0.25)], task="selective_copy")
+    _write_run(tmp_path, "lm", "rope", 0, [(100, 2.5), (200, 1.91), (300, 1.9)], task="lm")
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.2)])
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
+    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    assert data["metrics"] == {"copy": "token_error", "counting_3var": "seq_error", "flipflop": "token_error",
+                               "lm": "bits_per_byte"}
+    assert data["metric"] is None and data["split"] == "valid"
+    flipflop = data["settings"]["flipflop"]["cope"]["seed0"]
+    assert flipflop["metric"] == "token_error" and flipflop["splits"]["valid"]["token_error"] == [0.30, 0.05, 0.04]
+    assert "seq_error" not in flipflop["splits"]["valid"]
+    # within 1.96·sqrt(0.04·0.96/100) = 0.0384 of 0.04: 0.05 (step 200) is the first
+    assert (flipflop["plateau"]["step"], flipflop["plateau"]["best_step"]) == (200, 300)
+    assert data["settings"]["copy"]["rope"]["seed0"]["splits"]["len_x2"]["token_error"] == pytest.approx([0.7, 0.45])
+    lm = data["settings"]["lm"]["rope"]["seed0"]
+    assert lm["metric"] == "bits_per_byte" and lm["splits"]["valid"]["bits_per_byte"] == [2.5, 1.91, 1.9]
+    # bits per byte is no rate: no binomial interval, the plateau is the best evaluation (1.91 at step 200 would be
+    # within a binomial "interval" of 1.9, which does not exist)
+    assert lm["plateau"] == {"best_step": 300, "best": 1.9, "step": 300, "error": 1.9, "within": 0.0}
+    table = (tmp_path / "out" / "curves.md").read_text()
+    assert "| lm | rope | seed0 | 300 | 1.900 (300) | 300 (1.900, 0.000) | 1.905 | — |" in table  # not in %
+    assert "| flipflop | cope | seed0 | 300 | 4.0 (300) | 200 (5.0, 3.8) | 4.5 | — |" in table
+    assert "lm in bits_per_byte" in table and "flipflop in token_error (%)" in table
+
+
+def test_a_run_whose_task_is_unknown_is_refused_naming_it(tmp_path):
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.2)])
+    run = tmp_path / "counting_3var" / "cope" / "seed0"
+    (run / "config.json").unlink()
+    with pytest.raises(ValueError, match="seed0.*config.json.*task.name"):
+        curves.collect(tmp_path)
+    (run / "config.json").write_text(json.dumps({"task": {"name": "countin"}}))
+    with pytest.raises(ValueError, match="task.name='countin'.*no known task"):
+        curves.collect(tmp_path)
+    with pytest.raises(SystemExit):
+        curves.main([str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+def test_a_setting_of_two_metrics_is_refused(tmp_path):
+    _write_run(tmp_path, "mixed", "cope", 0, [(100, 0.2)])
+    _write_run(tmp_path, "mixed", "rope", 0, [(100, 2.0)], task="lm")
+    with pytest.raises(ValueError, match="setting 'mixed' mixes metrics"):
+        curves.collect(tmp_path)

@@ -1,10 +1,18 @@
 """The lm task on a user's own corpus: one file or a handful split by byte ranges, documents kept apart in every
-window, and errors that name their cause and the setting that fixes it."""
+window, errors that name their cause and the setting that fixes it, and runs that do not go on on a changed corpus."""
 from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
 
 import numpy as np
 import pytest
 
+from jaxpe.train import cli
+from jaxpe.train.config import build_config
+from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 from jaxpe.train.tasks import make_task
 
 SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
@@ -112,3 +120,57 @@ def test_empty_files(tmp_path):
     assert task.streams["train"].tobytes() == document("t", 320)
     with pytest.raises(ValueError, match=r"the test split .* has 0 bytes .*; raise task\.test_fraction"):
         make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
+
+
+def _lm_config(source, steps: int):
+    """A tiny lm run on `source`: 16-byte windows, one small layer, a checkpoint every 2 steps."""
+    return build_config(task="lm", pe="rope", overrides=[
+        f"task.source={source}", "task.seq_len=16", "task.eval_bytes=32", "task.eval_multiples=[2]",
+        "task.valid_fraction=0.1", "task.test_fraction=0.1", "model.d_model=16", "model.num_layers=1",
+        "model.num_heads=2", "optim.batch_size=8", "optim.warmup_steps=1", f"run.steps={steps}", "run.log_every=1",
+        "run.eval_every=0", "run.checkpoint_every=2", "run.async_checkpoints=false", "run.eval_batch_size=8",
+        "run.progress=false", "run.num_devices=1", "run.tensorboard=false"])
+
+
+def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys):
+    """The corpus' fingerprint (worked out here from the files' names and sizes) is saved with the run; the same
+    corpus resumes and reads back, a changed one (a file 12 bytes longer) is refused by a resume, restore_run,
+    jaxpe-eval, jaxpe-train and jaxpe-compare's reuse of the finished run, naming task.source and both fingerprints,
+    before anything is written."""
+    corpus, workdir = tmp_path / "corpus", tmp_path / "run"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(bytes(range(32, 127)) * 8)  # 760 bytes
+    (corpus / "b.txt").write_bytes(b"hello world\n" * 20)  # 240 bytes
+    first = train_and_evaluate(_lm_config(corpus, 2), workdir)
+    saved = json.loads((workdir / "corpus.json").read_text())
+    listing = "corpus/a.txt\t760\ncorpus/b.txt\t240\n"  # _file_documents' fingerprint: sorted names and sizes
+    assert saved == {"source": str(corpus), "fingerprint": hashlib.sha256(listing.encode()).hexdigest(),
+                     "bytes": 1000}
+    assert first["resumed_from"] is None
+    resumed = train_and_evaluate(_lm_config(corpus, 4), workdir)  # the same corpus: resumes
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    assert int(restore_run(workdir).state.step) == 4  # the same corpus: read back
+
+    (corpus / "b.txt").write_bytes(b"hello world\n" * 21)  # 252 bytes: another corpus
+    changed = re.escape(f"the corpus of the run in {str(workdir)!r} changed: task.source={str(corpus)!r} now gives "
+                        f"fingerprint ") + r"[0-9a-f]{12} \(1012 bytes\), the run began on " + re.escape(
+                        f"{saved['fingerprint'][:12]} (1000 bytes;")
+    before = {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()}
+    with pytest.raises(ValueError, match=changed):
+        train_and_evaluate(_lm_config(corpus, 6), workdir)
+    with pytest.raises(ValueError, match=changed):
+        restore_run(workdir)  # a notebook's Run.task would be the changed corpus
+    with pytest.raises(ValueError, match=changed):
+        evaluate_checkpoint(workdir)
+    assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before  # nothing written
+    argv = ["--config", str(workdir / "config.json"), "--workdir", str(workdir), "run.steps=6"]
+    capsys.readouterr()  # what the runs above logged
+    assert cli.train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search("jaxpe-train: error: " + changed, err) and "Traceback" not in err
+    # jaxpe-compare does not reuse the finished run on the changed corpus either
+    shutil.copytree(workdir, tmp_path / "cmp" / "rope" / "seed0")
+    with pytest.raises(ValueError, match="changed: task.source="):
+        compare_encodings([_lm_config(corpus, 4)], [0], tmp_path / "cmp")
+    (corpus / "b.txt").write_bytes(b"hello world\n" * 20)  # the corpus restored: reused as it is
+    assert compare_encodings([_lm_config(corpus, 4)], [0], tmp_path / "cmp")["runs"][0]["resumed_from"] == 2

@@ -10,7 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import paper_sweep  # noqa: E402
 
 
 def sweep(dest: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
@@ -45,3 +49,70 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
     done = sweep(dest, "--plan-only")
     assert done.returncode == 0 and "1var/none        done" in done.stdout and "left: ~0 min, 0 call(s)" in done.stdout
     assert [(run / "result.json").stat().st_mtime_ns for run in runs] == written
+
+
+def test_overrides_may_come_after_the_flags(tmp_path, capsys):
+    """A bad override after a flag is read (and refused, exit 2); good ones between and after the flags plan as
+    usual."""
+    dest = str(tmp_path / "sweep")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([dest, "--dry-run", "--plan-only", "model.d_model=7", "--nvars", "1"])
+    assert exit_.value.code == 2 and "d_model=7 must be a multiple of" in capsys.readouterr().err
+    assert paper_sweep.main([dest, "--dry-run", "run.steps=8", "--plan-only", "model.d_model=32", "--nvars", "1",
+                             "optim.batch_size=4"]) == 0
+    assert "1var/cope        todo step      0" in capsys.readouterr().out
+
+
+def test_an_override_before_dest_is_an_override_not_dest(tmp_path, capsys):
+    """DEST is the one positional word without '=', before or after the overrides: an override first is still read
+    (a bad one refused as such), and the plan is DEST's."""
+    dest = str(tmp_path / "sweep")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main(["model.d_model=7", dest, "--dry-run", "--plan-only", "--nvars", "1"])
+    assert exit_.value.code == 2 and "d_model=7 must be a multiple of" in capsys.readouterr().err
+    for words in (["run.steps=8", dest, "model.d_model=32"], [dest, "run.steps=8"],
+                  ["run.steps=8", "--keep-checkpoints", dest]):
+        assert paper_sweep.main([*words, "--dry-run", "--plan-only", "--nvars", "1", "--pe", "none"]) == 0
+        assert capsys.readouterr().out.startswith(f"paper sweep in {dest} (dry run, CPU): 1 cells x 3 seeds\n")
+    for words, got in ([["run.steps=8"], "got only key=value overrides"],
+                       [[dest, "run.steps=8", "other"], f"got {dest!r}, 'other'"]):
+        with pytest.raises(SystemExit) as exit_:
+            paper_sweep.main([*words, "--dry-run", "--plan-only"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err
+        assert f"error: give one DEST, the sweep's directory, beside the key=value overrides ({got})" in err
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nvars", "0"], "argument --nvars: '0' must be comma-separated integers >= 1"),
+    (["--nvars", "3,x"], "argument --nvars: '3,x' must be comma-separated integers >= 1"),
+    (["--nvars", "3,3"], "argument --nvars: '3,3' repeats 3: give each once"),
+    (["--seeds", "0,0"], "argument --seeds: '0,0' repeats 0: give each once"),
+    (["--seeds", "-1"], "argument --seeds: '-1' must be comma-separated integers in [0, 2147483647]"),
+    (["--seeds", "2147483648"], "argument --seeds: '2147483648' must be comma-separated integers in [0, 2147483647]"),
+    (["--pe", "cope,cope"], "argument --pe: 'cope,cope' repeats cope: give each once"),
+    (["--pe", "cope,ropey"], "argument --pe: unknown encoding(s) ['ropey']"),
+    (["--time-limit", "nan"], "argument --time-limit: 'nan' must be > 0 seconds"),
+    (["--time-limit", "-5"], "argument --time-limit: '-5' must be > 0 seconds"),
+    (["task.seed=abc"], "paper_sweep.py: error: task.seed='abc' must be an int"),
+])
+def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([str(tmp_path / "sweep"), "--dry-run", "--plan-only", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_dest_that_is_a_file_or_a_config_the_task_refuses_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main([str(tmp_path / "file"), "--dry-run"])
+    assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+    # run.eval_splits names a split counting lacks: compare_encodings refuses it before training, in one line
+    assert paper_sweep.main([str(tmp_path / "sweep"), "--dry-run", "--nvars", "1", "--pe", "none",
+                             "run.eval_splits=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paper_sweep.py: error: 1var/none: run.eval_splits: unknown split(s) ['bogus']")
+    assert len(err.splitlines()) == 1

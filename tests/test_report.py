@@ -90,6 +90,21 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err
 
 
+def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, capsys):
+    a = comparison(tmp_path, "a", "seq_error", rows=[{"pe": "cope", "splits": {"valid": {"seq_error": 0.1},
+                                                                              "test": {"seq_error": 0.2}}}])
+    b = comparison(tmp_path, "b", "seq_error", rows=[{"pe": "cope", "splits": {"len_x2": {"seq_error": 0.3}}}])
+    assert report.main([str(a), str(b), "--splits", "test,len_x2"]) == 0  # each in one of them: shown
+    assert capsys.readouterr().out.splitlines()[0] == "| pe | a: test | b: len_x2 |"
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(a), str(b), "--splits", "test,len_x4,tset"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "error: splits: unknown split(s) len_x4, tset; these comparisons have valid, test, len_x2" in err
+    with pytest.raises(ValueError, match="unknown split"):
+        tables.comparison_table([a], splits=["len_x2"])
+
+
 def configured_run(pe, seed, rate, steps=500, options=None):
     """One result.json with the config a merge checks: its valid split at `rate` on 1000 sequences."""
     config = {"task": {"name": "selective_copy", "options": options or {}}, "optim": {"learning_rate": 0.003},

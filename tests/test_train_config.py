@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 import jaxpe
-from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig, TrainConfig, apply_overrides,
-                                build_config, build_model, build_task, field_comments, format_config, from_dict,
-                                load_config, load_preset, longest_length, preset_names, to_dict)
+from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig, TrainConfig, apply_dict,
+                                apply_overrides, build_config, build_model, build_task, field_comments, format_config,
+                                from_dict, load_config, load_preset, longest_length, preset_names, resolve_task,
+                                to_dict)
+from jaxpe.train.tasks import make_task
 from jaxpe.train.trainer import Trainer
 
 PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "train" / "presets"
@@ -84,14 +86,34 @@ def test_model_is_jaxpe_model_config_filled_in_from_the_task():
 
 def test_overrides_are_set_together_and_checked_by_the_model_config():
     """One list of overrides (or one preset) is applied at once: 256 % 3 != 0 on the way to d_model=48 is no error;
-    an invalid result is jaxpe.ModelConfig's error."""
+    an invalid result is jaxpe.ModelConfig's error, its fields named as the overrides set them (model.<field>)."""
     config = build_config(overrides=["model.num_heads=3", "model.d_model=48"])
     assert (config.model.num_heads, config.model.d_model) == (3, 48)
     assert from_dict(to_dict(config)) == config
-    with pytest.raises(ValueError, match="d_model=256 must be a multiple of num_heads=3"):
+    with pytest.raises(ValueError, match=r"^model\.d_model=256 must be a multiple of model\.num_heads=3$"):
         build_config(overrides=["model.num_heads=3"])
-    with pytest.raises(ValueError, match="unknown option 'npoz' for pe='cope'"):
+    with pytest.raises(ValueError, match=r"^unknown option 'npoz' for model\.pe='cope'"):
         build_config(pe="cope", overrides=["model.pe_options.npoz=3"])
+    with pytest.raises(ValueError, match=r"^model\.pe_options\.npos=1 must be an int >= 2$"):
+        build_config(pe="cope", overrides=["model.pe_options.npos=1"])
+    with pytest.raises(ValueError, match=r"^model\.num_layers=0 must be a positive int$"):
+        apply_dict(build_config(), {"model": {"num_layers": 0}})  # a preset's or a saved config's value too
+
+
+def test_task_option_errors_name_the_key_as_the_command_line_sets_it(tmp_path):
+    """task.seed=abc is refused as task.seed='abc', by --show-config, by resolving and by building the task, and so
+    is a task's refusal of its data (lm's max_bytes); make_task, the Python API, keeps the option's own name."""
+    bad = build_config(task="flipflop", overrides=["task.seed=abc"])
+    for make in (lambda: format_config(bad), lambda: resolve_task(bad.task), lambda: build_task(bad)):
+        with pytest.raises(TypeError, match=r"^task\.seed='abc' must be an int$"):
+            make()
+    with pytest.raises(TypeError, match=r"^seed='abc' must be an int$"):
+        make_task("flipflop", seed="abc")
+    (tmp_path / "big.txt").write_text("0123456789")
+    lm = build_config(task="lm", overrides=[f"task.source={tmp_path}", "task.max_bytes=5"])
+    with pytest.raises(ValueError, match=re.escape(f"task.source={str(tmp_path)!r}: every file is larger than "
+                                                   "task.max_bytes=5 (the smallest")):
+        build_task(lm)
 
 
 def test_presets_apply_in_order():

@@ -110,8 +110,9 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     (cli.compare_main, ["--pe", "rope,alibi,rope"], "'rope,alibi,rope' repeats rope"),
     (cli.compare_main, ["--seeds", "0,1,0"], "'0,1,0' repeats 0"),
     (cli.compare_main, ["--pe", "rope,corope", "model.pe_options.theta=-1"], "theta=-1 must be > 0 and finite"),
-    (cli.compare_main, ["--pe", "rope,cope", "model.pe_options.theta=100"], "unknown option 'theta' for pe='cope'"),
-    (cli.train_main, ["--pe", "rope", "model.pe_options.npos=3"], "unknown option 'npos' for pe='rope'"),
+    (cli.compare_main, ["--pe", "rope,cope", "model.pe_options.theta=100"],
+     "unknown option 'theta' for model.pe='cope'"),
+    (cli.train_main, ["--pe", "rope", "model.pe_options.npos=3"], "unknown option 'npos' for model.pe='rope'"),
 ])
 def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, message, tmp_path, capsys, monkeypatch):
     workdir = tmp_path / "run"

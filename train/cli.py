@@ -23,21 +23,23 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
 import jax
 
 from jaxpe import PE_NAMES
 from jaxpe.train import _malloc, distributed, experiments
-from jaxpe.train.config import TrainConfig, build_config, format_config, load_config, preset_names
+from jaxpe.train.config import MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
-from jaxpe.train.tables import metric_label, results_markdown
+from jaxpe.train.tables import comparison_heading, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
 from jaxpe.train.workdir import WorkdirBusyError
 
 PRECEDENCE = ("config precedence, later wins: the defaults (or the saved run of --config), --preset, --task and --pe "
               "(a task or encoding other than the one already set starts from its own default options, then the "
               "preset's options for it), key=value overrides")
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "result.json", "result.md", "result.png", "checkpoints/", "tb/")
+RUN_OUTPUTS = ("config.json", "corpus.json", "metrics.jsonl", "result.json", "result.md", "result.png", "checkpoints/",
+               "tb/")
 
 
 def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -50,11 +52,12 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--workdir", help="directory for checkpoints, metrics and results (not with --show-config)")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (every key, with its comment) and exit without training")
-    parser.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=seconds, metavar="SECONDS",
                         help="stop training after this many seconds, at the end of a dispatch, with a checkpoint of "
                              "that step; exit status 3 (rerun the same command to go on)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. model.num_layers=2 task.nvars=3 model.pe_options.npos=32")
+                        help="config overrides, before, between or after the flags, e.g. model.num_layers=2 "
+                             "task.nvars=3 model.pe_options.npos=32")
     _multihost_flags(parser)
     return parser
 
@@ -69,8 +72,9 @@ def _multihost_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, help="this process's index (env JAXPE_PROCESS_ID)")
 
 
-def _pe_list(text: str) -> list[str]:
-    """--pe of jaxpe-compare: comma-separated encoding names, each checked."""
+def pe_list(text: str) -> list[str]:
+    """A --pe of several encodings (jaxpe-compare, benchmarks/paper_sweep.py): comma-separated names, each known and
+    given once (argparse type: ArgumentTypeError says why)."""
     pes = [p for p in text.split(",") if p]
     unknown = [p for p in pes if p not in PE_NAMES]
     if not pes or unknown:
@@ -85,8 +89,8 @@ def _no_repeats(values: Sequence[object], text: str) -> None:
         raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
 
 
-def _seconds(text: str) -> float:
-    """--time-limit: a number of seconds > 0."""
+def seconds(text: str) -> float:
+    """A --time-limit: a number of seconds > 0 (argparse type)."""
     try:
         value = float(text)
     except ValueError:
@@ -96,16 +100,24 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _int_list(text: str) -> list[int]:
-    """--seeds of jaxpe-compare: comma-separated integers."""
+def int_list(text: str, *, minimum: int, maximum: int | None = None) -> list[int]:
+    """Comma-separated integers in [minimum, maximum] (None: no upper bound), each given once (argparse type, through
+    functools.partial)."""
     try:
         values = [int(s) for s in text.split(",") if s]
     except ValueError:
         values = []
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 0,1,2")
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if not values or any(v < minimum or maximum is not None and v > maximum for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers {bound}, e.g. "
+                                         f"{minimum},{minimum + 1}")
     _no_repeats(values, text)
     return values
+
+
+def seed_list(text: str) -> list[int]:
+    """A --seeds (jaxpe-compare, benchmarks/paper_sweep.py): distinct run.seed values, 0 to MAX_SEED (argparse type)."""
+    return int_list(text, minimum=0, maximum=MAX_SEED)
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Sequence[str | None]) -> list[TrainConfig]:
@@ -130,11 +142,25 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
     return configs
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to sys.stderr as it is at each record, not to the stream it was when the handler was
+    made: once the command ends, a later capture of stderr (a notebook cell's, pytest's) gets the lines, and a closed
+    earlier one is never written to."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # not StreamHandler's, which would set the stream once
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+
 def _start(args: argparse.Namespace) -> None:
     """jaxpe's INFO lines on stderr, then the multi-host setup. absl installs a root handler when orbax is imported,
-    so a plain basicConfig would do nothing: force=True replaces it. The root level stays WARNING (the libraries'
-    INFO chatter stays off); the jaxpe loggers pass INFO."""
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
+    so a plain basicConfig would do nothing: force=True replaces it (and the handler of an earlier command in this
+    process: one handler, however many commands ran). The root level stays WARNING (the libraries' INFO chatter stays
+    off); the jaxpe loggers pass INFO."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", handlers=[_CurrentStderr()], force=True)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
     distributed.split_host_cpu()
     _malloc.keep_freed_memory()
@@ -226,7 +252,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-train: one run; prints the result table and where the outputs are."""
     parser = _config_parser("jaxpe-train", "Train one model on one task (resumes from --workdir's checkpoints).")
     parser.add_argument("--pe", choices=PE_NAMES, metavar="PE", help=f"positional encoding: {', '.join(PE_NAMES)}")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         [config] = _resolve(parser, args, [args.pe])
@@ -268,22 +294,21 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-compare: several encodings x seeds -> one table (JSON, Markdown, PNG)."""
     parser = _config_parser("jaxpe-compare", "Train several encodings and seeds on one task and compare them.")
-    parser.add_argument("--pe", type=_pe_list, default="cope,rope,learned",
+    parser.add_argument("--pe", type=pe_list, default="cope,rope,learned",
                         help=f"comma-separated encodings from: {', '.join(PE_NAMES)} (default: cope,rope,learned)")
-    parser.add_argument("--seeds", type=_int_list, default="0", help="comma-separated model seeds (default: 0)")
+    parser.add_argument("--seeds", type=seed_list, default="0",
+                        help=f"comma-separated model seeds, 0 to {MAX_SEED} (default: 0)")
     parser.add_argument("--separate-seeds", action="store_true",
                         help="train an encoding's seeds one after another (default: as one program, their models "
                              "stacked and vmapped through one step)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         configs = _resolve(parser, args, args.pe)
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
                                                    seeds_together=not args.separate_seeds, time_limit=args.time_limit)
-        seeds = ",".join(map(str, args.seeds))
-        label = metric_label(comparison["metric"])
-        print(f"\n{comparison['task']}: {label}, lower is better, mean ± std over seeds {seeds}\n")
+        print(f"\n{comparison_heading(comparison['task'], comparison['metric'], args.seeds)}\n")
         print(comparison["table"], end="")
         _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
         return 0

@@ -7,13 +7,16 @@ the package's `presets/`, or a path to a JSON file), then `--task`/`--pe`, then 
 overrides such as `model.num_layers=2`, `task.nvars=3` or `model.pe_options.npos=32`. Every
 override is parsed against the field's type; an unknown key or a value of the wrong type raises
 ValueError naming the key. The values of one step (a preset, a list of overrides) are set
-together, so that checks across fields (d_model against num_heads) see them all.
+together, so that checks across fields (d_model against num_heads) see them all. Every error names a key as the
+command line writes it (`model.d_model=64 must be a multiple of model.num_heads=3`, `task.seed='abc' must be an
+int`), whatever words the class that checks it (jaxpe.ModelConfig, a task's config) uses for itself.
 `format_config` prints a resolved config with the comment of every field. `build_task` and `build_model` make what
 a config names: its task, and its model with the vocabulary and length filled in from the task.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib.resources
 import inspect
@@ -23,16 +26,17 @@ import math
 import numbers
 import os
 import pathlib
+import re
 import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.resources.abc import Traversable
 from typing import Any
 
 from jaxpe.model import ModelConfig, TransformerLM
-from jaxpe.registry import pe_config
+from jaxpe.registry import pe_config, pe_names
 from jaxpe.train.tasks import Task, make_task, task_config_class
 from jaxpe.train.tasks.base import PAD_TO, config_from_options, json_object
 
@@ -267,8 +271,44 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
 
 
 def build_task(config: TrainConfig) -> Task:
-    """The jaxpe.train.tasks Task named in config.task."""
-    return make_task(config.task.name, **config.task.options)
+    """The jaxpe.train.tasks Task named in config.task; an error names an option as task.<option>."""
+    with _named_as(_task_keys(config.task.name)):
+        return make_task(config.task.name, **config.task.options)
+
+
+def task_options(task: TaskConfig) -> Any:
+    """The options dataclass of `task` (its task's config class over task.options, defaults filled in); an error
+    names an option as task.<option>, as the command line sets it."""
+    with _named_as(_task_keys(task.name)):
+        return config_from_options(task_config_class(task.name), task.name, task.options)
+
+
+def _task_keys(name: str) -> dict[str, str]:
+    """{option: "task.<option>"} of task `name`'s options."""
+    return {field.name: f"task.{field.name}" for field in dataclasses.fields(task_config_class(name))}
+
+
+def _model_keys(model: ModelConfig, changes: Mapping[str, Any], prefix: str) -> dict[str, str]:
+    """{field: prefix + field} of ModelConfig and {option: prefix + "pe_options." + option} of the encoding that
+    `changes` (else `model`) names, the fields winning a clash."""
+    pe = changes.get("pe", model.pe)
+    options = [f.name for f in dataclasses.fields(pe_config(pe))] if pe in pe_names() else []
+    return ({name: f"{prefix}pe_options.{name}" for name in options}
+            | {f.name: f"{prefix}{f.name}" for f in dataclasses.fields(ModelConfig)})
+
+
+@contextlib.contextmanager
+def _named_as(keys: Mapping[str, str]) -> Iterator[None]:
+    """Re-raises a ValueError or TypeError of the block with each `name=` or `name[` of `keys` written as keys[name]
+    (d_model=64 -> model.d_model=64); a name after a dot or inside a word is left as it is."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if not keys:
+            raise
+        names = "|".join(map(re.escape, sorted(keys, key=len, reverse=True)))
+        text = re.sub(rf"(?<![\w.])({names})(?=[=\[])", lambda match: keys[match.group(1)], str(error))
+        raise (TypeError if isinstance(error, TypeError) else ValueError)(text) from error
 
 
 def longest_length(task: Task) -> int:
@@ -287,7 +327,7 @@ def resolve_model(model: ModelConfig, vocab_size: int, max_len: int) -> ModelCon
 
 def resolve_task(task: TaskConfig) -> TaskConfig:
     """`task` with every option of its task listed, defaults filled in (as JSON values: lists for tuples)."""
-    options = config_from_options(task_config_class(task.name), task.name, task.options)
+    options = task_options(task)
     return dataclasses.replace(task, options=json.loads(json.dumps(dataclasses.asdict(options), default=list)))
 
 
@@ -357,8 +397,7 @@ def format_config(config: TrainConfig) -> str:
         for field in dataclasses.fields(node):
             key, value = f"{section.name}.{field.name}", getattr(node, field.name)
             if isinstance(node, TaskConfig) and field.name == "options":
-                options = config_from_options(task_config_class(node.name), node.name, value)
-                lines += _option_lines(section.name, options, f"{node.name} option")
+                lines += _option_lines(section.name, task_options(node), f"{node.name} option")
             elif isinstance(node, ModelConfig) and field.name == "pe_options":
                 lines += _option_lines(key, pe_config(node.pe, **dict(value)), f"{node.pe} option")
             else:
@@ -425,7 +464,9 @@ def _apply(node: Any, values: Mapping[str, Any], prefix: str, *, parse: bool) ->
             raise ValueError(f"unknown config key {f'{key}.{rest}'!r}: {name!r} has no field {rest!r}")
         else:
             changes[name] = _parse(key, value, hints[name]) if parse else _check(key, value, hints[name])
-    return dataclasses.replace(node, **changes)
+    keys = _model_keys(node, changes, prefix) if isinstance(node, ModelConfig) else {}
+    with _named_as(keys):  # jaxpe.ModelConfig's own words (d_model=...) as the keys a user sets (model.d_model=...)
+        return dataclasses.replace(node, **changes)
 
 
 def _merged(mapping: dict[str, Any], texts: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,12 +28,12 @@ from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
                                 resolve_config, to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
-from jaxpe.train.tables import results_markdown, summarize_seeds
+from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer
-from jaxpe.train.workdir import (check_same_run, check_workdir, checkpoint_steps, config_differences, locked_workdir,
-                                 resolved_pair, write_json)
+from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, checkpoint_steps, config_differences,
+                                 locked_workdir, resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def train_and_evaluate(
     time_limit: seconds after which training stops at the end of a dispatch, checkpoints that step and raises
     TimeLimitReached (run it again to resume); None: no limit.
     Writes in workdir: config.json (the config resolved with the task, config.resolve_config: every task option,
-    model.vocab_size and max_len filled in), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/,
+    model.vocab_size and max_len filled in), corpus.json (lm: its corpus' fingerprint, checked on resuming; see
+    jaxpe.train.workdir.check_same_corpus), metrics.jsonl, tb/ (TensorBoard, see MetricsLog), checkpoints/,
     result.json, result.md, result.png; only process 0 writes files (checkpoints are saved by every process together).
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
@@ -89,6 +90,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
             check_same_run(workdir, config, task)  # again under the lock: a run that ended just before may have written
             if is_main:
                 write_json(workdir / "config.json", to_dict(config))
+                write_corpus(workdir, task)
         trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
                           seeds=None if len(configs) == 1 else tuple(seeds))
         return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
@@ -301,7 +303,8 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
     (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
     chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
-    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits.
+    `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits. A ValueError when the
+    run's corpus changed since it began (jaxpe.train.workdir.check_same_corpus): Run.task would be other data.
     """
     workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
@@ -313,6 +316,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
+    check_same_corpus(workdir, task)  # the task rebuilt on a changed corpus is other data than the run's
     config = resolve_config(config, task)
     trainer = Trainer(model=model, config=config, seq_len=task.seq_len)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
@@ -340,7 +344,7 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
     `progress`: a tqdm bar (stderr, process 0) over the evaluated sequences; None: as the run's run.progress.
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
     workdir = pathlib.Path(workdir).absolute()
-    run = restore_run(workdir, step)
+    run = restore_run(workdir, step)  # on the run's own corpus (check_same_corpus), so eval.json scores its data
     eval_splits = run.task.eval_splits()
     show = run.config.run.progress if progress is None else progress
     bar = None
@@ -373,8 +377,9 @@ def compare_encodings(
     seeds_together: bool = True, time_limit: float | None = None,
 ) -> dict[str, Any]:
     """Trains every (config, seed) in workdir/<pe>/seed<seed> and writes one comparison: compare.json,
-    compare.md and compare.png (mean ± std over seeds). Each run resumes from its own checkpoints; one that
-    finished with the same config is read back from its result.json, so a rerun or a wider sweep redoes nothing.
+    compare.md and compare.png (each encoding's mean over seeds and its 95 % interval, tables.summarize_seeds). Each
+    run resumes from its own checkpoints; one that finished with the same config is read back from its result.json,
+    so a rerun or a wider sweep redoes nothing.
 
     configs: one per encoding (same task), e.g. build_config(preset=..., pe=pe) for each pe.
     seeds_together: an encoding's unfinished seeds that stand at the same checkpoint train as one program
@@ -401,6 +406,7 @@ def compare_encodings(
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
+            check_same_corpus(run_dir, task)  # a finished run on another corpus is not reused either
             finished = _finished_result(run_dir, run_config, task)
             if finished is None:
                 check_same_run(run_dir, run_config, task)
@@ -461,8 +467,8 @@ def write_comparison(directory: str | pathlib.Path, comparison: Mapping[str, Any
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / "compare.json", comparison)
-    (directory / "compare.md").write_text(
-        f"# {comparison['task']}: {comparison['metric']}, lower is better\n\n{comparison_markdown(comparison)}")
+    heading = comparison_heading(comparison["task"], comparison["metric"], comparison["seeds"])
+    (directory / "compare.md").write_text(f"# {heading}\n\n{comparison_markdown(comparison)}")
     plots.result_bars(comparison["rows"], metric=comparison["metric"], splits=comparison["splits"],
                       path=directory / "compare.png")
 

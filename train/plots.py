@@ -200,18 +200,20 @@ def benchmark_curves(
 
 
 def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None = None) -> Figure:
-    """One panel per setting of `jaxpe.train.curves.collect`'s data: the evaluation error (%) against steps, one
-    colour per encoding (its seeds alike), the plateau split solid with each run's plateau marked, the others dashed;
-    a split evaluated only once (at the end) is left out."""
+    """One panel per setting of `jaxpe.train.curves.collect`'s data: the setting's metric (error rates in %) against
+    steps, one colour per encoding (its seeds alike), the plateau split solid with each run's plateau marked, the
+    others dashed; a split evaluated only once (at the end) is left out."""
     settings = data["settings"]
     if not settings:
         raise ValueError("no runs to plot")
     ncols = min(len(settings), 3)
     nrows = -(-len(settings) // ncols)
     fig, axes = _figure(5.5 * ncols, 4, ncols=ncols, nrows=nrows)
-    metric, main = data["metric"], data["split"]
+    main = data["split"]
     pes = sorted({pe for pes in settings.values() for pe in pes})
     for ax, (setting, by_pe) in zip(axes, settings.items()):
+        metric = data["metrics"][setting]
+        scale = metric_scale(metric)
         for pe, seeds in by_pe.items():
             colour = f"C{pes.index(pe) % 10}"
             for number, (seed, curve) in enumerate(seeds.items()):
@@ -219,13 +221,13 @@ def learning_curves(data: Mapping[str, Any], *, path: str | pathlib.Path | None 
                     if len(points["steps"]) < 2:  # evaluated at the end only (the final evaluation's extra splits)
                         continue
                     first = number == 0
-                    ax.plot(points["steps"], [100 * e for e in points[metric]], color=colour,
+                    ax.plot(points["steps"], [scale * e for e in points[metric]], color=colour,
                             linestyle="-" if split == main else "--", linewidth=1.0, alpha=0.8,
                             label=f"{pe} {split}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
                             if first else None)
                 if curve["plateau"] is not None:
                     p = curve["plateau"]
-                    ax.plot([p["step"]], [100 * p["error"]], marker="o", color=colour)
+                    ax.plot([p["step"]], [scale * p["error"]], marker="o", color=colour)
         ax.set_title(setting)
         ax.set_xlabel("step")
         ax.set_ylabel(metric_label(metric))

@@ -35,7 +35,8 @@ def merge_into(directory: str | pathlib.Path, paths: Sequence[str | pathlib.Path
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="One Markdown table from several jaxpe-compare results.")
     parser.add_argument("paths", nargs="+", help="jaxpe-compare workdirs or compare.json files")
-    parser.add_argument("--splits", default="", help="comma-separated splits to show (default: all)")
+    parser.add_argument("--splits", default="",
+                        help="comma-separated splits to show, each one the comparisons have (default: all)")
     parser.add_argument("--labels", default="", help="comma-separated column labels (default: directory names)")
     parser.add_argument("--merge-into", metavar="DIR", help="merge the comparisons into DIR's instead of printing")
     args = parser.parse_args(argv)

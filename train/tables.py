@@ -21,6 +21,7 @@ import numpy as np
 from jaxpe.train.tasks import task_config_class
 
 PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
+INTERVAL = "95 % interval: seed spread + evaluation-set binomial error"  # the [low, high] after a mean (interval95)
 
 
 def metric_scale(metric: str) -> float:
@@ -31,6 +32,12 @@ def metric_scale(metric: str) -> float:
 def metric_label(metric: str) -> str:
     """The metric's name with the unit it is shown in: "token_error (%)", "bits_per_byte"."""
     return f"{metric} (%)" if metric in PERCENT_METRICS else metric
+
+
+def comparison_heading(task: str, metric: str, seeds: Sequence[int]) -> str:
+    """The line above a comparison's table (jaxpe-compare, compare.md): task, metric and unit, and what a cell is."""
+    return (f"{task}: {metric_label(metric)}, lower is better; each cell: mean over seeds {','.join(map(str, seeds))} "
+            f"[{INTERVAL}]")
 
 
 def interval95(values: Sequence[float], samples: int | None, *, rate: bool) -> tuple[float, float] | None:
@@ -168,8 +175,13 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
                      labels: Sequence[str] = ()) -> str:
     """Markdown: one row per encoding, one column per (comparison, split); errors in %, bits per byte as is,
     mean over seeds [95 % interval], a column's best mean in bold only when its interval overlaps no other. `splits`
-    narrows the columns (default: every split); `labels` names the comparisons (default: their directory names)."""
+    narrows the columns (default: every split; a split no comparison has is a ValueError listing those they have);
+    `labels` names the comparisons (default: their directory names)."""
     comparisons = [load_comparison(p) for p in paths]
+    known = list(dict.fromkeys(split for c in comparisons for split in c["splits"]))
+    unknown = [split for split in splits if split not in known]
+    if unknown:
+        raise ValueError(f"splits: unknown split(s) {', '.join(unknown)}; these comparisons have {', '.join(known)}")
     for c in comparisons:  # intervals from the per-seed runs, so older compare.json files get them too
         c["rows"] = summarize_seeds(c["runs"]) if c.get("runs") else c["rows"]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
@@ -190,5 +202,5 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
     seeds = sorted({str(c.get("seeds", "")) for c in comparisons})
     unit = "errors in %" if set(metrics) <= set(PERCENT_METRICS) else "errors in %, bits per byte as is"
     return ("\n".join(lines) + f"\n\nmetric: {', '.join(metrics)} ({unit}; lower is better), mean over seeds "
-            f"[95 % interval: seed spread + evaluation-set binomial error]; bold: the best interval overlaps no other; "
+            f"[{INTERVAL}]; bold: the best interval overlaps no other; "
             f"seeds: {', '.join(seeds)}\n")

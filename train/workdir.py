@@ -8,7 +8,8 @@ saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or 
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
 saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
 filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
-unresolved.
+unresolved. A task read from outside data (lm's corpus: `Task.corpus`) leaves its fingerprint in `corpus.json`
+(`write_corpus`), and `check_same_corpus` refuses to resume, reuse or read back the run once that data changed.
 `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", 
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
+CORPUS_NAME = "corpus.json"  # the run's Task.corpus, for tasks that have one (write_corpus, check_same_corpus)
 
 
 class WorkdirBusyError(RuntimeError):
@@ -125,6 +127,30 @@ def config_differences(saved: TrainConfig, new: TrainConfig, task: Task) -> list
     return [f"{k}: {old.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in changed]
 
 
+def write_corpus(workdir: pathlib.Path, task: Task) -> None:
+    """Saves the task's `corpus` (source and fingerprint of its data) in workdir/corpus.json; nothing for a task
+    without one (its data is generated from its options)."""
+    corpus = getattr(task, "corpus", None)
+    if corpus is not None:
+        write_json(workdir / CORPUS_NAME, corpus)
+
+
+def check_same_corpus(workdir: pathlib.Path, task: Task) -> None:
+    """ValueError when workdir/corpus.json holds another fingerprint than `task.corpus`'s: the run's data (its
+    source's documents, their names or sizes) changed since the run began. A task without `corpus`, or a run that
+    saved none (written before runs did), passes."""
+    corpus, path = getattr(task, "corpus", None), workdir / CORPUS_NAME
+    if corpus is None or not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    if saved.get("fingerprint") != corpus["fingerprint"]:
+        raise ValueError(
+            f"the corpus of the run in {str(workdir)!r} changed: task.source={corpus['source']!r} now gives "
+            f"fingerprint {corpus['fingerprint'][:12]} ({corpus['bytes']} bytes), the run began on "
+            f"{str(saved.get('fingerprint'))[:12]} ({saved.get('bytes')} bytes; fingerprints hash the documents' "
+            f"names and sizes, {CORPUS_NAME}); restore that corpus to resume the run, or use a new workdir")
+
+
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     """The steps of the checkpoint directories in workdir/checkpoints (readable or not), ascending."""
     directory = workdir / "checkpoints"
@@ -143,8 +169,9 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
     """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
     resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
     config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
-    checkpointing (run.checkpoint_every=0) would leave behind. The saved config is read back
-    first, so that a field added since it was written (with its default) is no difference."""
+    checkpointing (run.checkpoint_every=0) would leave behind, or a run on a corpus that changed since
+    (check_same_corpus). The saved config is read back first, so that a field added since it was written (with its
+    default) is no difference."""
     check_workdir(workdir)
     path = workdir / "config.json"
     if not path.is_file():
@@ -157,6 +184,7 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
     if differences:
         raise ValueError(f"workdir {str(workdir)!r} holds a run with another config ({', '.join(differences)}); "
                          "use a new workdir, or the saved config (--config <workdir>/config.json) to resume it")
+    check_same_corpus(workdir, task)
     steps = checkpoint_steps(workdir)
     if steps and not config.run.checkpoint_every:
         raise ValueError(f"workdir {str(workdir)!r} holds checkpoints (up to step {steps[-1]}) that "

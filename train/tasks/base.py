@@ -55,7 +55,9 @@ class Split:
 
 @runtime_checkable
 class Task(Protocol):
-    """What the training loop needs from a task."""
+    """What the training loop needs from a task. A task whose data is read from outside (lm's corpus) may also have
+    `corpus`, a JSON dict with its "source" and a "fingerprint" of the data: a run saves it and refuses to go on
+    when the fingerprint changed (jaxpe.train.workdir.check_same_corpus)."""
 
     name: str
     vocab_size: int

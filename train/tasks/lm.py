@@ -11,7 +11,8 @@ Tokens are bytes (vocab 256). Sources (`source` option):
 
 A file (or a dataset row) is a document. The corpus is capped at `max_bytes`:
 documents are taken in a fixed pseudo-random order (a hash of the name) while
-they fit. `fingerprint` is the sha256 of the sorted document names and sizes.
+they fit. `fingerprint` is the sha256 of the sorted document names and sizes; `corpus` (source, fingerprint, bytes)
+is saved with a run (jaxpe.train.workdir) so that a run is not resumed on another corpus.
 Splits (`split_by`), a dataset's own validation/test splits used when it has them:
 - `"document"`: each document goes wholly to train, valid or test by a hash of
   its name, so its split never depends on which other documents are present;
@@ -99,10 +100,10 @@ class LMConfig:
         check_probability("valid_fraction", self.valid_fraction)
         check_probability("test_fraction", self.test_fraction)
         if self.valid_fraction + self.test_fraction >= 1:
-            raise ValueError(f"valid_fraction + test_fraction = {self.valid_fraction + self.test_fraction} "
-                             "must be < 1")
-        for m in self.eval_multiples:
-            check_int("eval_multiples entry", m, 2)
+            raise ValueError(f"valid_fraction={self.valid_fraction} + test_fraction={self.test_fraction} = "
+                             f"{self.valid_fraction + self.test_fraction} must be < 1")
+        for index, m in enumerate(self.eval_multiples):
+            check_int(f"eval_multiples[{index}]", m, 2)
         check_int("eval_bytes", self.eval_bytes, 1)
         if self.split_by not in SPLIT_BY:
             raise ValueError(f"split_by={self.split_by!r} must be one of {', '.join(SPLIT_BY)}")
@@ -306,6 +307,13 @@ class LMTask:
             self.bounds[split] = np.cumsum([0, *sizes], dtype=np.int64)
             if not (np.diff(self.bounds[split]) >= 2).any():  # no byte to predict from one before it
                 raise ValueError(self._too_short(split, len(docs[split])))
+
+    @property
+    def corpus(self) -> dict[str, object]:
+        """What identifies the corpus: {"source", "fingerprint", "bytes"} (JSON values; bytes over every split)."""
+        source = self.config.source
+        return {"source": str(source) if isinstance(source, (str, os.PathLike)) else [str(s) for s in source],
+                "fingerprint": self.fingerprint, "bytes": sum(int(s.size) for s in self.streams.values())}
 
     def _too_short(self, split: str, count: int) -> str:
         """Why `split` holds nothing to predict, and the settings that fix it."""
