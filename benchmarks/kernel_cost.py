@@ -836,7 +836,7 @@ def compile_sass(job: Job, tools: Tools, *, timeout: float = 1800.0,
     """The path's Triton compiler -> PTX (the compile report's `triton_to_ptx`), `ptxas -v -arch=sm_90a` -> cubin,
     nvdisasm -> SASS text; with ptxas's registers and spills and Triton's shared memory. Raises RuntimeError on any
     failure."""
-    compiled = cr.triton_to_ptx(cr.COMPILE_FLAGS[job.path], job.ir, job.num_warps, job.num_stages, timeout=timeout,
+    compiled = cr.triton_to_ptx(cr.PATH_COMPILERS[job.path], job.ir, job.num_warps, job.num_stages, timeout=timeout,
                                 processes=cr._Processes())
     if "error" in compiled:
         raise RuntimeError(compiled["error"])

@@ -20,7 +20,8 @@ How, pallas (no GPU needed): each op and its gradient are lowered for CUDA
 num_warps, num_stages). XLA's own Triton compiler, shipped in the CUDA plugin of jax (`jax-cuda13-plugin`, the
 version of the installed jaxlib), turns it into PTX for compute capability 9.0 (`.target sm_90a`) and gives the
 shared memory; `ptxas -v --gpu-name=sm_90a` (from the `nvidia-cuda-nvcc` wheel) gives registers and spills. A bad
-setting can abort the Triton compiler, so each kernel compiles in its own subprocess. Shared memory over the limit
+setting can abort the Triton compiler, so kernels compile in subprocesses (each compiles one kernel after another,
+and a crash ends only the kernel it was compiling). Shared memory over the limit
 compiles without complaint; the report checks it against SMEM_LIMIT_BYTES itself. ptxas needs minutes and GBs on
 Co-RoPE's megabytes of PTX: it is skipped over --max-ptx-mib and capped at --ptxas-memory-gib (the row says so).
 Works with jax 0.10 only: from 0.11 on, jax's CUDA plugin no longer hands XLA's Triton compiler to Python.
@@ -43,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -57,6 +60,7 @@ import json
 import os
 import pathlib
 import platform
+import queue
 import re
 import shlex
 import signal
@@ -95,7 +99,7 @@ LENGTH = 1024
 MAX_PTX_MIB = 12.0
 PTXAS_MEMORY_GIB = 8.0
 _RESULT_PREFIX = "@@compile_report "
-SCRIPT = pathlib.Path(__file__).resolve()  # the compile subprocesses run this file again, with --compile-one
+SCRIPT = pathlib.Path(__file__).resolve()  # the compile subprocesses run this file again, with --serve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,7 +430,7 @@ def _recorded_launches() -> Iterator[list[dict[str, Any]]]:
 def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any]) -> str:
     """What Triton compiles for one launch, as jax-triton 0.3 (`get_or_create_triton_kernel`) builds it: every
     parameter's type from jax-triton's `get_triton_type`, scalars equal to 1 and the constexprs as constexprs, array
-    pointers 16-byte aligned; JSON for `--compile-triton`."""
+    pointers 16-byte aligned; JSON for the compile subprocess (COMPILERS["triton"])."""
     from jax_triton.triton_lib import get_triton_type
 
     fn = getattr(kernel, "fn", kernel)  # the Python function of the @triton.jit kernel
@@ -497,23 +501,32 @@ class _Processes:
         self._lock = threading.Lock()
         self.stopping = False
 
-    def run(self, command: list[str], timeout: float | None, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
-        """subprocess.run, tracked; raises subprocess.TimeoutExpired after killing the process."""
+    @contextlib.contextmanager
+    def tracked(self, process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+        """`process` killed by `kill_all` while the block runs (killed at once, and KeyboardInterrupt, if already
+        stopping)."""
         with self._lock:
             if self.stopping:
+                process.kill()
                 raise KeyboardInterrupt
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             self._live.add(process)
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise
+            yield process
         finally:
             with self._lock:
                 self._live.discard(process)
+
+    def run(self, command: list[str], timeout: float | None, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """subprocess.run, tracked; raises subprocess.TimeoutExpired after killing the process."""
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        with self.tracked(process):
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise
         return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
     def kill_all(self) -> None:
@@ -568,51 +581,142 @@ def _run_ptxas(ptxas: str, ptx: bytes, *, timeout: float | None, memory_gib: flo
     return result
 
 
-COMPILE_FLAGS = {"pallas": "--compile-one", "triton": "--compile-triton"}  # the compile subprocess's, per path
+COMPILERS = ("xla", "triton")  # XLA's Triton compiler (Pallas' Triton IR) and Triton's own (recorded launches)
+PATH_COMPILERS = {"pallas": "xla", "triton": "triton"}
 
 
 def _compile_input(kernel: Kernel | TritonLaunch) -> tuple[str, bytes]:
-    """The compile subprocess's flag and input: the Triton MLIR bytecode (pallas) or the launch's spec (triton)."""
-    return COMPILE_FLAGS[kernel.path], kernel.spec.encode() if isinstance(kernel, TritonLaunch) else kernel.ir
+    """The kernel's compiler (COMPILERS) and its input: the Triton MLIR bytecode (pallas) or the launch's spec
+    (triton)."""
+    return PATH_COMPILERS[kernel.path], kernel.spec.encode() if isinstance(kernel, TritonLaunch) else kernel.ir
 
 
 def _to_ptx(kernel: Kernel | TritonLaunch, *, timeout: float | None, processes: _Processes) -> dict[str, Any]:
     """The path's Triton compiler in a subprocess (a bad setting aborts the compiler): {ptx, smem_bytes, seconds}
     or {error}."""
-    flag, source = _compile_input(kernel)
-    return triton_to_ptx(flag, source, kernel.num_warps, kernel.num_stages, timeout=timeout, processes=processes)
+    compiler, source = _compile_input(kernel)
+    return triton_to_ptx(compiler, source, kernel.num_warps, kernel.num_stages, timeout=timeout, processes=processes)
 
 
+class _Compiler:
+    """A compile subprocess that stays up (this script with --serve): one request a line on its stdin, one result a
+    line on its stdout. Starting Python with jax and Triton costs about a second, as much as compiling many a
+    kernel; a crash or a timeout ends the subprocess (the request gets the error), and the next request starts
+    another."""
+
+    REQUESTS = 40  # then a fresh subprocess, so that what the compilers keep between kernels stays small
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0"))
+        self.served = 0
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=20)
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._stderr.extend, args=(self.process.stderr,), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def compile(self, request: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """{smem_bytes, seconds} or {error} of one request (`_serve`'s)."""
+        self.served += 1
+        self._stderr.clear()  # what an error shows: this request's
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except OSError:
+            return self._ended()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.process.kill()
+                return {"error": f"Triton compile timed out after {timeout} s"}
+            if line is None:
+                return self._ended()
+            if _RESULT_PREFIX in line:  # after whatever the compilers wrote to the same line, if anything
+                return json.loads(line.split(_RESULT_PREFIX, 1)[1])
+
+    def _ended(self) -> dict[str, Any]:
+        status = self.process.wait()
+        return {"error": f"Triton compile exited {status}: {_tail(''.join(self._stderr))}"}
+
+    def usable(self) -> bool:
+        return self.process.poll() is None and self.served < self.REQUESTS
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+class _Compilers:
+    """This process's idle compile subprocesses: one per thread compiling at a time, closed when Python exits."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Compiler] = []
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def compile(self, request: dict[str, Any], *, timeout: float | None, processes: _Processes) -> dict[str, Any]:
+        """`_Compiler.compile` in an idle subprocess (or a new one), tracked by `processes` while it compiles."""
+        with self._lock:
+            compiler = self._idle.pop() if self._idle else None
+        if compiler is None:
+            compiler = _Compiler()
+        try:
+            with processes.tracked(compiler.process):
+                result = compiler.compile(request, timeout)
+        except BaseException:
+            compiler.close()
+            raise
+        if compiler.usable():
+            with self._lock:
+                self._idle.append(compiler)
+        else:
+            compiler.close()
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for compiler in idle:
+            compiler.close()
+
+
+_COMPILERS = _Compilers()
 # Triton -> PTX results of this process, by compiler, input and settings: the report and the cost model
 # (benchmarks/kernel_cost.py) compile many of the same kernels, in CI in one process.
 _PTX = _Once()
 
 
-def triton_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
+def triton_to_ptx(compiler: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
                   processes: _Processes) -> dict[str, Any]:
-    """`flag` (COMPILE_FLAGS) on `source` in a subprocess of this script: {ptx, smem_bytes, seconds} or {error};
-    once per process for the same flag, source and settings."""
-    key = hashlib.sha256(b"\0".join([flag.encode(), source, f"{num_warps}/{num_stages}".encode()])).hexdigest()
-    return _PTX.get(key, lambda: _compiled_to_ptx(flag, source, num_warps, num_stages, timeout=timeout,
+    """`compiler` (COMPILERS) on `source` in a compile subprocess: {ptx, smem_bytes, seconds} or {error}; once per
+    process for the same compiler, source and settings."""
+    key = hashlib.sha256(b"\0".join([compiler.encode(), source, f"{num_warps}/{num_stages}".encode()])).hexdigest()
+    return _PTX.get(key, lambda: _compiled_to_ptx(compiler, source, num_warps, num_stages, timeout=timeout,
                                                   processes=processes))
 
 
-def _compiled_to_ptx(flag: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
+def _compiled_to_ptx(compiler: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
                      processes: _Processes) -> dict[str, Any]:
     """`triton_to_ptx`, uncached."""
     with tempfile.TemporaryDirectory(prefix="jaxpe-compile-") as tmp:
         source_path, ptx_path = pathlib.Path(tmp, "kernel.in"), pathlib.Path(tmp, "kernel.ptx")
         source_path.write_bytes(source)
-        command = [sys.executable, str(SCRIPT), flag, str(source_path), str(ptx_path),
-                   "--num-warps", str(num_warps), "--num-stages", str(num_stages)]
-        try:
-            out = processes.run(command, timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="0"))
-        except subprocess.TimeoutExpired:
-            return {"error": f"Triton compile timed out after {timeout} s"}
-        results = [line for line in out.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-        if out.returncode != 0 or not results:
-            return {"error": f"Triton compile exited {out.returncode}: {_tail(out.stderr + out.stdout)}"}
-        return {**json.loads(results[-1][len(_RESULT_PREFIX):]), "ptx": ptx_path.read_bytes()}
+        result = _COMPILERS.compile({"compiler": compiler, "input": str(source_path), "ptx": str(ptx_path),
+                                     "num_warps": num_warps, "num_stages": num_stages},
+                                    timeout=timeout, processes=processes)
+        return result if "error" in result else {**result, "ptx": ptx_path.read_bytes()}
 
 
 def compile_kernel(kernel: Kernel | TritonLaunch, toolchain: Toolchain, *, timeout: float | None = 1800.0,
@@ -643,20 +747,21 @@ def compile_kernel(kernel: Kernel | TritonLaunch, toolchain: Toolchain, *, timeo
     return _row(kernel, **from_triton, **from_ptxas)
 
 
-def _compile_one(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
-    """Subprocess side: XLA's Triton compiler (registered by the CUDA plugin when jax starts its backends)."""
+def _compile_xla(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -> dict[str, Any]:
+    """Subprocess side: XLA's Triton compiler (registered by the CUDA plugin when jax starts its backends) on Triton
+    MLIR bytecode; the PTX written to ptx_path."""
     jax.config.update("jax_platforms", "cpu")
     jax.devices()  # loads the plugin, which registers its Triton compiler
     from jax._src.lib import triton  # the only way in: jax has no public API for XLA's Triton compiler
 
     if not triton.has_compilation_handler("cuda"):
-        sys.exit("jax's CUDA plugin did not register a Triton compiler (is it the version of jaxlib?)")
+        raise RuntimeError("jax's CUDA plugin did not register a Triton compiler (is it the version of jaxlib?)")
     start = time.perf_counter()
     result = triton.compile("cuda", pathlib.Path(ir_path).read_bytes(), TRITON_ARCH, num_warps=num_warps,
                             num_ctas=1, num_stages=num_stages)
     seconds = time.perf_counter() - start
     pathlib.Path(ptx_path).write_text(result.asm)
-    print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(result.smem_bytes), "seconds": seconds}), flush=True)
+    return {"smem_bytes": int(result.smem_bytes), "seconds": seconds}
 
 
 def compile_triton_spec(spec: Mapping[str, Any], *, num_warps: int, num_stages: int, cache_dir: str | os.PathLike):
@@ -674,7 +779,7 @@ def compile_triton_spec(spec: Mapping[str, Any], *, num_warps: int, num_stages: 
         "num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1, "enable_fp_fusion": True})
 
 
-def _compile_triton_one(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> None:
+def _compile_triton(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> dict[str, Any]:
     """Subprocess side: `compile_triton_spec` on a spec file, its PTX written to ptx_path."""
     spec = json.loads(pathlib.Path(spec_path).read_text())
     start = time.perf_counter()
@@ -682,7 +787,21 @@ def _compile_triton_one(spec_path: str, ptx_path: str, num_warps: int, num_stage
                                    cache_dir=pathlib.Path(ptx_path).parent / "triton-cache")
     seconds = time.perf_counter() - start
     pathlib.Path(ptx_path).write_text(compiled.asm["ptx"])
-    print(_RESULT_PREFIX + json.dumps({"smem_bytes": int(compiled.metadata.shared), "seconds": seconds}), flush=True)
+    return {"smem_bytes": int(compiled.metadata.shared), "seconds": seconds}
+
+
+def _serve() -> None:
+    """Subprocess side of `_Compiler`: for each request line on stdin, its compiler's result (or the error it
+    raised) as one line on stdout; ends at the end of stdin."""
+    compile_with = {"xla": _compile_xla, "triton": _compile_triton}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            result = compile_with[request["compiler"]](request["input"], request["ptx"], request["num_warps"],
+                                                       request["num_stages"])
+        except Exception as e:  # noqa: BLE001  a kernel the compiler refuses is a result, not the end of the server
+            result = {"error": f"Triton compile failed: {type(e).__name__}: {_tail(str(e))}"}
+        print(_RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 def compile_cases(cases: Iterable[Case], toolchain: Toolchain, *, paths: Sequence[str] = PATHS, jobs: int = 1,
@@ -912,12 +1031,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="file stem (default: sm90a for the full grid, sm90a-quick, sm90a-subset)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--ptx-dir", type=pathlib.Path, help="also keep each kernel's PTX there")
-    parser.add_argument("--compile-one", nargs=2, metavar=("IR", "PTX"), help=argparse.SUPPRESS)
-    parser.add_argument("--compile-triton", nargs=2, metavar=("SPEC", "PTX"), help=argparse.SUPPRESS)
-    parser.add_argument("--num-warps", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--num-stages", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a compile subprocess (_Compiler)
     args = parser.parse_args(argv)
-    if args.out is None and not (args.no_write or args.compile_one or args.compile_triton):
+    if args.out is None and not (args.no_write or args.serve):
         parser.error("--out DIR is required (or --no-write to print the table only)")
     args.name = grid_name(parser, args, "sm90a", full=args.length == LENGTH)
     return args
@@ -936,11 +1052,8 @@ def show_and_write(data: dict[str, Any], text: str, out: pathlib.Path | None, na
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.compile_one:
-        _compile_one(*args.compile_one, num_warps=args.num_warps, num_stages=args.num_stages)
-        return 0
-    if args.compile_triton:
-        _compile_triton_one(*args.compile_triton, num_warps=args.num_warps, num_stages=args.num_stages)
+    if args.serve:
+        _serve()
         return 0
     try:
         toolchain = find_toolchain(args.ptxas)
