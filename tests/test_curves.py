@@ -121,6 +121,23 @@ def test_several_roots_name_each_setting_by_its_root(tmp_path):
         curves.collect([tmp_path / "lr_c"])
 
 
+def test_a_jaxpe_compare_workdir_is_one_setting_named_by_it(tmp_path):
+    """`python -m jaxpe.train.curves <a jaxpe-compare --workdir>`: its <pe>/seed<k> runs are one setting, the
+    workdir's name, beside a root of settings."""
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5), (200, 0.25)])
+    _write_run(tmp_path, "counting_3var", "relative", 1, [(100, 0.4)])
+    _write_run(tmp_path / "sweep", "counting_5var", "cope", 0, [(100, 0.6)])
+    data = curves.collect(tmp_path / "counting_3var")
+    assert {pe: sorted(seeds) for pe, seeds in data["settings"]["counting_3var"].items()} == {
+        "cope": ["seed0"], "relative": ["seed1"]}
+    assert data["settings"]["counting_3var"]["cope"]["seed0"]["splits"]["valid"]["seq_error"] == [0.5, 0.25]
+    both = curves.collect([tmp_path / "counting_3var", tmp_path / "sweep"])
+    assert sorted(both["configs"]) == ["counting_3var/cope/seed0", "counting_3var/relative/seed1",
+                                       "sweep/counting_5var/cope/seed0"]
+    assert curves.main([str(tmp_path / "counting_3var"), "--out", str(tmp_path / "out")]) == 0
+    assert "| counting_3var | relative | seed1 |" in (tmp_path / "out" / "curves.md").read_text()
+
+
 def test_window_mean_column(tmp_path):
     _write_run(tmp_path, "counting_5var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.1), (400, 0.3)])
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0

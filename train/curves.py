@@ -4,7 +4,8 @@ and one JSON + one figure for all of them.
   python -m jaxpe.train.curves results/cpu_medium_converged --out results/cpu_medium_converged/curves
 
 reads <root>/<setting>/<pe>/seed<k>/metrics.jsonl (a `jaxpe-compare --workdir <root>/<setting>` layout, as
-results/run_cpu_medium_converged.sh writes it; unfinished runs too) and writes curves.json (every point, the plateau of
+results/run_cpu_medium_converged.sh writes it; unfinished runs too), or a `jaxpe-compare --workdir` itself
+(<pe>/seed<k>/metrics.jsonl, one setting named by the workdir), and writes curves.json (every point, the plateau of
 each run, the runs' configs and environments) and curves.png; several roots side by side name each setting by its
 root (`python -m jaxpe.train.curves runs/lr_a runs/lr_b --out ...`). Each run is read in its task's metric
 (`run_metric`: the task named in its config.json, e.g. seq_error for counting, token_error for flip-flop and
@@ -122,25 +123,32 @@ def run_curve(metrics_path: pathlib.Path, metric: str) -> dict[str, Any]:
     return curve
 
 
-def _pe_and_seed(metrics_path: pathlib.Path) -> tuple[str, str]:
-    """The encoding and seed (k, as written) of <setting>/<pe>/seed<k>/metrics.jsonl."""
-    return metrics_path.parent.parent.name, metrics_path.parent.name.removeprefix("seed")
+def _runs(root: pathlib.Path, several: bool) -> list[tuple[pathlib.Path, str, str, str]]:
+    """(metrics.jsonl, setting, encoding, seed k as written) of every run under `root`: a folder of settings
+    (<setting>/<pe>/seed<k>/metrics.jsonl; with `several` roots a setting is "<root's name>/<setting>") or one
+    jaxpe-compare workdir (<pe>/seed<k>/metrics.jsonl: one setting, the root's name)."""
+    own = [(path, root.resolve().name) for path in sorted(root.glob("*/seed*/metrics.jsonl"))]
+    nested = [(path, f"{root.name}/{path.parents[2].name}" if several else path.parents[2].name)
+              for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))]
+    return [(path, setting, path.parent.parent.name, path.parent.name.removeprefix("seed"))
+            for path, setting in own + nested]
 
 
 def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Sequence[str] = (),
             seeds: Sequence[int] = ()) -> dict[str, Any]:
     """{"settings": {setting: {pe: {"seed<k>": curve}}}, "metrics": {setting: metric}, "metric", "split",
     "configs": {...}, "environments": {...}} of every run under the root(s) (<setting>/<pe>/seed<k>/metrics.jsonl), or
-    of those of `pes` and `seeds` (empty: all). Each curve is `run_curve`'s in its task's metric (`run_metric`), with
+    of those of `pes` and `seeds` (empty: all); a root that is one jaxpe-compare workdir (<pe>/seed<k>/metrics.jsonl)
+    is one setting, named by the root. Each curve is `run_curve`'s in its task's metric (`run_metric`), with
     the run's `wall_seconds`; "metric" is the one metric of every setting, None when they differ. With several roots a
     setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). ValueError when there is no run,
     when an encoding of `pes` or a seed of `seeds` has no run under the roots (naming those they hold), when no run is
     of both, or when a setting's runs trained tasks of different metrics."""
     roots = [pathlib.Path(roots)] if isinstance(roots, (str, pathlib.Path)) else [pathlib.Path(r) for r in roots]
-    every = [(root, path, *_pe_and_seed(path)) for root in roots
-             for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))]
+    every = [run for root in roots for run in _runs(root, len(roots) > 1)]
     if not every:
-        raise ValueError(f"no runs under {', '.join(map(str, roots))} (<setting>/<pe>/seed<k>/metrics.jsonl)")
+        raise ValueError(f"no runs under {', '.join(map(str, roots))} (<setting>/<pe>/seed<k>/metrics.jsonl, or "
+                         f"<pe>/seed<k>/metrics.jsonl of one jaxpe-compare workdir)")
     wanted = {"pes": list(pes), "seeds": [str(seed) for seed in seeds]}
     held = {"pes": sorted({pe for _, _, pe, _ in every}),
             "seeds": sorted({seed for _, _, _, seed in every}, key=lambda seed: (len(seed), seed))}
@@ -149,7 +157,7 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
         if unknown:
             raise ValueError(f"{option}: unknown {what}(s) {', '.join(unknown)}; the roots hold "
                              f"{', '.join(held[option])}")
-    found = [(root, path) for root, path, pe, seed in every
+    found = [(path, setting) for path, setting, pe, seed in every
              if (not pes or pe in wanted["pes"]) and (not seeds or seed in wanted["seeds"])]
     if not found:
         raise ValueError(f"no runs of encodings {wanted['pes']} and seeds {list(seeds)} together under "
@@ -157,10 +165,9 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
     settings: dict[str, dict[str, dict[str, Any]]] = {}
     metrics: dict[str, str] = {}
     configs, environments = {}, {}
-    for root, path in found:
+    for path, setting in found:
         run = path.parent
-        setting, pe, seed = run.parent.parent.name, run.parent.name, run.name
-        setting = f"{root.name}/{setting}" if len(roots) > 1 else setting
+        pe, seed = run.parent.name, run.name
         name = f"{setting}/{pe}/{seed}"
         metric = run_metric(run)
         if metrics.setdefault(setting, metric) != metric:
@@ -239,7 +246,8 @@ def summary(data: Mapping[str, Any], window: tuple[int, int] | None = None) -> s
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
-    parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs")
+    parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs, or "
+                        "jaxpe-compare workdirs (<pe>/seed<k>/metrics.jsonl)")
     parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
     parser.add_argument("--pes", default="",
                         help="only these encodings, each one the roots hold (comma-separated; default all)")
