@@ -190,6 +190,40 @@ def test_recorded_launches_compile_to_what_jax_triton_runs(op, tmp_path):
     assert sorted(smem) == sorted(row.smem_bytes for row in rows)
 
 
+def test_compile_subprocesses_outlive_a_refused_kernel_and_are_replaced_after_a_crash_or_a_timeout(monkeypatch):
+    """The compile subprocesses stay up between kernels: a kernel the compiler refuses is an error row and the same
+    subprocess takes the next; one killed mid-way, or past its timeout, gives its kernel an error and a fresh one
+    takes the next. Errors are not kept: asked again, a kernel compiles again."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(cr, "_COMPILERS", cr._Compilers())
+    compiled = []
+    monkeypatch.setattr(cr, "_compiled_to_ptx", lambda *args, _compile=cr._compiled_to_ptx, **kwargs: (
+        compiled.append(args[1]) or _compile(*args, **kwargs)))
+    processes = cr._Processes()
+    refused = b'{"kernel": "jaxpe.kernels.cope_triton:no_such_kernel"}'
+
+    def compile_(source: bytes, timeout: float = 300.0) -> dict:
+        return cr.triton_to_ptx("triton", source, 4, 1, timeout=timeout, processes=processes)
+
+    def server() -> int:
+        [idle] = cr._COMPILERS._idle
+        return idle.process.pid
+
+    assert "AttributeError" in compile_(refused)["error"] and "no_such_kernel" in compile_(refused)["error"]
+    assert len(compiled) == 2  # the error was not kept
+    first = server()
+    compile_(refused)
+    assert server() == first
+    cr._COMPILERS._idle[0].process.kill()
+    assert "Triton compile exited" in compile_(refused)["error"] and cr._COMPILERS._idle == []
+    assert "AttributeError" in compile_(refused)["error"] and server() != first
+    second = server()
+    assert compile_(refused, timeout=1e-6)["error"] == "Triton compile timed out after 1e-06 s"
+    assert cr._COMPILERS._idle == []
+    assert "AttributeError" in compile_(refused)["error"] and server() not in (first, second)
+    cr._COMPILERS.close()
+
+
 def test_parse_ptxas():
     text = """ptxas info    : Compiling entry function 'cope_backward_dq' for 'sm_90a'
 ptxas info    : Function properties for cope_backward_dq

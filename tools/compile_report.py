@@ -557,6 +557,11 @@ class _Once:
                 future.set_exception(e)
         return future.result()
 
+    def forget(self, key: str) -> None:
+        """The next `get` of `key` computes it again."""
+        with self._lock:
+            self._results.pop(key, None)
+
 
 def _run_ptxas(ptxas: str, ptx: bytes, *, timeout: float | None, memory_gib: float | None,
                processes: _Processes) -> dict[str, Any]:
@@ -636,6 +641,7 @@ class _Compiler:
                 line = self._lines.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.process.kill()
+                self.process.wait()  # ended, not reused
                 return {"error": f"Triton compile timed out after {timeout} s"}
             if line is None:
                 return self._ended()
@@ -703,8 +709,11 @@ def triton_to_ptx(compiler: str, source: bytes, num_warps: int, num_stages: int,
     """`compiler` (COMPILERS) on `source` in a compile subprocess: {ptx, smem_bytes, seconds} or {error}; once per
     process for the same compiler, source and settings."""
     key = hashlib.sha256(b"\0".join([compiler.encode(), source, f"{num_warps}/{num_stages}".encode()])).hexdigest()
-    return _PTX.get(key, lambda: _compiled_to_ptx(compiler, source, num_warps, num_stages, timeout=timeout,
-                                                  processes=processes))
+    result = _PTX.get(key, lambda: _compiled_to_ptx(compiler, source, num_warps, num_stages, timeout=timeout,
+                                                    processes=processes))
+    if "error" in result:  # a timeout or a crash may pass: the next call compiles again
+        _PTX.forget(key)
+    return result
 
 
 def _compiled_to_ptx(compiler: str, source: bytes, num_warps: int, num_stages: int, *, timeout: float | None,
