@@ -406,10 +406,11 @@ def compare_encodings(
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
-            check_same_corpus(run_dir, task)  # a finished run on another corpus is not reused either
             finished = _finished_result(run_dir, run_config, task)
             if finished is None:
-                check_same_run(run_dir, run_config, task)
+                check_same_run(run_dir, run_config, task)  # the corpus too (check_same_corpus)
+            else:
+                check_same_corpus(run_dir, task)  # a finished run on another corpus is not reused either
             runs.append((run_config, run_dir, task, model, finished))
     deadline = None if time_limit is None else time.time() + time_limit
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
