@@ -38,6 +38,12 @@ def positions_depend_on_length(model: Any) -> bool:
     return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _split_members(tree: Any, members: int) -> tuple[Any, ...]:
+    """A tree of [S, ...] leaves -> S trees of [...] leaves (S = members)."""
+    return tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(members))
+
+
 @dataclasses.dataclass
 class Trainer:
     """The jitted step functions, shardings and initial state for one model on one mesh.
@@ -153,9 +159,13 @@ class Trainer:
                             shardings)
 
     def unstack(self, tree: Any) -> list[Any]:
-        """Each member's part of a stacked tree (state, metric sums), in seed order; [tree] without seeds."""
+        """Each member's part of a stacked tree (state, metric sums), in seed order; [tree] without seeds. A tree of
+        device arrays is split by one jitted program (one compilation a tree structure, one dispatch a call), not by
+        an indexing op a leaf and member (a compilation a leaf shape, S × leaves dispatches)."""
         if self.seeds is None:
             return [tree]
+        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
+            return list(_split_members(tree, self.members))
         return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(self.members)]
 
     def stack(self, trees: list[Any]) -> Any:
