@@ -37,12 +37,17 @@ def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array
                dtype: Any = jnp.float32) -> jax.Array:
     """q_pos [B, Lq] or [Lq] -> bias [B|1, H, Lq, Lk] in `dtype` = −slope_h·(i − j), keys at k_pos [B, Lk] (default
     0..Lk−1)."""
+    if not (is_int(k_len, 0) or jax.export.is_symbolic_dim(k_len)):  # a symbolic length under jax.export
+        raise ValueError(f"{k_len=} must be an int >= 0 (the number of keys)")
     q_pos = jnp.asarray(q_pos)
     if q_pos.ndim == 1:
         q_pos = q_pos[None]
     if q_pos.ndim != 2:
         raise ValueError(f"q_pos must have shape [B, Lq] or [Lq], got q_pos.shape={tuple(q_pos.shape)}")
-    k_pos = jnp.arange(k_len)[None] if k_pos is None else k_pos
+    if k_pos is None:
+        k_pos = jnp.arange(k_len)[None]
+    elif jnp.ndim(k_pos) != 2 or jnp.shape(k_pos)[1] != k_len:
+        raise ValueError(f"k_pos must have shape [B|1, Lk={k_len}], got k_pos.shape={jnp.shape(k_pos)}")
     dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(dtype)  # [B, Lq, Lk]
     return -alibi_slopes(num_heads, dtype)[None, :, None, None] * dist[:, None]
 

@@ -13,6 +13,16 @@ import jax
 import jax.numpy as jnp
 
 
+def check_cache(module: nn.Module, variable: str) -> None:
+    """ValueError, in words, where a decoding call (decode=True) finds no cache: not initialising, the cache variable
+    `variable` absent and the "cache" collection not mutable (flax would raise ScopeCollectionNotFound)."""
+    if module.is_initializing() or module.has_variable("cache", variable) or module.is_mutable_collection("cache"):
+        return
+    raise ValueError("decode=True needs the 'cache' collection: pass it to apply and let apply update it, "
+                     "model.apply({'params': params, 'cache': cache}, ..., decode=True, mutable=['cache']), with "
+                     "the cache from jaxpe.init_cache(model, batch_size, length) or from init(..., decode=True)")
+
+
 def update_cache(module: nn.Module, name: str, new: jax.Array, index: jax.Array) -> jax.Array:
     """Write new [B, Lq, ...] at time `index` into cache variable `name` [B, S, ...]; return the whole cache.
 

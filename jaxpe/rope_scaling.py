@@ -23,6 +23,7 @@ must carry `original_max_position_embeddings`: `hf_rope_options` fills it from a
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -44,7 +45,7 @@ _OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "m
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] | None:
@@ -59,7 +60,9 @@ def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] 
         except (TypeError, ValueError):
             raise ValueError(f"scaling={scaling!r} must be a Hugging Face rope_scaling dict, its (key, value) pairs, "
                              f"or None") from None
-    entries = {key: value for key, value in scaling.items() if value is not None}
+    # NumPy scalars as the Python numbers they hold: checked as such, and a config holding them stays JSON-serialisable
+    entries = {key: value.item() if isinstance(value, np.generic) else value for key, value in scaling.items()
+               if value is not None}
     for key in entries:
         if not isinstance(key, str):
             raise ValueError(f"rope_scaling keys must be strings, got {key!r}")
