@@ -91,7 +91,7 @@ class Attention(nn.Module):
             raise ValueError("decode=True needs causal attention, but this layer has causal=False (bidirectional: "
                              "every token sees the tokens after it, which a decoder has not produced yet)")
         if decode:
-            check_cache(self, "cache_index")
+            check_cache(self)
         deterministic = resolve_deterministic(self.deterministic, deterministic)
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")

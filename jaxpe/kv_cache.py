@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 
 
-def check_cache(module: nn.Module, variable: str) -> None:
-    """ValueError, in words, where a decoding call (decode=True) finds no cache: not initialising, the cache variable
-    `variable` absent and the "cache" collection not mutable (flax would raise ScopeCollectionNotFound)."""
-    if module.is_initializing() or module.has_variable("cache", variable) or module.is_mutable_collection("cache"):
+def check_cache(module: nn.Module) -> None:
+    """ValueError, in words, where a decoding call (decode=True) cannot write its cache: not initialising and the
+    "cache" collection not mutable (flax would raise ScopeCollectionNotFound, or refuse the write to an immutable
+    collection)."""
+    if module.is_initializing() or module.is_mutable_collection("cache"):
         return
-    raise ValueError("decode=True needs the 'cache' collection: pass it to apply and let apply update it, "
+    raise ValueError("decode=True needs the 'cache' collection, mutable: each call writes its keys and values there; "
                      "model.apply({'params': params, 'cache': cache}, ..., decode=True, mutable=['cache']), with "
                      "the cache from jaxpe.init_cache(model, batch_size, length) or from init(..., decode=True)")
 

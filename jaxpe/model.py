@@ -350,8 +350,9 @@ class TransformerLM(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)
+        if decode:
+            check_cache(self)
         if decode and positions is None:
-            check_cache(self, "position")
             initialised = self.has_variable("cache", "position")
             pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
             if initialised:

@@ -192,6 +192,11 @@ def test_a_model_decoding_without_a_cache_says_how_to_make_one(rope_model):
         model.apply({"params": params}, tokens, decode=True)
     with pytest.raises(ValueError, match="decode=True needs the 'cache' collection"):
         model.apply({"params": params}, tokens, decode=True, positions=jnp.zeros((1, 1), jnp.int32))
+    cache = jaxpe.init_cache(model, 1, 4)
+    with pytest.raises(ValueError, match="decode=True needs the 'cache' collection, mutable"):
+        model.apply({"params": params, "cache": cache}, tokens, decode=True)
+    logits, _ = model.apply({"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"])
+    np.testing.assert_allclose(logits, model.apply({"params": params}, tokens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sizes, message", [
