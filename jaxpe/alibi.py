@@ -19,7 +19,7 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import is_int
+from jaxpe.validation import check_float_dtype, is_int
 
 
 def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
@@ -27,6 +27,9 @@ def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
     H − H' first odd-indexed slopes 2^(−8h/(2H')), h = 1, 3, 5, ... of 2H' heads (see the module docstring)."""
     if not is_int(num_heads, 1):
         raise ValueError(f"{num_heads=} must be a positive int")
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)  # an integer dtype would round every slope (all < 1) to 0
     low = 1 << (int(num_heads).bit_length() - 1)  # H', the largest power of two <= H
     base = 2.0 ** (-8.0 * np.arange(1, low + 1) / low)
     extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - low), 2) / (2 * low))

@@ -16,13 +16,14 @@ import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.base import compute_dtype, rotary_frequencies
-from jaxpe.validation import check_array, check_finite_number, check_float, check_positive, check_rank, is_int
+from jaxpe.validation import (check_array, check_finite_number, check_float, check_float_dtype, check_positive,
+                              check_rank, is_int)
 
 
 def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0,
                      dtype: Any = jnp.float32) -> jax.Array:
-    """[length, dim] in `dtype` (float32; float64 for float64 inputs): PE[i, 2k] = sin(scale·i·θ^(−2k/dim)),
-    PE[i, 2k+1] = cos(same angle).
+    """[length, dim] in `dtype` (a floating dtype; computed in float32, or float64 for float64, then cast):
+    PE[i, 2k] = sin(scale·i·θ^(−2k/dim)), PE[i, 2k+1] = cos(same angle).
 
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
@@ -31,12 +32,16 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
             raise ValueError(f"{name}={value!r} must be a positive int")
     check_positive("theta", theta)
     check_finite_number("scale", scale)
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)
     length, dim = int(length), int(dim)
     half = (dim + 1) // 2
-    freqs = rotary_frequencies(dim, theta, pairs=jnp.arange(half), dtype=dtype)  # [half]: θ^(−2k/dim)
-    angles = scale * jnp.arange(length, dtype=dtype)[:, None] * freqs[None, :]  # [L, half]
+    exact = jnp.promote_types(jnp.float32, dtype)  # 16-bit angles of far positions would be off by whole radians
+    freqs = rotary_frequencies(dim, theta, pairs=jnp.arange(half), dtype=exact)  # [half]: θ^(−2k/dim)
+    angles = scale * jnp.arange(length, dtype=exact)[:, None] * freqs[None, :]  # [L, half]
     table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
-    return table[:, :dim]
+    return table[:, :dim].astype(dtype)
 
 
 def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:

@@ -257,3 +257,21 @@ def test_apply_rope_length_must_be_a_number(length):
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2}
     with pytest.raises(TypeError, match="length="):
         jaxpe.apply_rope(jnp.ones((1, 3, 2, 8)), jnp.arange(3), scaling=dynamic, length=length)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_16_bit_sinusoidal_table_is_the_float32_table_rounded(dtype):
+    """16-bit angles of far positions were off by whole radians (rows wrong by up to 2)."""
+    table = jaxpe.sinusoidal_table(5000, 16, dtype=dtype)
+    want = jaxpe.sinusoidal_table(5000, 16).astype(dtype)
+    assert table.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(table, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("make", [lambda dtype: jaxpe.sinusoidal_table(5, 4, dtype=dtype),
+                                  lambda dtype: jaxpe.alibi_slopes(4, dtype=dtype)], ids=["sinusoidal", "alibi"])
+@pytest.mark.parametrize("dtype", [jnp.int32, None])
+def test_a_table_dtype_must_be_floating(make, dtype):
+    """An integer dtype rounded every ALiBi slope to 0 and was ignored by sinusoidal_table."""
+    with pytest.raises(TypeError, match="dtype=.* must be a floating-point dtype"):
+        make(dtype)
