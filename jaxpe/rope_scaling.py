@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.base import rotary_frequencies
-from jaxpe.validation import check_positive, is_int
+from jaxpe.validation import check_float_dtype, check_positive, is_int
 
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _REQUIRED = {  # keys each type needs besides its type
@@ -122,6 +122,9 @@ def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mappin
     length (max position + 1), read only by "dynamic"; it may be traced. None: the original length (unscaled)."""
     check_rotary_dim(rotary_dim)
     check_positive("theta", theta)
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)  # an integer dtype was ignored (float32 frequencies came back)
     spec = rope_scaling_dict(scaling)
     if spec is None:
         return rotary_frequencies(rotary_dim, theta, dtype=dtype), 1.0

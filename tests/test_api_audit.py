@@ -269,9 +269,11 @@ def test_a_16_bit_sinusoidal_table_is_the_float32_table_rounded(dtype):
 
 
 @pytest.mark.parametrize("make", [lambda dtype: jaxpe.sinusoidal_table(5, 4, dtype=dtype),
-                                  lambda dtype: jaxpe.alibi_slopes(4, dtype=dtype)], ids=["sinusoidal", "alibi"])
+                                  lambda dtype: jaxpe.alibi_slopes(4, dtype=dtype),
+                                  lambda dtype: jaxpe.rope_frequencies(8, dtype=dtype)],
+                         ids=["sinusoidal", "alibi", "rope_frequencies"])
 @pytest.mark.parametrize("dtype", [jnp.int32, None])
 def test_a_table_dtype_must_be_floating(make, dtype):
-    """An integer dtype rounded every ALiBi slope to 0 and was ignored by sinusoidal_table."""
+    """An integer dtype rounded every ALiBi slope to 0 and was ignored by sinusoidal_table and rope_frequencies."""
     with pytest.raises(TypeError, match="dtype=.* must be a floating-point dtype"):
         make(dtype)
