@@ -19,7 +19,7 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import is_int
+from jaxpe.validation import check_float_dtype, is_int
 
 
 def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
@@ -27,6 +27,9 @@ def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
     H − H' first odd-indexed slopes 2^(−8h/(2H')), h = 1, 3, 5, ... of 2H' heads (see the module docstring)."""
     if not is_int(num_heads, 1):
         raise ValueError(f"{num_heads=} must be a positive int")
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)  # an integer dtype would round every slope (all < 1) to 0
     low = 1 << (int(num_heads).bit_length() - 1)  # H', the largest power of two <= H
     base = 2.0 ** (-8.0 * np.arange(1, low + 1) / low)
     extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - low), 2) / (2 * low))
@@ -37,12 +40,17 @@ def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array
                dtype: Any = jnp.float32) -> jax.Array:
     """q_pos [B, Lq] or [Lq] -> bias [B|1, H, Lq, Lk] in `dtype` = −slope_h·(i − j), keys at k_pos [B, Lk] (default
     0..Lk−1)."""
+    if not (is_int(k_len, 0) or jax.export.is_symbolic_dim(k_len)):  # a symbolic length under jax.export
+        raise ValueError(f"{k_len=} must be an int >= 0 (the number of keys)")
     q_pos = jnp.asarray(q_pos)
     if q_pos.ndim == 1:
         q_pos = q_pos[None]
     if q_pos.ndim != 2:
         raise ValueError(f"q_pos must have shape [B, Lq] or [Lq], got q_pos.shape={tuple(q_pos.shape)}")
-    k_pos = jnp.arange(k_len)[None] if k_pos is None else k_pos
+    if k_pos is None:
+        k_pos = jnp.arange(k_len)[None]
+    elif jnp.ndim(k_pos) != 2 or jnp.shape(k_pos)[1] != k_len:
+        raise ValueError(f"k_pos must have shape [B|1, Lk={k_len}], got k_pos.shape={jnp.shape(k_pos)}")
     dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(dtype)  # [B, Lq, Lk]
     return -alibi_slopes(num_heads, dtype)[None, :, None, None] * dist[:, None]
 

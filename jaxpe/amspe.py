@@ -9,6 +9,7 @@ whole blend, as for `sinusoidal` (1.0 adds the tables at their own size).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import ClassVar
 
 import flax.linen as nn
@@ -19,11 +20,17 @@ from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.tables import add_table_rows, sinusoidal_table
-from jaxpe.validation import check_array, check_fraction, check_positive, check_positive_number
+from jaxpe.validation import check_array, check_fraction, check_int, check_positive, check_positive_number
 
 
 def check_detail_level(detail_level: float | jax.Array) -> None:
-    """A concrete detail level must lie in [0, 1] (a traced one is used as given)."""
+    """The detail level is a real scalar (a Python or NumPy number, or a 0-d array; TypeError otherwise); a concrete
+    one must lie in [0, 1] (a traced one is used as given)."""
+    scalar = isinstance(detail_level, numbers.Real) or hasattr(detail_level, "ndim")
+    if isinstance(detail_level, bool) or not scalar:
+        raise TypeError(f"{detail_level=} must be a real number in [0, 1]")
+    if jnp.ndim(detail_level) != 0:
+        raise ValueError(f"detail_level must be a scalar, got shape {jnp.shape(detail_level)}")
     if isinstance(detail_level, jax.core.Tracer):
         return
     if not 0.0 <= float(detail_level) <= 1.0:
@@ -40,9 +47,12 @@ class AMSPE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, detail_level: float = 0.5, *, positions: jax.Array | None = None) -> jax.Array:
+        check_int("d_model", self.d_model, 1)
+        check_int("max_len", self.max_len, 1)
         check_array("x", x, f"B, L, d_model={self.d_model}")
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, L, d_model={self.d_model}], got x.shape={tuple(x.shape)}")
+        check_positive_number("coarse_scale", self.coarse_scale)
         check_positive("amplitude", self.amplitude)
         check_detail_level(detail_level)
         alpha_param = self.param("alpha", partitioned(nn.initializers.zeros, None), (1,), jnp.float32)

@@ -10,15 +10,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.dropout import Dropout
-from jaxpe.kv_cache import update_cache
+from jaxpe.kv_cache import check_cache, update_cache
 from jaxpe.registry import PEConfig, as_pe_config
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding, visibility_mask
-from jaxpe.validation import (check_array, check_bool, check_float_dtype, check_fraction, check_impl, check_int,
-                              check_padding_mask, check_segment_ids, check_window)
+from jaxpe.validation import (check_array, check_bool, check_float, check_float_dtype, check_fraction, check_impl,
+                              check_int, check_padding_mask, check_segment_ids, check_window)
 
 
 class Attention(nn.Module):
@@ -89,14 +90,18 @@ class Attention(nn.Module):
         if decode and not self.causal:
             raise ValueError("decode=True needs causal attention, but this layer has causal=False (bidirectional: "
                              "every token sees the tokens after it, which a decoder has not produced yet)")
+        if decode:
+            check_cache(self)
         deterministic = resolve_deterministic(self.deterministic, deterministic)
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
+        check_float("x", x)
         b, length, d_model = x.shape
         if self.check_inputs:
             if not self.is_initializing():
                 params = self.variables.get("params", {})
                 check_restored_params(params)
+                check_width(params, d_model)
                 self.pe.check_params(params.get("pe", {}), max_len=self.max_len)
             check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         init = nn.initializers.lecun_normal()
@@ -148,17 +153,28 @@ class Attention(nn.Module):
         return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None)
 
 
+def check_width(params: Any, d_model: int) -> None:
+    """ValueError unless the query projection in `params` (boxed or not) maps inputs of width d_model."""
+    kernel = jax.tree.leaves(params.get("query", {}))
+    if kernel and kernel[0].shape[0] != d_model:
+        raise ValueError(f"x has d_model={d_model}, but the layer's parameters were made for "
+                         f"d_model={kernel[0].shape[0]} (their query kernel is {tuple(kernel[0].shape)})")
+
+
 def resolve_deterministic(field: bool | None, call: bool | None) -> bool:
     """Whether dropout is off: the call's `deterministic` when given, else the layer's field, else True. A traced
-    value is a TypeError that says how to pass it under `nn.remat`."""
+    value is a TypeError that says how to pass it under `nn.remat`; anything but a bool (NumPy's and a 0-d bool array
+    too) is a TypeError naming it."""
     deterministic = True if field is None and call is None else (field if call is None else call)
-    try:
-        return bool(deterministic)
-    except jax.errors.TracerBoolConversionError:
+    if isinstance(deterministic, jax.core.Tracer):
         raise TypeError("deterministic is traced (nn.remat/jax.checkpoint trace every argument they do not hold "
                         "static, keyword arguments included): set it as the layer's field, e.g. "
                         "Attention(..., deterministic=False), or pass it positionally and static, "
-                        "nn.remat(Attention, static_argnums=(2,))(...)(x, False)") from None
+                        "nn.remat(Attention, static_argnums=(2,))(...)(x, False)")
+    if not (isinstance(deterministic, (bool, np.bool_)) or getattr(deterministic, "dtype", None) == jnp.bool_
+            and jnp.ndim(deterministic) == 0):
+        raise TypeError(f"deterministic={deterministic!r} must be a bool")
+    return bool(deterministic)
 
 
 def default_positions(positions: jax.Array | None, segment_ids: jax.Array | None, batch: int) -> jax.Array | None:

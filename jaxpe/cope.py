@@ -48,7 +48,7 @@ from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padd
                                     qk_logits, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
 from jaxpe.validation import (check_array, check_attention_mask, check_bool, check_choice,
-                              check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask, check_positive,
+                              check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask,
                               check_pos_emb, check_positive_number, check_qkv, check_sm_scale,
                               open_attention)
 
@@ -66,12 +66,9 @@ def check_talking_heads(talking_heads: jax.Array | None, num_heads: int) -> None
 
 
 def check_soft_onehot_temp(soft_onehot_temp: float | None) -> None:
-    """The soft one-hot temperature is None (linear interpolation) or a float > 0, finite."""
-    if soft_onehot_temp is None:
-        return
-    if isinstance(soft_onehot_temp, bool) or not isinstance(soft_onehot_temp, (int, float)):
-        raise ValueError(f"soft_onehot_temp={soft_onehot_temp!r} must be a float > 0")
-    check_positive("soft_onehot_temp", soft_onehot_temp)
+    """The soft one-hot temperature is None (linear interpolation) or a number > 0, finite (Python's or NumPy's)."""
+    if soft_onehot_temp is not None:
+        check_positive_number("soft_onehot_temp", soft_onehot_temp)
 
 
 def check_dense_impl(impl: str) -> None:
@@ -423,7 +420,9 @@ class CoPECore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
         pos_emb = ctx.pos_emb
-        if pos_emb is None:
+        if pos_emb is not None:  # a table shared by all layers, passed in by the caller
+            check_pos_emb(pos_emb, hq, d)
+        else:
             shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
                 (self.npos, d), ("positions", "head_dim"))
             pos_emb = self.param("pos_emb", partitioned(nn.initializers.normal(0.02), *names), shape,

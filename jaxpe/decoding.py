@@ -9,6 +9,7 @@ B batch, P prompt length, N max_new_tokens, V vocabulary, S cache length (the P 
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any, Iterable
 
 import jax
@@ -27,7 +28,12 @@ def init_cache(model: TransformerLM, batch_size: int, length: int) -> Any:
     """A zeroed decoding cache for `length` tokens (shapes from jax.eval_shape; nothing is computed).
 
     A decoding call that writes past `length` is an error (see `jaxpe.kv_cache.update_cache`)."""
-    tokens = jnp.zeros((batch_size, length), jnp.int32)
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a jaxpe.TransformerLM, got {type(model).__name__}")
+    for name, value, minimum in (("batch_size", batch_size, 0), ("length", length, 1)):
+        if not is_int(value, minimum):
+            raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    tokens = jnp.zeros((int(batch_size), int(length)), jnp.int32)
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True))["cache"]
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -36,9 +42,20 @@ def _is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def _check_real(name: str, value: float | jax.Array) -> None:
+    """TypeError unless `value` is a real number (Python's or NumPy's, not a bool) or an integer or floating-point
+    array (a traced one too)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{name}={value!r} must be a real number")
+
+
 def check_temperature(temperature: float | jax.Array) -> None:
-    """ValueError unless `temperature` is a scalar, and when concrete finite and >= 0 (a traced one is used as
-    given)."""
+    """TypeError unless `temperature` is a real number; ValueError unless it is a scalar, and when concrete finite and
+    >= 0 (a traced one is used as given)."""
+    _check_real("temperature", temperature)
     if jnp.ndim(temperature) != 0:
         raise ValueError(f"temperature must be a scalar, got shape {jnp.shape(temperature)}")
     if _is_traced(temperature):
@@ -56,9 +73,11 @@ def check_top_k(top_k: int | None) -> None:
 
 
 def check_top_p(top_p: float | jax.Array | None) -> None:
-    """ValueError unless `top_p` is None or a scalar, and when concrete in (0, 1] (a traced one is used as given)."""
+    """TypeError unless `top_p` is None or a real number; ValueError unless it is a scalar, and when concrete in
+    (0, 1] (a traced one is used as given)."""
     if top_p is None:
         return
+    _check_real("top_p", top_p)
     if jnp.ndim(top_p) != 0:
         raise ValueError(f"top_p must be a scalar, got shape {jnp.shape(top_p)}")
     if not _is_traced(top_p) and not 0.0 < float(top_p) <= 1.0:

@@ -224,8 +224,8 @@ UNFUSED_KERNELS = {"fox": ("pallas",), "stickbreaking": ("pallas", "triton")}
 def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: int, causal: bool = True) -> str:
     """The implementation `impl` stands for, for an encoding of UNFUSED_BLOCKWISE_MIN_LENGTH: "reference",
     "blockwise" or a fused path of UNFUSED_KERNELS as asked, "auto" by length (above), or "reference" at a symbolic
-    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks, or one
-    asked for bidirectional attention (causal=False), is a ValueError."""
+    length or batch (jax.export: the blockwise tiling needs static sizes); a fused path the encoding lacks, one
+    asked for bidirectional attention (causal=False), or "blockwise" at a symbolic length is a ValueError."""
     check_impl(impl, causal=causal)
     if encoding not in UNFUSED_BLOCKWISE_MIN_LENGTH:
         raise ValueError(f"{encoding=} must be one of {tuple(UNFUSED_BLOCKWISE_MIN_LENGTH)}")
@@ -233,6 +233,10 @@ def resolve_unfused_impl(impl: str, length: int, *, encoding: str, batch_heads: 
         fused = " or ".join(repr(name) for name in UNFUSED_KERNELS[encoding])
         raise ValueError(f"impl={impl!r}: {encoding} has no such fused kernel; use impl='blockwise' (O(L·block) "
                          f"memory), 'reference' (dense), 'auto'{' or ' + fused if fused else ''}")
+    if impl == "blockwise" and not isinstance(length, int):
+        raise ValueError(f"impl='blockwise' of {encoding} needs a static length (its key blocks are sized when "
+                         f"tracing), got the symbolic length L={length} (jax.export); use impl='auto' or "
+                         f"'reference', which export with a symbolic batch and length")
     if impl != "auto":
         return impl
     if not isinstance(length, int) or not isinstance(batch_heads, int):  # symbolic shapes (jax.export)

@@ -13,6 +13,17 @@ import jax
 import jax.numpy as jnp
 
 
+def check_cache(module: nn.Module) -> None:
+    """ValueError, in words, where a decoding call (decode=True) cannot write its cache: not initialising and the
+    "cache" collection not mutable (flax would raise ScopeCollectionNotFound, or refuse the write to an immutable
+    collection)."""
+    if module.is_initializing() or module.is_mutable_collection("cache"):
+        return
+    raise ValueError("decode=True needs the 'cache' collection, mutable: each call writes its keys and values there; "
+                     "model.apply({'params': params, 'cache': cache}, ..., decode=True, mutable=['cache']), with "
+                     "the cache from jaxpe.init_cache(model, batch_size, length) or from init(..., decode=True)")
+
+
 def update_cache(module: nn.Module, name: str, new: jax.Array, index: jax.Array) -> jax.Array:
     """Write new [B, Lq, ...] at time `index` into cache variable `name` [B, S, ...]; return the whole cache.
 

@@ -11,10 +11,12 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.attention import Attention, check_token_inputs, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.dropout import Dropout
+from jaxpe.kv_cache import check_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names
 from jaxpe.sharding import check_restored_params, partitioned
 from jaxpe.softmax_attention import fold_padding
@@ -89,6 +91,7 @@ class ModelConfig:
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         check_fraction("dropout", self.dropout, one=False)
+        object.__setattr__(self, "dropout", float(self.dropout))  # a NumPy float too, kept JSON-serialisable
         for name, choices in (("norm", NORMS), ("mlp", MLPS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
             check_choice(name, getattr(self, name), choices)
         for name in ("prenorm", "tie_embeddings", "causal"):
@@ -187,7 +190,13 @@ def _option_pairs(options: Any) -> tuple[tuple[str, Any], ...]:
     if not isinstance(pairs, (tuple, list)) or not all(
             isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str) for pair in pairs):
         raise ValueError(f"pe_options={options!r} must be a dict of the encoding's options, e.g. {{'npos': 64}}")
-    return tuple((key, tuple(sorted(value.items())) if isinstance(value, Mapping) else value) for key, value in pairs)
+    return tuple((key, tuple(sorted((k, _plain(v)) for k, v in value.items())) if isinstance(value, Mapping) else
+                   _plain(value)) for key, value in pairs)
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (a config stays JSON-serialisable); anything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _norm(config: ModelConfig, name: str) -> nn.Module:
@@ -341,6 +350,8 @@ class TransformerLM(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)
+        if decode:
+            check_cache(self)
         if decode and positions is None:
             initialised = self.has_variable("cache", "position")
             pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))

@@ -38,7 +38,7 @@ from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
 from jaxpe.registry import PEConfig, as_pe_config, position_tables, table_hint
 from jaxpe.sharding import unbox_params
-from jaxpe.validation import is_int
+from jaxpe.validation import check_int, is_int
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
            "embedding", "generate"]
@@ -324,6 +324,11 @@ def embedding(pe: PEConfig | str, *, d_model: int, max_len: int, rngs: nnx.Rngs)
 def core(pe: PEConfig | str, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int, max_len: int = 512,
          impl: str = "auto", rngs: nnx.Rngs) -> AttentionCore:
     """The NNX attention core of encoding `pe` (a config or a name; plain softmax attention for additive ones)."""
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("d_model", d_model), ("max_len", max_len)):
+        check_int(name, value, 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     pe = as_pe_config(pe)
     module = pe.core(head_dim=head_dim, max_len=max_len, impl=impl)
     shared = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)

@@ -124,7 +124,9 @@ def pe_config(name: str, **options: Any) -> PEConfig:
     for option in options:
         if option not in fields:
             raise ValueError(f"unknown option {option!r} for pe={name!r}; valid options: {sorted(fields)}")
-    return cls(**options)
+    # NumPy scalars as the Python numbers they hold, so that the config stays JSON-serialisable
+    return cls(**{option: value.item() if isinstance(value, np.generic) else value
+                  for option, value in options.items()})
 
 
 def as_pe_config(pe: PEConfig | str) -> PEConfig:

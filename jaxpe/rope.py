@@ -9,6 +9,7 @@ interleaved pairs 2d with 2d + 1; pair d turns by position·ω_d, ω_d = θ^(−
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -48,6 +49,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, ro
         positions = positions[None]
     if positions.shape[0] not in (1, x.shape[0]):
         raise ValueError(f"positions batch {positions.shape[0]} must be 1 or match x's batch B={x.shape[0]}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Real) and not (
+            hasattr(length, "dtype") and jnp.ndim(length) == 0 and jnp.issubdtype(length.dtype, jnp.number))):
+        raise TypeError(f"length={length!r} must be None or a number (a scalar, may be traced)")
     spec = rope_scaling_dict(scaling)
     if length is None and spec is not None and spec["rope_type"] == "dynamic":
         length = jnp.max(positions) + 1

@@ -23,6 +23,7 @@ must carry `original_max_position_embeddings`: `hf_rope_options` fills it from a
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.base import rotary_frequencies
-from jaxpe.validation import check_positive, is_int
+from jaxpe.validation import check_float_dtype, check_positive, is_int
 
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _REQUIRED = {  # keys each type needs besides its type
@@ -44,7 +45,7 @@ _OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "m
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] | None:
@@ -59,7 +60,9 @@ def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] 
         except (TypeError, ValueError):
             raise ValueError(f"scaling={scaling!r} must be a Hugging Face rope_scaling dict, its (key, value) pairs, "
                              f"or None") from None
-    entries = {key: value for key, value in scaling.items() if value is not None}
+    # NumPy scalars as the Python numbers they hold: checked as such, and a config holding them stays JSON-serialisable
+    entries = {key: value.item() if isinstance(value, np.generic) else value for key, value in scaling.items()
+               if value is not None}
     for key in entries:
         if not isinstance(key, str):
             raise ValueError(f"rope_scaling keys must be strings, got {key!r}")
@@ -119,6 +122,9 @@ def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0, scaling: Mappin
     length (max position + 1), read only by "dynamic"; it may be traced. None: the original length (unscaled)."""
     check_rotary_dim(rotary_dim)
     check_positive("theta", theta)
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)  # an integer dtype was ignored (float32 frequencies came back)
     spec = rope_scaling_dict(scaling)
     if spec is None:
         return rotary_frequencies(rotary_dim, theta, dtype=dtype), 1.0

@@ -12,16 +12,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpe.attention_core import AttentionContext
 from jaxpe.base import compute_dtype, rotary_frequencies
-from jaxpe.validation import check_positive, is_int
+from jaxpe.validation import (check_array, check_finite_number, check_float, check_float_dtype, check_positive,
+                              check_rank, is_int)
 
 
 def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: float = 1.0,
                      dtype: Any = jnp.float32) -> jax.Array:
-    """[length, dim] in `dtype` (float32; float64 for float64 inputs): PE[i, 2k] = sin(scale·i·θ^(−2k/dim)),
-    PE[i, 2k+1] = cos(same angle).
+    """[length, dim] in `dtype` (a floating dtype; computed in float32, or float64 for float64, then cast):
+    PE[i, 2k] = sin(scale·i·θ^(−2k/dim)), PE[i, 2k+1] = cos(same angle).
 
     Odd `dim` keeps every sine column and drops the last cosine column.
     """
@@ -29,19 +31,25 @@ def sinusoidal_table(length: int, dim: int, *, theta: float = 10000.0, scale: fl
         if not is_int(value, 1):
             raise ValueError(f"{name}={value!r} must be a positive int")
     check_positive("theta", theta)
+    check_finite_number("scale", scale)
+    if dtype is None:
+        raise TypeError("dtype=None must be a floating-point dtype (e.g. jnp.float32)")
+    check_float_dtype("dtype", dtype)
     length, dim = int(length), int(dim)
     half = (dim + 1) // 2
-    freqs = rotary_frequencies(dim, theta, pairs=jnp.arange(half), dtype=dtype)  # [half]: θ^(−2k/dim)
-    angles = scale * jnp.arange(length, dtype=dtype)[:, None] * freqs[None, :]  # [L, half]
+    exact = jnp.promote_types(jnp.float32, dtype)  # 16-bit angles of far positions would be off by whole radians
+    freqs = rotary_frequencies(dim, theta, pairs=jnp.arange(half), dtype=exact)  # [half]: θ^(−2k/dim)
+    angles = scale * jnp.arange(length, dtype=exact)[:, None] * freqs[None, :]  # [L, half]
     table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, 2 * half)
-    return table[:, :dim]
+    return table[:, :dim].astype(dtype)
 
 
 def gather_positions(table: jax.Array, positions: jax.Array | None, length: int) -> jax.Array:
     """Rows of `table` [max_len, d] at `positions` ([B, L] or [L]; None means 0..length-1) -> [B|1, L, d].
 
-    Raises when a static length exceeds the table, or a symbolic one (jax.export) is not bounded by it; traced
-    positions beyond it give NaN rows.
+    Raises when a static length exceeds the table, or a symbolic one (jax.export) is not bounded by it, or concrete
+    positions lie outside [0, max_len); traced positions outside it give NaN rows (a negative one too: never a row
+    counted from the end).
     """
     max_len = table.shape[0]
     if positions is None:
@@ -54,14 +62,38 @@ def gather_positions(table: jax.Array, positions: jax.Array | None, length: int)
         if too_long:
             raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
         return table[None, :length]
+    if not isinstance(positions, jax.core.Tracer) and positions.size:
+        low, high = int(np.min(positions)), int(np.max(positions))
+        if low < 0 or high >= max_len:
+            raise ValueError(f"positions must be in [0, max_len={max_len}) to read the position table, got positions "
+                             f"from {low} to {high}")
     positions = jnp.asarray(positions)
     if positions.ndim == 1:
         positions = positions[None]
-    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
+    outside = jnp.where(positions < 0, max_len, positions)  # jnp.take would read a negative one from the end
+    return jnp.take(table, outside, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def check_table_inputs(x: jax.Array, positions: jax.Array | None) -> None:
+    """TypeError unless x is a floating-point array (an integer x would round the table's rows away) and positions
+    None or an integer array; ValueError unless x is [B, L, d] and positions [B, L] or [L]."""
+    check_rank("x", x, 3, "B L d")
+    check_float("x", x)
+    if positions is None:
+        return
+    check_array("positions", positions, "B L")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(f"positions must be an integer array [B, L], got positions.dtype={positions.dtype}")
+    b, length = x.shape[:2]
+    if tuple(positions.shape) not in ((b, length), (length,)):
+        raise ValueError(f"positions must have shape [B={b}, L={length}] or [L], got "
+                         f"positions.shape={tuple(positions.shape)}")
 
 
 def add_table_rows(x: jax.Array, table: jax.Array, positions: jax.Array | None) -> jax.Array:
-    """x [B, L, d] plus the rows of `table` [max_len, d] at `positions` (`gather_positions`), in x's dtype."""
+    """x [B, L, d] (floating) plus the rows of `table` [max_len, d] at `positions` ([B, L] or [L] int;
+    `gather_positions`), in x's dtype."""
+    check_table_inputs(x, positions)
     return x + gather_positions(table, positions, x.shape[1]).astype(x.dtype)
 
 

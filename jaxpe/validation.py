@@ -17,10 +17,10 @@ from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask
                         check_window, is_int, open_attention)
 
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
-           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_float", "check_float_dtype",
-           "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int", "check_padding_mask",
-           "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank", "check_segment_ids",
-           "check_sm_scale", "check_token_ids", "check_window", "is_int", "open_attention"]
+           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
+           "check_float_dtype", "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int",
+           "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank",
+           "check_segment_ids", "check_sm_scale", "check_token_ids", "check_window", "is_int", "open_attention"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only
@@ -61,6 +61,12 @@ def check_positive_number(name: str, value: Any) -> None:
     """Raise ValueError unless `value` is a number > 0 and finite (a bool or a string is not)."""
     if not _is_number(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be > 0 and finite")
+
+
+def check_finite_number(name: str, value: Any) -> None:
+    """Raise ValueError unless `value` is a finite real number (Python's or NumPy's; a bool or a string is not)."""
+    if not _is_number(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
 
 
 def check_fraction(name: str, value: Any, *, one: bool) -> None:
