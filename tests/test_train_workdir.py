@@ -1,6 +1,7 @@
 """Training runs that cannot go silently wrong: one run per workdir, everything validated before anything
 is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
 import errno
+import hashlib
 import json
 import os
 import re
@@ -11,9 +12,10 @@ import subprocess
 import pytest
 
 from jaxpe.train import cli, experiments
-from jaxpe.train.config import build_task, to_dict
+from jaxpe.train.config import build_task, load_config, to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
-from jaxpe.train.tasks import read_jsonl
+from jaxpe.train.tasks import read_jsonl, write_jsonl
+from jaxpe.train.tasks.counting import generate_samples
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
 
 from tiny_config import TINY, cli_command, cli_env, tiny, wait_for
@@ -155,6 +157,46 @@ def test_counting_data_with_an_empty_answer_is_an_error_naming_file_and_line(tmp
     err = capsys.readouterr().err
     assert status == 2 and "valid.jsonl:3: key 'answer' is empty" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_counting_data_that_changed_is_not_resumed(tmp_path, capsys):
+    """A run on the user's own counting files (task.data_dir) saves their fingerprint (blake2b over each file's name
+    and bytes, worked out here) in corpus.json; a resume after an answer changed, every size kept, is a usage error
+    naming task.data_dir and both fingerprints, before anything is written; the files restored, it resumes."""
+    data, workdir = tmp_path / "my data", tmp_path / "run"
+    write_jsonl(data / "train.jsonl", generate_samples(16, nvars=2, min_steps=3, max_steps=8, seed=0))
+    write_jsonl(data / "valid.jsonl", generate_samples(4, nvars=2, min_steps=3, max_steps=8, seed=1))
+    original = (data / "valid.jsonl").read_text()
+    digest = hashlib.blake2b(digest_size=32)
+    for name in ("train.jsonl", "valid.jsonl"):  # _load_dir's order: train, valid, test, the others by name
+        for part in (name.encode(), (data / name).read_bytes()):
+            digest.update(len(part).to_bytes(8, "little") + part)
+
+    def run(steps: int) -> int:
+        return cli.train_main(["--task", "counting", "--pe", "rope", "--workdir", str(workdir), f"task.data_dir={data}",
+                               "task.seq_len=32", *[o for o in TINY if not o.startswith("task.")], "optim.batch_size=4",
+                               "run.eval_batch_size=4", "run.checkpoint_every=2", "run.async_checkpoints=false",
+                               "run.tensorboard=false", f"run.steps={steps}"])
+
+    assert run(2) == 0
+    saved = json.loads((workdir / "corpus.json").read_text())
+    assert saved == {"option": "task.data_dir", "source": str(data), "fingerprint": digest.hexdigest(),
+                     "hash": "blake2b", "bytes": (data / "train.jsonl").stat().st_size + len(original.encode())}
+    answer = json.loads(original.splitlines()[0])["answer"]
+    other = "1" if answer == "0" else "0"
+    (data / "valid.jsonl").write_text(original.replace(f'"answer": "{answer}"', f'"answer": "{other}"', 1))
+    now = build_task(load_config(workdir / "config.json")).corpus["fingerprint"]
+    before = {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()}
+    capsys.readouterr()
+    assert run(4) == 2
+    err = capsys.readouterr().err
+    assert (f"jaxpe-train: error: the corpus of the run in {str(workdir)!r} changed: task.data_dir={str(data)!r} now "
+            f"gives fingerprint {now[:12]} ({saved['bytes']} bytes), the run began on {saved['fingerprint'][:12]} "
+            f"({saved['bytes']} bytes;") in err and "Traceback" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before
+    (data / "valid.jsonl").write_text(original)
+    assert run(4) == 0
+    assert json.loads((workdir / "result.json").read_text())["resumed_from"] == 2
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_run(tmp_path):
