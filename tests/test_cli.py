@@ -1,5 +1,6 @@
 """The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
 outputs (TensorBoard event files read back, with and without tensorboardX), and the paper preset end to end."""
+import argparse
 import io
 import json
 import logging
@@ -183,7 +184,33 @@ def test_repeated_commands_in_one_process_log_to_the_stderr_of_the_moment(monkey
     assert cli.train_main([*TINY, "--workdir", str(tmp_path / "second"), "run.tensorboard=false"]) == 0
     err = capsys.readouterr().err
     assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
-    assert len(logging.getLogger().handlers) == 1
+    assert sum(isinstance(h, cli._CurrentStderr) for h in logging.getLogger().handlers) == 1
+
+
+def test_logging_keeps_the_users_handlers_and_adds_its_own_once(monkeypatch):
+    """A program's own root handlers (a file, a list) stay and get jaxpe's lines; a bare basicConfig() handler on
+    stderr (what absl adds when orbax logs at import) gives way to jaxpe's, which two commands add once: every line
+    once on stderr."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    logging.basicConfig()  # as absl does
+    records: list[logging.LogRecord] = []
+    mine = logging.Handler()
+    mine.emit = records.append
+    root.addHandler(mine)
+    on_stdout = logging.StreamHandler(sys.stdout)
+    on_stdout.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    root.addHandler(on_stdout)
+    for _ in range(2):  # two commands in one process
+        cli._start(argparse.Namespace(coordinator=None, num_processes=None, process_id=None))
+    assert root.handlers[:2] == [mine, on_stdout] and [type(h) for h in root.handlers[2:]] == [cli._CurrentStderr]
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # on_stdout keeps the stream it was made with
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    records.clear()
+    logging.getLogger("jaxpe.train.trainer").info("train step %d", 3)
+    assert sys.stderr.getvalue() == "INFO jaxpe.train.trainer: train step 3\n"
+    assert [r.getMessage() for r in records] == ["train step 3"]
 
 
 def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):

@@ -13,7 +13,8 @@ problem; 3 when --time-limit stopped training (checkpointed: the same command re
 --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
 pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
-process-wide settings (logging, host CPU devices, glibc's malloc settings of jaxpe.train._malloc).
+process-wide settings (a stderr handler added to the root logger's own, host CPU devices, glibc's malloc settings of
+jaxpe.train._malloc).
 """
 from __future__ import annotations
 
@@ -155,13 +156,32 @@ class _CurrentStderr(logging.StreamHandler):
         return sys.stderr
 
 
-def _start(args: argparse.Namespace) -> None:
-    """jaxpe's INFO lines on stderr, then the multi-host setup. absl installs a root handler when orbax is imported,
-    so a plain basicConfig would do nothing: force=True replaces it (and the handler of an earlier command in this
-    process: one handler, however many commands ran). The root level stays WARNING (the libraries' INFO chatter stays
-    off); the jaxpe loggers pass INFO."""
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", handlers=[_CurrentStderr()], force=True)
+def _is_bare_default(handler: logging.Handler) -> bool:
+    """Whether `handler` is what a bare `logging.basicConfig()` makes: a plain StreamHandler in basicConfig's format
+    on stderr. absl makes one on the root logger when it logs before logging is configured (orbax does, at import);
+    beside _CurrentStderr it would print every line twice."""
+    return (type(handler) is logging.StreamHandler and handler.stream not in (sys.stdout, sys.__stdout__)
+            and getattr(handler.formatter, "_fmt", None) == logging.BASIC_FORMAT)
+
+
+def _log_to_stderr() -> None:
+    """jaxpe's INFO lines on stderr: a _CurrentStderr on the root logger, added once per process (however many
+    commands run), beside the handlers a notebook or program set up before calling a command (kept: their files and
+    streams get the lines too), in place of a bare basicConfig() handler (_is_bare_default). The root level stays as
+    it is (WARNING by default: the libraries' INFO chatter stays off); the jaxpe loggers pass INFO."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if _is_bare_default(h)]:
+        root.removeHandler(handler)
+    if not any(isinstance(handler, _CurrentStderr) for handler in root.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
+
+
+def _start(args: argparse.Namespace) -> None:
+    """Logging (_log_to_stderr), then the multi-host setup."""
+    _log_to_stderr()
     distributed.split_host_cpu()
     _malloc.keep_freed_memory()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
