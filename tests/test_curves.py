@@ -116,6 +116,27 @@ def test_seeds_compare_as_integers_and_one_seed_twice_is_an_error(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_line_cut_short_ends_the_curve_and_a_bad_line_or_out_is_one_line(tmp_path, capsys):
+    """A last metrics.jsonl line without its newline (a run killed as it wrote) is left out; a broken line before it
+    is a usage error naming the file and line; so is an --out that is a file."""
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5), (200, 0.4)])
+    metrics = tmp_path / "counting_3var" / "cope" / "seed0" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 300, "split": "val')
+    curve = curves.collect(tmp_path)["settings"]["counting_3var"]["cope"]["seed0"]
+    assert curve["splits"]["valid"]["steps"] == [100, 200]
+    metrics.write_text('{"step": 50, "split": "tra\n' + whole)
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "out", f"{str(metrics)!r}, line 1, is not valid JSON"),
+                         (tmp_path / "file", f"--out={str(tmp_path / 'file')!r}: File exists")):
+        if out.name == "file":
+            metrics.write_text(whole)
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([str(tmp_path), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {message}" in err and "Traceback" not in err
+
+
 def test_encodings_and_seeds_no_run_has_are_refused_listing_those_the_roots_hold(tmp_path, capsys):
     """A name or seed that matches no run is a usage error (exit 2), even beside ones that match: not dropped."""
     _write_run(tmp_path / "a", "counting_3var", "cope", 0, [(100, 0.5)])

@@ -90,6 +90,24 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "compare.json' must hold a JSON object, got list"),
+    ("{not json", "compare.json' is not valid JSON"),
+    ('{"task": "counting"}', "compare.json' is not a compare.json of jaxpe-compare: it has no metric, splits, rows"),
+])
+def test_a_file_that_is_no_comparison_is_one_line_naming_it(text, message, tmp_path, capsys):
+    (tmp_path / "compare.json").write_text(text)
+    for argv in ([str(tmp_path)], ["--merge-into", str(tmp_path / "merged"), str(tmp_path / "compare.json")]):
+        with pytest.raises(SystemExit) as exit_:
+            report.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: '{tmp_path}/{message}" in err and "Traceback" not in err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        report.main(["--merge-into", str(tmp_path / "file"), str(tmp_path)])
+    assert f"error: --merge-into '{tmp_path}/file' exists and is not a directory" in capsys.readouterr().err
+
+
 def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, capsys):
     a = comparison(tmp_path, "a", "seq_error", rows=[{"pe": "cope", "splits": {"valid": {"seq_error": 0.1},
                                                                               "test": {"seq_error": 0.2}}}])

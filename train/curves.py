@@ -289,10 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "curves.md").write_text(summary(data, window))
-    learning_curves(data, path=out / "curves.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
+        (out / "curves.md").write_text(summary(data, window))
+        learning_curves(data, path=out / "curves.png")
+    except OSError as error:  # --out a file, or a folder that cannot be written
+        parser.error(f"--out={args.out!r}: {error.strerror}: {error.filename}")
     print(summary(data, window), end="")
     return 0
 
