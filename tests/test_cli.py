@@ -213,6 +213,37 @@ def test_logging_keeps_the_users_handlers_and_adds_its_own_once(monkeypatch):
     assert [r.getMessage() for r in records] == ["train step 3"]
 
 
+@pytest.mark.parametrize("main", [cli.train_main, cli.eval_main, cli.compare_main])
+def test_an_empty_workdir_is_a_usage_error_not_the_current_directory(main, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([*([] if main is cli.eval_main else TINY), "--workdir", ""])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: argument --workdir: '' names no directory" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("error", [MemoryError("Unable to allocate 186. TiB for an array with shape (10**11, 256)"),
+                                   RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2 TiB.\n"
+                                                "more lines")])
+def test_a_config_too_large_for_the_memory_is_one_line(error, monkeypatch, tmp_path, capsys):
+    """numpy's MemoryError and XLA's RESOURCE_EXHAUSTED (sizes that pass every check but not the machine) end in one
+    line naming the sizes to lower, exit 2; --debug shows the traceback."""
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "_start", lambda args: None)
+    monkeypatch.setattr(experiments, "train_and_evaluate", fail)
+    argv = [*TINY, "--workdir", str(tmp_path)]
+    assert cli.train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxpe-train: error: out of memory ({str(error).splitlines()[0]}); lower the sizes of the "
+                   "config: optim.batch_size, run.eval_batch_size, task.seq_len, the task's set sizes or the model's "
+                   "(model.d_model, model.num_layers)\n")
+    with pytest.raises(type(error)):
+        cli.train_main([*argv, "--debug"])
+
+
 def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
     """metrics.jsonl keeps the records up to the resume step; TensorBoard gets a purge from the next step on."""
     first = loop.MetricsLog(tmp_path, resume_step=0, enabled=True, tensorboard=True)

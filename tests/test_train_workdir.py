@@ -102,6 +102,9 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     (cli.train_main, ["optim.clip_norm=0"], "optim.clip_norm=0.0 must be > 0"),
     (cli.train_main, ["optim.warmup_steps=-2"], "optim.warmup_steps=-2 must be >= 0"),
     (cli.train_main, ["run.steps=0"], "run.steps=0 must be >= 1"),
+    (cli.train_main, ["run.steps=2147483648"], "run.steps=2147483648 must be <= 2147483647 (the step counter is "),
+    (cli.train_main, ["model.d_model=1000000000"], "the model has 1.2e+19 parameters"),  # XLA would abort the process
+    (cli.compare_main, ["--pe", "rope", "model.num_layers=100000000000"], "GiB of memory here; lower model.d_model"),
     (cli.train_main, ["run.eval_every=-1"], "run.eval_every=-1 must be >= 0"),
     (cli.train_main, ["run.eval_splits=valid,bogus"], "run.eval_splits: unknown split(s) ['bogus'] for task "
                                                       "'flipflop'; choose from valid, ood_sparse, ood_dense"),

@@ -8,8 +8,8 @@
 
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
-...`: exit status 2 for a bad config, data or workdir, 1 for a busy workdir, a NaN loss, a full disk or a permission
-problem; 3 when --time-limit stopped training (checkpointed: the same command resumes); Ctrl-C exits 130.
+...`: exit status 2 for a bad config, data or workdir (or one too large for the memory), 1 for a busy workdir, a NaN
+loss, a full disk or a permission problem; 3 when --time-limit stopped training (checkpointed: the same command resumes); Ctrl-C exits 130.
 --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
 pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
@@ -50,7 +50,8 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         "or a path to a JSON preset file (one that ends in .json or exists)")
     parser.add_argument("--config", metavar="FILE", help="start from a run's saved config.json (reruns it; "
                         "--preset, --task, --pe and key=value apply on top)")
-    parser.add_argument("--workdir", help="directory for checkpoints, metrics and results (not with --show-config)")
+    parser.add_argument("--workdir", type=directory,
+                        help="directory for checkpoints, metrics and results (not with --show-config)")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (every key, with its comment) and exit without training")
     parser.add_argument("--time-limit", type=seconds, metavar="SECONDS",
@@ -88,6 +89,13 @@ def _no_repeats(values: Sequence[object], text: str) -> None:
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
         raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
+
+
+def directory(text: str) -> str:
+    """A --workdir: a path, not empty (an empty one would be the current directory; argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names no directory; give a path (. for the current directory)")
+    return text
 
 
 def seconds(text: str) -> float:
@@ -200,8 +208,8 @@ def _os_error(error: BaseException) -> OSError | None:
 
 def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Callable[[], int]) -> int:
     """Runs the command; a failure ends in one line on stderr (the traceback only with --debug):
-    a bad config, data or workdir `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or permission
-    problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
+    a bad config, data or workdir, or one too large for the memory, `<prog>: error: ...` exit 2; a busy workdir, NaN
+    loss, full disk or permission problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
     prog = parser.prog
     try:
         return body()
@@ -237,10 +245,27 @@ def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Ca
             raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
+    except MemoryError as error:
+        if args.debug:
+            raise
+        return _report_memory(prog, error)
     except Exception as error:
-        if args.debug or _os_error(error) is None and "No space left on device" not in str(error):
+        if args.debug:
+            raise
+        if "RESOURCE_EXHAUSTED" in str(error):  # XLA's out of memory
+            return _report_memory(prog, error)
+        if _os_error(error) is None and "No space left on device" not in str(error):
             raise
         return _report_os_error(prog, error)
+
+
+def _report_memory(prog: str, error: BaseException) -> int:
+    """One line for a config too large for this machine's memory (exit 2: a size in it must come down)."""
+    what = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    print(f"{prog}: error: out of memory ({what}); lower the sizes of the config: optim.batch_size, "
+          "run.eval_batch_size, task.seq_len, the task's set sizes or the model's (model.d_model, model.num_layers)",
+          file=sys.stderr)
+    return 2
 
 
 def _report_os_error(prog: str, error: BaseException) -> int:
@@ -290,7 +315,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-eval: evaluates a run's latest readable (or --step) checkpoint on every split."""
     parser = argparse.ArgumentParser(prog="jaxpe-eval",
                                      description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
-    parser.add_argument("--workdir", required=True, help="a jaxpe-train workdir")
+    parser.add_argument("--workdir", type=directory, required=True, help="a jaxpe-train workdir")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest readable one)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar over the evaluated sequences on stderr (default: the run's run.progress)")

@@ -64,6 +64,7 @@ def _check_at_least(config: object, section: str, names: Sequence[str], minimum:
 
 
 MAX_SEED = 2**31 - 1  # the largest run.seed: int32, as the seeds a program stacks are
+MAX_STEPS = 2**31 - 1  # the largest run.steps: the state's step counter is int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,8 @@ class RunConfig:
         _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices", "seed"), 0, integer=True)
         if self.seed > MAX_SEED:  # stacked seeds are int32, and PRNGKey keeps 32 bits of a seed: 2^32 is seed 0
             raise ValueError(f"run.seed={self.seed} must be <= {MAX_SEED} (seeds are 32-bit)")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"run.steps={self.steps} must be <= {MAX_STEPS} (the step counter is 32-bit)")
         for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")
