@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -129,6 +130,40 @@ def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, messa
     assert status == 2
     assert message in err and f"{main.__name__.split('_')[0]}: error:" in err and "Traceback" not in err
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (cli.train_main, ["--task", "lm", "task.source="], "task.source='' names no file (an empty path would be the "
+                                                       "current directory)"),
+    (cli.compare_main, ["--task", "lm", "task.source=[]"], "task.source=() must be 'stdlib', 'hf:<name>', a path"),
+    (cli.train_main, ["--task", "lm", "task.source=hf:"], "task.source='hf:' must be 'hf:<name>' or"),
+    (cli.train_main, ["--task", "lm", "task.source=hf:wikitext"], "source='hf:wikitext' needs the Hugging Face "
+                                                                  "`datasets` package: pip install 'jaxpe[hf]'"),
+    (cli.train_main, ["--task", "counting", "task.data_dir="], "task.data_dir='' names no directory"),
+    (cli.train_main, ["--preset", "{tmp}/preset.json"], "preset '{tmp}/preset.json': 'tasks' must map names to "
+                                                        "their options, got 5"),
+    (cli.train_main, ["--config", "{tmp}/latin1.json"], "config file '{tmp}/latin1.json' is not UTF-8 text"),
+    (cli.compare_main, ["--task", "lm", "--pe", "rope", "task.source={tmp}"],
+     "workdir '{tmp}/run/rope/seed0' is inside task.source='{tmp}': the run's own files would become its data"),
+])
+def test_bad_task_settings_and_files_are_one_line_before_anything_is_written(main, argv, message, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Each a usage error naming the key or file, exit 2, nothing written, not even in the current directory (where an
+    empty path would point); a TypeError of a task option and a missing optional package no traceback."""
+    (tmp_path / "preset.json").write_text('{"tasks": 5}')
+    (tmp_path / "latin1.json").write_bytes('{"run": {"steps": "é"}}'.encode("latin-1"))
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: its import raises ImportError
+    for trains in ("train_seeds", "_compare"):  # a call would fail with a TypeError
+        monkeypatch.setattr(cli.experiments, trains, None)
+    argv = [word.replace("{tmp}", str(tmp_path)) for word in argv]
+    status = exit_status(main, [*argv, "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"error: {message.replace('{tmp}', str(tmp_path))}" in err
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "cwd").iterdir())
 
 
 def exit_status(main, argv) -> int:

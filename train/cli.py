@@ -9,8 +9,8 @@
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
 ...`: exit status 2 for a bad config, data or workdir (or one too large for the memory), 1 for a busy workdir, a NaN
-loss, a full disk or a permission problem; 3 when --time-limit stopped training (checkpointed: the same command resumes); Ctrl-C exits 130.
---debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
+loss, a full disk or a permission problem; 3 when --time-limit stopped training (checkpointed: the same command
+resumes); Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
 pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
 process-wide settings (a stderr handler added to the root logger's own, host CPU devices, glibc's malloc settings of
@@ -30,7 +30,8 @@ import jax
 
 from jaxpe import PE_NAMES
 from jaxpe.train import _malloc, distributed, experiments
-from jaxpe.train.config import MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names
+from jaxpe.train.config import (MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names,
+                                resolve_task)
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
 from jaxpe.train.tables import comparison_heading, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
@@ -136,6 +137,8 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
         saved = load_config(args.config) if args.config else None
         configs = [build_config(config=saved, preset=args.preset, task=args.task, pe=pe, overrides=args.overrides)
                    for pe in pes]
+        for config in configs:
+            resolve_task(config.task)  # the task's options (a wrong type is a TypeError) before any run starts
         shown = [format_config(c) for c in configs] if args.show_config else []
     except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         if args.debug:
@@ -249,6 +252,11 @@ def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Ca
         if args.debug:
             raise
         return _report_memory(prog, error)
+    except ImportError as error:  # an optional extra a setting needs (lm's task.source=hf:..., jaxpe[hf])
+        if args.debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:
         if args.debug:
             raise

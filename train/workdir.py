@@ -158,6 +158,19 @@ def check_same_corpus(workdir: pathlib.Path, task: Task) -> None:
             f"{kind}, {CORPUS_NAME}); restore that data to resume the run, or use a new workdir")
 
 
+def check_outside_data(workdir: pathlib.Path, task: Task) -> None:
+    """ValueError when `workdir` is a directory of the task's outside data (`Task.corpus`'s source) or inside one:
+    the run's own files (metrics.jsonl, result.md...) would join its data, and change its fingerprint."""
+    corpus = getattr(task, "corpus", None)
+    if corpus is None:
+        return
+    sources = corpus["source"] if isinstance(corpus["source"], list) else [corpus["source"]]
+    for source in map(pathlib.Path, sources):
+        if source.is_dir() and workdir.resolve().is_relative_to(source.resolve()):
+            raise ValueError(f"workdir {str(workdir)!r} is inside {corpus['option']}={str(source)!r}: the run's own "
+                             "files would become its data; use a workdir outside it")
+
+
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     """The steps of the checkpoint directories in workdir/checkpoints (readable or not), ascending."""
     directory = workdir / "checkpoints"
@@ -178,8 +191,9 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
     config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
     checkpointing (run.checkpoint_every=0) would leave behind, or a run on a corpus that changed since
     (check_same_corpus). The saved config is read back first, so that a field added since it was written (with its
-    default) is no difference."""
+    default) is no difference. A workdir inside the task's data is refused too (check_outside_data)."""
     check_workdir(workdir)
+    check_outside_data(workdir, task)
     path = workdir / "config.json"
     if not path.is_file():
         present = [name for name in RUN_STATE if (workdir / name).exists()]

@@ -68,6 +68,8 @@ class CountingConfig:
                    n_test=(self.n_test, 1), seq_len=(self.seq_len, 2))
         if self.data_dir is not None and not isinstance(self.data_dir, (str, os.PathLike)):
             raise TypeError(f"data_dir={self.data_dir!r} must be a path or None")
+        if self.data_dir is not None and not str(self.data_dir).strip():
+            raise ValueError(f"data_dir={self.data_dir!r} names no directory (an empty path would be the current one)")
 
 
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,

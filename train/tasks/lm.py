@@ -94,6 +94,8 @@ class LMConfig:
                 (isinstance(self.source, tuple) and self.source and
                  all(isinstance(s, (str, os.PathLike)) for s in self.source))):
             raise TypeError(f"source={self.source!r} must be 'stdlib', 'hf:<name>', a path or a tuple of paths")
+        if any(not str(path).strip() for path in (self.source if isinstance(self.source, tuple) else (self.source,))):
+            raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
         if not all(isinstance(s, str) for s in self.suffixes):
             raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
         check_int("seed", self.seed, 0)
@@ -233,14 +235,14 @@ def _read(path: Path, size: int) -> bytes:
 def _hf_documents(config: LMConfig) -> Documents | list[Document]:
     """A Hugging Face dataset's documents by split when it has its own validation and test splits, else all of
     them in row order."""
+    name, _, subset = config.source.removeprefix("hf:").partition(":")
+    if not name:
+        raise ValueError(f"source={config.source!r} must be 'hf:<name>' or 'hf:<name>:<config>'")
     try:
         import datasets  # an optional extra (jaxpe[hf]), needed only for hf: sources
     except ImportError:
         raise ImportError(f"source={config.source!r} needs the Hugging Face `datasets` package: "
                           "pip install 'jaxpe[hf]' (or pip install datasets)") from None
-    name, _, subset = config.source.removeprefix("hf:").partition(":")
-    if not name:
-        raise ValueError(f"source={config.source!r} must be 'hf:<name>' or 'hf:<name>:<config>'")
     if Path(name).is_dir():
         loaded = datasets.load_from_disk(name)
     else:
