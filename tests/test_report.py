@@ -69,7 +69,7 @@ def test_table_places_each_value_and_bolds_only_clear_bests(tmp_path):
     assert "**" not in full[2].split(" | ")[2] and "**" not in full[3]  # ood: 51 % against 52 %, within noise
     with pytest.raises(ValueError, match="is not a compare.json"):
         tables.comparison_table([tmp_path / "missing"])
-    with pytest.raises(ValueError, match="len\\(labels\\)=1"):
+    with pytest.raises(ValueError, match=r"labels: 1 given \(x\) for 2 comparison"):
         tables.comparison_table([a, b], labels=["x"])
 
 
@@ -121,6 +121,10 @@ def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, 
     assert "error: splits: unknown split(s) len_x4, tset; these comparisons have valid, test, len_x2" in err
     with pytest.raises(ValueError, match="unknown split"):
         tables.comparison_table([a], splits=["len_x2"])
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(a), str(b), "--labels", "first"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: labels: 1 given (first) for 2 comparison(s); give one per comparison" in err
 
 
 def configured_run(pe, seed, rate, steps=500, options=None):

@@ -194,7 +194,8 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
         c["rows"] = summarize_seeds(c["runs"]) if c.get("runs") else c["rows"]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
     if len(labels) != len(comparisons):
-        raise ValueError(f"{len(labels)=} must equal the number of comparisons {len(comparisons)}")
+        raise ValueError(f"labels: {len(labels)} given ({', '.join(labels)}) for {len(comparisons)} comparison(s); "
+                         "give one per comparison")
     columns = [(c, label, split) for c, label in zip(comparisons, labels)
                for split in c["splits"] if not splits or split in splits]
     pes = list(dict.fromkeys(row["pe"] for c in comparisons for row in c["rows"]))
