@@ -124,7 +124,7 @@ def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, 
     with pytest.raises(SystemExit) as exit_:
         report.main([str(a), str(b), "--labels", "first"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "error: labels: 1 given (first) for 2 comparison(s); give one per comparison" in err
+    assert exit_.value.code == 2 and "error: labels: 1 given (first) for 2 comparison(s); give one per" in err
 
 
 def configured_run(pe, seed, rate, steps=500, options=None):
