@@ -127,14 +127,28 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_model_fits(model: TransformerLM) -> None:
-    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (3 × their bytes, from
-    jax.eval_shape: nothing is allocated) exceed memory_bytes(): such a model would abort XLA or exhaust the host
-    before the first step rather than fail in words."""
+TRACED_LAYERS = 8  # a deeper model's size is extrapolated from 4 and 8 of its layers (tracing a layer takes time)
+
+
+def state_size(model: TransformerLM) -> tuple[int, int]:
+    """(parameters, bytes of the parameters and Adam's two moments) of `model`, from jax.eval_shape (nothing is
+    allocated). Past TRACED_LAYERS layers, from 4 and 8 layers and the growth per layer between them (exact for
+    layer patterns of period 1, 2 or 4)."""
+    layers = model.config.num_layers
+    if layers > TRACED_LAYERS:
+        four, eight = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n))) for n in (4, 8))
+        return tuple(b + (layers - 8) * (b - a) // 4 for a, b in zip(four, eight))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))
     leaves = jax.tree.leaves(shapes)
-    count = sum(math.prod(leaf.shape) for leaf in leaves)
-    state, memory = 3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves), memory_bytes()
+    return (sum(math.prod(leaf.shape) for leaf in leaves),
+            3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves))
+
+
+def check_model_fits(model: TransformerLM) -> None:
+    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) exceed
+    memory_bytes(): such a model would abort XLA or exhaust the host before the first step rather than fail in
+    words."""
+    (count, state), memory = state_size(model), memory_bytes()
     if state > memory:
         raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
                          f"more than the {memory / 2**30:.3g} GiB of memory here; lower model.d_model, "
