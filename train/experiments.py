@@ -127,17 +127,19 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-TRACED_LAYERS = 8  # a deeper model's size is extrapolated from 4 and 8 of its layers (tracing a layer takes time)
+TRACED_LAYERS = 12  # a deeper model's size is extrapolated from fewer of its layers (tracing a layer takes time)
 
 
 def state_size(model: TransformerLM) -> tuple[int, int]:
     """(parameters, bytes of the parameters and Adam's two moments) of `model`, from jax.eval_shape (nothing is
-    allocated). Past TRACED_LAYERS layers, from 4 and 8 layers and the growth per layer between them (exact for
-    layer patterns of period 1, 2 or 4)."""
+    allocated). Past TRACED_LAYERS layers, from n and n + 4 layers (n = 4 + num_layers mod 4) and the growth per four
+    layers between them: exact for layer patterns of period 1, 2 or 4."""
     layers = model.config.num_layers
     if layers > TRACED_LAYERS:
-        four, eight = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n))) for n in (4, 8))
-        return tuple(b + (layers - 8) * (b - a) // 4 for a, b in zip(four, eight))
+        base = 4 + layers % 4
+        short, longer = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n)))
+                         for n in (base, base + 4))
+        return tuple(b + (layers - base - 4) // 4 * (b - a) for a, b in zip(short, longer))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))
     leaves = jax.tree.leaves(shapes)
     return (sum(math.prod(leaf.shape) for leaf in leaves),
