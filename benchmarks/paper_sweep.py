@@ -221,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
 def _dest_and_overrides(parser: argparse.ArgumentParser, words: list[str]) -> tuple[pathlib.Path, list[str]]:
     """DEST and the key=value overrides from the positional words, in any order: argparse gives DEST the first, an
     override too when it comes first; here a word with '=' is always an override. A usage error (exit 2) unless
-    exactly one word is DEST."""
+    exactly one word is DEST, and it is not empty."""
     dests = [word for word in words if "=" not in word]
     if len(dests) != 1:
         got = f"got {', '.join(map(repr, dests))}" if dests else "got only key=value overrides"
         parser.error(f"give one DEST, the sweep's directory, beside the key=value overrides ({got})")
+    if not dests[0].strip():
+        parser.error(f"DEST {dests[0]!r} names no directory; give a path (. for the current directory)")
     return pathlib.Path(dests[0]), [word for word in words if "=" in word]
 
 

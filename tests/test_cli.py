@@ -1,5 +1,6 @@
 """The command line: help that lists the choices, clean usage errors, --show-config, --config reruns, and a tiny run's
 outputs (TensorBoard event files read back, with and without tensorboardX), and the paper preset end to end."""
+import argparse
 import io
 import json
 import logging
@@ -183,7 +184,64 @@ def test_repeated_commands_in_one_process_log_to_the_stderr_of_the_moment(monkey
     assert cli.train_main([*TINY, "--workdir", str(tmp_path / "second"), "run.tensorboard=false"]) == 0
     err = capsys.readouterr().err
     assert "INFO jaxpe.train.trainer: train step" in err and "Logging error" not in err
-    assert len(logging.getLogger().handlers) == 1
+    assert sum(isinstance(h, cli._CurrentStderr) for h in logging.getLogger().handlers) == 1
+
+
+def test_logging_keeps_the_users_handlers_and_adds_its_own_once(monkeypatch):
+    """A program's own root handlers (a file, a list) stay and get jaxpe's lines; a bare basicConfig() handler on
+    stderr (what absl adds when orbax logs at import) gives way to jaxpe's, which two commands add once: every line
+    once on stderr."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    logging.basicConfig()  # as absl does
+    records: list[logging.LogRecord] = []
+    mine = logging.Handler()
+    mine.emit = records.append
+    root.addHandler(mine)
+    on_stdout = logging.StreamHandler(sys.stdout)
+    on_stdout.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    root.addHandler(on_stdout)
+    for _ in range(2):  # two commands in one process
+        cli._start(argparse.Namespace(coordinator=None, num_processes=None, process_id=None))
+    assert root.handlers[:2] == [mine, on_stdout] and [type(h) for h in root.handlers[2:]] == [cli._CurrentStderr]
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # on_stdout keeps the stream it was made with
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    records.clear()
+    logging.getLogger("jaxpe.train.trainer").info("train step %d", 3)
+    assert sys.stderr.getvalue() == "INFO jaxpe.train.trainer: train step 3\n"
+    assert [r.getMessage() for r in records] == ["train step 3"]
+
+
+@pytest.mark.parametrize("main", [cli.train_main, cli.eval_main, cli.compare_main])
+def test_an_empty_workdir_is_a_usage_error_not_the_current_directory(main, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([*([] if main is cli.eval_main else TINY), "--workdir", ""])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: argument --workdir: '' names no directory" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("error", [MemoryError("Unable to allocate 186. TiB for an array with shape (10**11, 256)"),
+                                   RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2 TiB.\n"
+                                                "more lines")])
+def test_a_config_too_large_for_the_memory_is_one_line(error, monkeypatch, tmp_path, capsys):
+    """numpy's MemoryError and XLA's RESOURCE_EXHAUSTED (sizes that pass every check but not the machine) end in one
+    line naming the sizes to lower, exit 2; --debug shows the traceback."""
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "_start", lambda args: None)
+    monkeypatch.setattr(experiments, "train_and_evaluate", fail)
+    argv = [*TINY, "--workdir", str(tmp_path)]
+    assert cli.train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxpe-train: error: out of memory ({str(error).splitlines()[0]}); lower the sizes of the "
+                   "config: optim.batch_size, run.eval_batch_size, task.seq_len, the task's set sizes or the model's "
+                   "(model.d_model, model.num_layers)\n")
+    with pytest.raises(type(error)):
+        cli.train_main([*argv, "--debug"])
 
 
 def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):

@@ -89,6 +89,54 @@ def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
         curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "0,x"])
 
 
+def test_seeds_compare_as_integers_and_one_seed_twice_is_an_error(tmp_path, capsys):
+    """seed01 is seed 1 for --seeds 1 (and seed010 is 10, not 1); seed1 beside seed01 of one encoding and setting is a
+    usage error naming both, as is a run directory that names no integer seed."""
+    for pe, seed in [("cope", "01"), ("cope", "010"), ("rope", "1")]:
+        _write_run(tmp_path / "sweep", "counting_3var", pe, seed, [(100, 0.5)])
+    data = curves.collect(tmp_path / "sweep", seeds=[1])
+    assert {pe: list(seeds) for pe, seeds in data["settings"]["counting_3var"].items()} == {
+        "cope": ["seed01"], "rope": ["seed1"]}
+    assert sorted(curves.collect(tmp_path / "sweep", seeds=[10])["configs"]) == ["counting_3var/cope/seed010"]
+    with pytest.raises(ValueError, match="seeds: unknown seed.s. 2; the roots hold 1, 10"):
+        curves.collect(tmp_path / "sweep", seeds=[2])
+    _write_run(tmp_path / "sweep", "counting_3var", "cope", "1", [(100, 0.4)])
+    runs = tmp_path / "sweep" / "counting_3var" / "cope"
+    for argv in (["--seeds", "1"], []):
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err
+        assert (f"error: {str(runs / 'seed01')!r} and {str(runs / 'seed1')!r} both hold seed 1 of cope in setting "
+                f"'counting_3var'; keep one") in err
+    assert curves.collect(tmp_path / "sweep", seeds=[10])["settings"]  # seed 1's pair is not read
+    _write_run(tmp_path / "other", "counting_3var", "cope", "_old", [(100, 0.4)])
+    with pytest.raises(ValueError, match=r"run directory .*seed_old' is not named seed<k> with k a non-negative"):
+        curves.collect(tmp_path / "other")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_line_cut_short_ends_the_curve_and_a_bad_line_or_out_is_one_line(tmp_path, capsys):
+    """A last metrics.jsonl line without its newline (a run killed as it wrote) is left out; a broken line before it
+    is a usage error naming the file and line; so is an --out that is a file."""
+    _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5), (200, 0.4)])
+    metrics = tmp_path / "counting_3var" / "cope" / "seed0" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 300, "split": "val')
+    curve = curves.collect(tmp_path)["settings"]["counting_3var"]["cope"]["seed0"]
+    assert curve["splits"]["valid"]["steps"] == [100, 200]
+    metrics.write_text('{"step": 50, "split": "tra\n' + whole)
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "out", f"{str(metrics)!r}, line 1, is not valid JSON"),
+                         (tmp_path / "file", f"--out={str(tmp_path / 'file')!r}: File exists")):
+        if out.name == "file":
+            metrics.write_text(whole)
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([str(tmp_path), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {message}" in err and "Traceback" not in err
+
+
 def test_encodings_and_seeds_no_run_has_are_refused_listing_those_the_roots_hold(tmp_path, capsys):
     """A name or seed that matches no run is a usage error (exit 2), even beside ones that match: not dropped."""
     _write_run(tmp_path / "a", "counting_3var", "cope", 0, [(100, 0.5)])

@@ -133,8 +133,11 @@ def test_cli_flags_reach_jax(monkeypatch, calls, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, variables, message", [
-    ({"num_processes": 2}, {}, "coordinator=None"),
-    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {}, "process_id=2"),
+    ({"num_processes": 2}, {}, r"--coordinator \(\$JAXPE_COORDINATOR\), host:port of process 0, is needed with "
+                               "--num-processes=2"),
+    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {},
+     r"--process-id=2 \(\$JAXPE_PROCESS_ID\) must be in \[0, 2\), below --num-processes=2"),
+    ({"num_processes": 0}, {"JAXPE_NUM_PROCESSES": "2"}, r"--num-processes=0 \(\$JAXPE_NUM_PROCESSES\) must be >= 1"),
     ({}, {"JAXPE_NUM_PROCESSES": "two"}, r"\$JAXPE_NUM_PROCESSES='two' must be an integer"),
     ({}, {**SLURM, "SLURM_NTASKS": "many"}, r"\$SLURM_NTASKS='many'"),
     ({}, {"TPU_PROCESS_ADDRESSES_PATH": "/no/such/file"}, r"\$TPU_PROCESS_ADDRESSES_PATH='/no/such/file' cannot be read"),

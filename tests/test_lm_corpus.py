@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 import re
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from jaxpe.train import cli
 from jaxpe.train.config import build_config
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 from jaxpe.train.tasks import make_task
+from jaxpe.train.workdir import check_same_corpus, write_corpus
 
 SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
 
@@ -122,6 +125,46 @@ def test_empty_files(tmp_path):
         make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
 
 
+def blake2b_of(files: dict[str, pathlib.Path]) -> str:
+    """The fingerprint worked out here: blake2b-256 over each document's name and bytes, each led by its length as 8
+    little-endian bytes, in name order."""
+    digest = hashlib.blake2b(digest_size=32)
+    for name in sorted(files):
+        for part in (name.encode(), files[name].read_bytes()):
+            digest.update(struct.pack("<Q", len(part)) + part)
+    return digest.hexdigest()
+
+
+def test_an_edit_that_keeps_every_size_is_a_changed_corpus(tmp_path):
+    """One byte of one file changed, sizes and names kept: another fingerprint, and a run saved on the first corpus
+    is refused on the edited one (a corpus.json of names and sizes, saved before, cannot see such an edit and
+    passes; a changed size it refuses, naming what its fingerprint hashes)."""
+    corpus, workdir = tmp_path / "corpus", tmp_path / "run"
+    corpus.mkdir()
+    workdir.mkdir()
+    (corpus / "a.txt").write_bytes(document("a", 300))
+    (corpus / "b.txt").write_bytes(document("b", 300))
+    task = make_task("lm", source=str(corpus), **SMALL)
+    assert task.fingerprint == blake2b_of({"corpus/a.txt": corpus / "a.txt", "corpus/b.txt": corpus / "b.txt"})
+    write_corpus(workdir, task)
+    (corpus / "b.txt").write_bytes(document("b", 299) + b"c")
+    edited = make_task("lm", source=str(corpus), **SMALL)
+    assert edited.fingerprint != task.fingerprint and edited.names_fingerprint == task.names_fingerprint
+    message = (f"task.source={str(corpus)!r} now gives fingerprint {edited.fingerprint[:12]} (600 bytes), the run "
+               f"began on {task.fingerprint[:12]} (600 bytes; fingerprints hash the documents' names and contents")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_same_corpus(workdir, edited)
+    (workdir / "corpus.json").write_text(json.dumps({"source": str(corpus), "bytes": 600,
+                                                     "fingerprint": task.names_fingerprint}))
+    check_same_corpus(workdir, edited)  # names and sizes: the same
+    (corpus / "b.txt").write_bytes(document("b", 301))
+    with pytest.raises(ValueError, match=r"hash the documents' names and sizes \(saved before they hashed"):
+        check_same_corpus(workdir, make_task("lm", source=str(corpus), **SMALL))
+    (workdir / "corpus.json").write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(f"{str(workdir / 'corpus.json')!r} is not valid JSON")):
+        check_same_corpus(workdir, task)
+
+
 def _lm_config(source, steps: int):
     """A tiny lm run on `source`: 16-byte windows, one small layer, a checkpoint every 2 steps."""
     return build_config(task="lm", pe="rope", overrides=[
@@ -143,12 +186,16 @@ def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys)
     (corpus / "b.txt").write_bytes(b"hello world\n" * 20)  # 240 bytes
     first = train_and_evaluate(_lm_config(corpus, 2), workdir)
     saved = json.loads((workdir / "corpus.json").read_text())
-    listing = "corpus/a.txt\t760\ncorpus/b.txt\t240\n"  # _file_documents' fingerprint: sorted names and sizes
-    assert saved == {"source": str(corpus), "fingerprint": hashlib.sha256(listing.encode()).hexdigest(),
-                     "bytes": 1000}
+    assert saved == {"option": "task.source", "source": str(corpus), "hash": "blake2b", "bytes": 1000,
+                     "fingerprint": blake2b_of({"corpus/a.txt": corpus / "a.txt", "corpus/b.txt": corpus / "b.txt"})}
     assert first["resumed_from"] is None
+    # a run saved when fingerprints hashed names and sizes: checked that way, resumed, its corpus.json rewritten
+    listing = "corpus/a.txt\t760\ncorpus/b.txt\t240\n"
+    (workdir / "corpus.json").write_text(json.dumps({"source": str(corpus), "bytes": 1000,
+                                                     "fingerprint": hashlib.sha256(listing.encode()).hexdigest()}))
     resumed = train_and_evaluate(_lm_config(corpus, 4), workdir)  # the same corpus: resumes
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    assert json.loads((workdir / "corpus.json").read_text()) == saved
     assert int(restore_run(workdir).state.step) == 4  # the same corpus: read back
 
     (corpus / "b.txt").write_bytes(b"hello world\n" * 21)  # 252 bytes: another corpus

@@ -96,6 +96,7 @@ def test_an_override_before_dest_is_an_override_not_dest(tmp_path, capsys):
     (["--time-limit", "nan"], "argument --time-limit: 'nan' must be > 0 seconds"),
     (["--time-limit", "-5"], "argument --time-limit: '-5' must be > 0 seconds"),
     (["task.seed=abc"], "paper_sweep.py: error: task.seed='abc' must be an int"),
+    (["run.steps=2147483648"], "paper_sweep.py: error: run.steps=2147483648 must be <= 2147483647"),
 ])
 def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -110,6 +111,9 @@ def test_a_dest_that_is_a_file_or_a_config_the_task_refuses_is_one_line(tmp_path
     with pytest.raises(SystemExit) as exit_:
         paper_sweep.main([str(tmp_path / "file"), "--dry-run"])
     assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        paper_sweep.main(["", "--dry-run"])  # not the current directory
+    assert exit_.value.code == 2 and "DEST '' names no directory" in capsys.readouterr().err
     # run.eval_splits names a split counting lacks: compare_encodings refuses it before training, in one line
     assert paper_sweep.main([str(tmp_path / "sweep"), "--dry-run", "--nvars", "1", "--pe", "none",
                              "run.eval_splits=bogus"]) == 2

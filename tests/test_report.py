@@ -69,7 +69,7 @@ def test_table_places_each_value_and_bolds_only_clear_bests(tmp_path):
     assert "**" not in full[2].split(" | ")[2] and "**" not in full[3]  # ood: 51 % against 52 %, within noise
     with pytest.raises(ValueError, match="is not a compare.json"):
         tables.comparison_table([tmp_path / "missing"])
-    with pytest.raises(ValueError, match="len\\(labels\\)=1"):
+    with pytest.raises(ValueError, match=r"labels: 1 given \(x\) for 2 comparison"):
         tables.comparison_table([a, b], labels=["x"])
 
 
@@ -90,6 +90,24 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     assert exit_.value.code == 2 and "is not a compare.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "compare.json' must hold a JSON object, got list"),
+    ("{not json", "compare.json' is not valid JSON"),
+    ('{"task": "counting"}', "compare.json' is not a compare.json of jaxpe-compare: it has no metric, splits, rows"),
+])
+def test_a_file_that_is_no_comparison_is_one_line_naming_it(text, message, tmp_path, capsys):
+    (tmp_path / "compare.json").write_text(text)
+    for argv in ([str(tmp_path)], ["--merge-into", str(tmp_path / "merged"), str(tmp_path / "compare.json")]):
+        with pytest.raises(SystemExit) as exit_:
+            report.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: '{tmp_path}/{message}" in err and "Traceback" not in err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        report.main(["--merge-into", str(tmp_path / "file"), str(tmp_path)])
+    assert f"error: --merge-into '{tmp_path}/file' exists and is not a directory" in capsys.readouterr().err
+
+
 def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, capsys):
     a = comparison(tmp_path, "a", "seq_error", rows=[{"pe": "cope", "splits": {"valid": {"seq_error": 0.1},
                                                                               "test": {"seq_error": 0.2}}}])
@@ -103,6 +121,10 @@ def test_splits_no_comparison_has_are_refused_listing_those_they_have(tmp_path, 
     assert "error: splits: unknown split(s) len_x4, tset; these comparisons have valid, test, len_x2" in err
     with pytest.raises(ValueError, match="unknown split"):
         tables.comparison_table([a], splits=["len_x2"])
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(a), str(b), "--labels", "first"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: labels: 1 given (first) for 2 comparison(s); give one per" in err
 
 
 def configured_run(pe, seed, rate, steps=500, options=None):

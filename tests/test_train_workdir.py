@@ -1,19 +1,24 @@
 """Training runs that cannot go silently wrong: one run per workdir, everything validated before anything
 is written, data checked as it is read, jaxpe-eval's fallback and read-only workdir, messages in one line."""
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxpe.train import cli, experiments
-from jaxpe.train.config import build_task, to_dict
+from jaxpe.train.config import build_task, load_config, to_dict
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, train_and_evaluate
-from jaxpe.train.tasks import read_jsonl
+from jaxpe.train.tasks import read_jsonl, write_jsonl
+from jaxpe.train.tasks.counting import generate_samples
 from jaxpe.train.workdir import LOCK_NAME, WorkdirLock
 
 from tiny_config import TINY, cli_command, cli_env, tiny, wait_for
@@ -100,6 +105,9 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     (cli.train_main, ["optim.clip_norm=0"], "optim.clip_norm=0.0 must be > 0"),
     (cli.train_main, ["optim.warmup_steps=-2"], "optim.warmup_steps=-2 must be >= 0"),
     (cli.train_main, ["run.steps=0"], "run.steps=0 must be >= 1"),
+    (cli.train_main, ["run.steps=2147483648"], "run.steps=2147483648 must be <= 2147483647 (the step counter is "),
+    (cli.train_main, ["model.d_model=1000000000"], "the model has 1.2e+19 parameters"),  # XLA would abort the process
+    (cli.compare_main, ["--pe", "rope", "model.num_layers=100000000000"], "GiB of memory here; lower model.d_model"),
     (cli.train_main, ["run.eval_every=-1"], "run.eval_every=-1 must be >= 0"),
     (cli.train_main, ["run.eval_splits=valid,bogus"], "run.eval_splits: unknown split(s) ['bogus'] for task "
                                                       "'flipflop'; choose from valid, ood_sparse, ood_dense"),
@@ -124,6 +132,50 @@ def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, messa
     assert status == 2
     assert message in err and f"{main.__name__.split('_')[0]}: error:" in err and "Traceback" not in err
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides", [["model.num_layers=16"], ["model.num_layers=15", "model.pe_options.every=2"]])
+def test_a_deep_models_size_is_counted_from_a_few_layers(overrides):
+    """state_size of 15 or 16 layers, extrapolated from 7 and 11 or 8 and 12 (CoPE every second layer: a period of
+    2), equals the count of the whole model's parameters."""
+    _, model = experiments.validate_config(tiny(*overrides, pe="cope"))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    count = sum(leaf.size for leaf in jax.tree.leaves(shapes))
+    assert experiments.state_size(model) == (count, 3 * 4 * count)  # float32 parameters and two moments
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (cli.train_main, ["--task", "lm", "task.source="], "task.source='' names no file (an empty path would be the "
+                                                       "current directory)"),
+    (cli.compare_main, ["--task", "lm", "task.source=[]"], "task.source=() must be 'stdlib', 'hf:<name>', a path"),
+    (cli.train_main, ["--task", "lm", "task.source=hf:"], "task.source='hf:' must be 'hf:<name>' or"),
+    (cli.train_main, ["--task", "lm", "task.source=hf:wikitext"], "source='hf:wikitext' needs the Hugging Face "
+                                                                  "`datasets` package: pip install 'jaxpe[hf]'"),
+    (cli.train_main, ["--task", "counting", "task.data_dir="], "task.data_dir='' names no directory"),
+    (cli.train_main, ["--preset", "{tmp}/preset.json"], "preset '{tmp}/preset.json': 'tasks' must map names to "
+                                                        "their options, got 5"),
+    (cli.train_main, ["--config", "{tmp}/latin1.json"], "config file '{tmp}/latin1.json' is not UTF-8 text"),
+    (cli.compare_main, ["--task", "lm", "--pe", "rope", "task.source={tmp}"],
+     "workdir '{tmp}/run/rope/seed0' is inside task.source='{tmp}': the run's own files would become its data"),
+])
+def test_bad_task_settings_and_files_are_one_line_before_anything_is_written(main, argv, message, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Each a usage error naming the key or file, exit 2, nothing written, not even in the current directory (where an
+    empty path would point); a TypeError of a task option and a missing optional package no traceback."""
+    (tmp_path / "preset.json").write_text('{"tasks": 5}')
+    (tmp_path / "latin1.json").write_bytes('{"run": {"steps": "é"}}'.encode("latin-1"))
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: its import raises ImportError
+    for trains in ("train_seeds", "_compare"):  # a call would fail with a TypeError
+        monkeypatch.setattr(cli.experiments, trains, None)
+    argv = [word.replace("{tmp}", str(tmp_path)) for word in argv]
+    status = exit_status(main, [*argv, "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"error: {message.replace('{tmp}', str(tmp_path))}" in err
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "cwd").iterdir())
 
 
 def exit_status(main, argv) -> int:
@@ -155,6 +207,46 @@ def test_counting_data_with_an_empty_answer_is_an_error_naming_file_and_line(tmp
     err = capsys.readouterr().err
     assert status == 2 and "valid.jsonl:3: key 'answer' is empty" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_counting_data_that_changed_is_not_resumed(tmp_path, capsys):
+    """A run on the user's own counting files (task.data_dir) saves their fingerprint (blake2b over each file's name
+    and bytes, worked out here) in corpus.json; a resume after an answer changed, every size kept, is a usage error
+    naming task.data_dir and both fingerprints, before anything is written; the files restored, it resumes."""
+    data, workdir = tmp_path / "my data", tmp_path / "run"
+    write_jsonl(data / "train.jsonl", generate_samples(16, nvars=2, min_steps=3, max_steps=8, seed=0))
+    write_jsonl(data / "valid.jsonl", generate_samples(4, nvars=2, min_steps=3, max_steps=8, seed=1))
+    original = (data / "valid.jsonl").read_text()
+    digest = hashlib.blake2b(digest_size=32)
+    for name in ("train.jsonl", "valid.jsonl"):  # _load_dir's order: train, valid, test, the others by name
+        for part in (name.encode(), (data / name).read_bytes()):
+            digest.update(len(part).to_bytes(8, "little") + part)
+
+    def run(steps: int) -> int:
+        return cli.train_main(["--task", "counting", "--pe", "rope", "--workdir", str(workdir), f"task.data_dir={data}",
+                               "task.seq_len=32", *[o for o in TINY if not o.startswith("task.")], "optim.batch_size=4",
+                               "run.eval_batch_size=4", "run.checkpoint_every=2", "run.async_checkpoints=false",
+                               "run.tensorboard=false", f"run.steps={steps}"])
+
+    assert run(2) == 0
+    saved = json.loads((workdir / "corpus.json").read_text())
+    assert saved == {"option": "task.data_dir", "source": str(data), "fingerprint": digest.hexdigest(),
+                     "hash": "blake2b", "bytes": (data / "train.jsonl").stat().st_size + len(original.encode())}
+    answer = json.loads(original.splitlines()[0])["answer"]
+    other = "1" if answer == "0" else "0"
+    (data / "valid.jsonl").write_text(original.replace(f'"answer": "{answer}"', f'"answer": "{other}"', 1))
+    now = build_task(load_config(workdir / "config.json")).corpus["fingerprint"]
+    before = {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()}
+    capsys.readouterr()
+    assert run(4) == 2
+    err = capsys.readouterr().err
+    assert (f"jaxpe-train: error: the corpus of the run in {str(workdir)!r} changed: task.data_dir={str(data)!r} now "
+            f"gives fingerprint {now[:12]} ({saved['bytes']} bytes), the run began on {saved['fingerprint'][:12]} "
+            f"({saved['bytes']} bytes;") in err and "Traceback" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before
+    (data / "valid.jsonl").write_text(original)
+    assert run(4) == 0
+    assert json.loads((workdir / "result.json").read_text())["resumed_from"] == 2
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_run(tmp_path):

@@ -8,12 +8,13 @@
 
 Each parses its flags and calls one function of jaxpe.train.experiments. A workdir that already holds
 checkpoints resumes; a workdir holds one run (jaxpe.train.workdir). A failure is one line on stderr, `<prog>: error:
-...`: exit status 2 for a bad config, data or workdir, 1 for a busy workdir, a NaN loss, a full disk or a permission
-problem; 3 when --time-limit stopped training (checkpointed: the same command resumes); Ctrl-C exits 130.
---debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
+...`: exit status 2 for a bad config, data or workdir (or one too large for the memory), 1 for a busy workdir, a NaN
+loss, a full disk or a permission problem; 3 when --time-limit stopped training (checkpointed: the same command
+resumes); Ctrl-C exits 130. --debug shows the traceback. Multi-host: see jaxpe.train.distributed.initialize (TPU
 pods, Slurm, Open MPI and $JAX_COORDINATOR_ADDRESS are detected; --coordinator/--num-processes/--process-id or
 $JAXPE_COORDINATOR, $JAXPE_NUM_PROCESSES, $JAXPE_PROCESS_ID set it explicitly). Only these entry points make the
-process-wide settings (logging, host CPU devices, glibc's malloc settings of jaxpe.train._malloc).
+process-wide settings (a stderr handler added to the root logger's own, host CPU devices, glibc's malloc settings of
+jaxpe.train._malloc).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import jax
 
 from jaxpe import PE_NAMES
 from jaxpe.train import _malloc, distributed, experiments
-from jaxpe.train.config import MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names
+from jaxpe.train.config import (MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names,
+                                resolve_task)
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
 from jaxpe.train.tables import comparison_heading, results_markdown
 from jaxpe.train.tasks import TASK_NAMES
@@ -49,7 +51,8 @@ def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         "or a path to a JSON preset file (one that ends in .json or exists)")
     parser.add_argument("--config", metavar="FILE", help="start from a run's saved config.json (reruns it; "
                         "--preset, --task, --pe and key=value apply on top)")
-    parser.add_argument("--workdir", help="directory for checkpoints, metrics and results (not with --show-config)")
+    parser.add_argument("--workdir", type=directory,
+                        help="directory for checkpoints, metrics and results (not with --show-config)")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (every key, with its comment) and exit without training")
     parser.add_argument("--time-limit", type=seconds, metavar="SECONDS",
@@ -87,6 +90,13 @@ def _no_repeats(values: Sequence[object], text: str) -> None:
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
         raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
+
+
+def directory(text: str) -> str:
+    """A --workdir: a path, not empty (an empty one would be the current directory; argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names no directory; give a path (. for the current directory)")
+    return text
 
 
 def seconds(text: str) -> float:
@@ -127,6 +137,8 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
         saved = load_config(args.config) if args.config else None
         configs = [build_config(config=saved, preset=args.preset, task=args.task, pe=pe, overrides=args.overrides)
                    for pe in pes]
+        for config in configs:
+            resolve_task(config.task)  # the task's options (a wrong type is a TypeError) before any run starts
         shown = [format_config(c) for c in configs] if args.show_config else []
     except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         if args.debug:
@@ -155,13 +167,32 @@ class _CurrentStderr(logging.StreamHandler):
         return sys.stderr
 
 
-def _start(args: argparse.Namespace) -> None:
-    """jaxpe's INFO lines on stderr, then the multi-host setup. absl installs a root handler when orbax is imported,
-    so a plain basicConfig would do nothing: force=True replaces it (and the handler of an earlier command in this
-    process: one handler, however many commands ran). The root level stays WARNING (the libraries' INFO chatter stays
-    off); the jaxpe loggers pass INFO."""
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", handlers=[_CurrentStderr()], force=True)
+def _is_bare_default(handler: logging.Handler) -> bool:
+    """Whether `handler` is what a bare `logging.basicConfig()` makes: a plain StreamHandler in basicConfig's format
+    on stderr. absl makes one on the root logger when it logs before logging is configured (orbax does, at import);
+    beside _CurrentStderr it would print every line twice."""
+    return (type(handler) is logging.StreamHandler and handler.stream not in (sys.stdout, sys.__stdout__)
+            and getattr(handler.formatter, "_fmt", None) == logging.BASIC_FORMAT)
+
+
+def _log_to_stderr() -> None:
+    """jaxpe's INFO lines on stderr: a _CurrentStderr on the root logger, added once per process (however many
+    commands run), beside the handlers a notebook or program set up before calling a command (kept: their files and
+    streams get the lines too), in place of a bare basicConfig() handler (_is_bare_default). The root level stays as
+    it is (WARNING by default: the libraries' INFO chatter stays off); the jaxpe loggers pass INFO."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if _is_bare_default(h)]:
+        root.removeHandler(handler)
+    if not any(isinstance(handler, _CurrentStderr) for handler in root.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
     logging.getLogger("jaxpe").setLevel(logging.INFO)
+
+
+def _start(args: argparse.Namespace) -> None:
+    """Logging (_log_to_stderr), then the multi-host setup."""
+    _log_to_stderr()
     distributed.split_host_cpu()
     _malloc.keep_freed_memory()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -180,8 +211,8 @@ def _os_error(error: BaseException) -> OSError | None:
 
 def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Callable[[], int]) -> int:
     """Runs the command; a failure ends in one line on stderr (the traceback only with --debug):
-    a bad config, data or workdir `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or permission
-    problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
+    a bad config, data or workdir, or one too large for the memory, `<prog>: error: ...` exit 2; a busy workdir, NaN
+    loss, full disk or permission problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
     prog = parser.prog
     try:
         return body()
@@ -217,10 +248,32 @@ def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Ca
             raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
+    except MemoryError as error:
+        if args.debug:
+            raise
+        return _report_memory(prog, error)
+    except ImportError as error:  # an optional extra a setting needs (lm's task.source=hf:..., jaxpe[hf])
+        if args.debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:
-        if args.debug or _os_error(error) is None and "No space left on device" not in str(error):
+        if args.debug:
+            raise
+        if "RESOURCE_EXHAUSTED" in str(error):  # XLA's out of memory
+            return _report_memory(prog, error)
+        if _os_error(error) is None and "No space left on device" not in str(error):
             raise
         return _report_os_error(prog, error)
+
+
+def _report_memory(prog: str, error: BaseException) -> int:
+    """One line for a config too large for this machine's memory (exit 2: a size in it must come down)."""
+    what = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    print(f"{prog}: error: out of memory ({what}); lower the sizes of the config: optim.batch_size, "
+          "run.eval_batch_size, task.seq_len, the task's set sizes or the model's (model.d_model, model.num_layers)",
+          file=sys.stderr)
+    return 2
 
 
 def _report_os_error(prog: str, error: BaseException) -> int:
@@ -270,7 +323,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-eval: evaluates a run's latest readable (or --step) checkpoint on every split."""
     parser = argparse.ArgumentParser(prog="jaxpe-eval",
                                      description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
-    parser.add_argument("--workdir", required=True, help="a jaxpe-train workdir")
+    parser.add_argument("--workdir", type=directory, required=True, help="a jaxpe-train workdir")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest readable one)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar over the evaluated sequences on stderr (default: the run's run.progress)")

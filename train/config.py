@@ -64,6 +64,7 @@ def _check_at_least(config: object, section: str, names: Sequence[str], minimum:
 
 
 MAX_SEED = 2**31 - 1  # the largest run.seed: int32, as the seeds a program stacks are
+MAX_STEPS = 2**31 - 1  # the largest run.steps: the state's step counter is int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,8 @@ class RunConfig:
         _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices", "seed"), 0, integer=True)
         if self.seed > MAX_SEED:  # stacked seeds are int32, and PRNGKey keeps 32 bits of a seed: 2^32 is seed 0
             raise ValueError(f"run.seed={self.seed} must be <= {MAX_SEED} (seeds are 32-bit)")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"run.steps={self.steps} must be <= {MAX_STEPS} (the step counter is 32-bit)")
         for name in ("async_checkpoints", "fsdp", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"run.{name}={getattr(self, name)!r} must be a bool")
@@ -178,10 +181,7 @@ def load_preset(name: str) -> dict[str, Any]:
     if name in preset_names():
         text = (_packaged_presets() / f"{name}.json").read_text(encoding="utf-8")
     elif name.endswith(".json") or os.path.isfile(name):
-        try:
-            text = pathlib.Path(name).read_text(encoding="utf-8")
-        except OSError as error:
-            raise ValueError(f"preset file {name!r} cannot be read: {error.strerror}") from error
+        text = _read_text(name, f"preset file {name!r}")
     else:
         raise ValueError(f"preset {name=} not found; choose one of {preset_names()} or give a path to a .json file")
     return json_object(text, f"preset {name!r}")
@@ -189,11 +189,18 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def load_config(path: str | os.PathLike) -> TrainConfig:
     """The TrainConfig saved in a run's workdir (`config.json`, written by train_and_evaluate)."""
-    try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise ValueError(f"config file {str(path)!r} cannot be read: {error.strerror}") from error
+    text = _read_text(path, f"config file {str(path)!r}")
     return from_dict(json_object(text, f"config file {str(path)!r}"))
+
+
+def _read_text(path: str | os.PathLike, what: str) -> str:
+    """The UTF-8 text of the file at `path`; ValueError starting with `what` when it cannot be read or decoded."""
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"{what} cannot be read: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} is not UTF-8 text ({error})") from None
 
 
 def build_config(
@@ -217,6 +224,9 @@ def build_config(
         data = load_preset(preset)
         preset_tasks = data.pop("tasks", {})
         preset_encodings = data.pop("encodings", {})
+        for key, names in (("tasks", preset_tasks), ("encodings", preset_encodings)):
+            if not isinstance(names, Mapping):
+                raise ValueError(f"preset {preset!r}: {key!r} must map names to their options, got {names!r}")
         config = apply_dict(config, {k: v for k, v in data.items() if not k.startswith("_")})
     if task is not None and task != config.task.name:
         config = apply_dict(dataclasses.replace(config, task=TaskConfig()), {"task": {"name": task}})

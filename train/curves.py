@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import pathlib
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from jaxpe.train.tables import PERCENT_METRICS, metric_label, metric_scale
 from jaxpe.train.tasks import TASKS
 
 SPLIT = "valid"  # the split the plateau is read from (every task has one)
+SEED_DIR = re.compile(r"seed([0-9]+)")  # a run's directory: seed<k>, k as jaxpe-compare writes it or zero-padded
 
 
 def plateau(steps: Sequence[int], errors: Sequence[float], sequences: int | None) -> dict[str, Any]:
@@ -123,15 +125,23 @@ def run_curve(metrics_path: pathlib.Path, metric: str) -> dict[str, Any]:
     return curve
 
 
-def _runs(root: pathlib.Path, several: bool) -> list[tuple[pathlib.Path, str, str, str]]:
-    """(metrics.jsonl, setting, encoding, seed k as written) of every run under `root`: a folder of settings
+def run_seed(run: pathlib.Path) -> int:
+    """The seed k of a run directory named seed<k> (seed1, seed01: 1); ValueError naming any other directory."""
+    match = SEED_DIR.fullmatch(run.name)
+    if match is None:
+        raise ValueError(f"run directory {str(run)!r} is not named seed<k> with k a non-negative integer; rename it "
+                         "or move it out of the roots")
+    return int(match[1])
+
+
+def _runs(root: pathlib.Path, several: bool) -> list[tuple[pathlib.Path, str, str, int]]:
+    """(metrics.jsonl, setting, encoding, seed k) of every run under `root`: a folder of settings
     (<setting>/<pe>/seed<k>/metrics.jsonl; with `several` roots a setting is "<root's name>/<setting>") or one
     jaxpe-compare workdir (<pe>/seed<k>/metrics.jsonl: one setting, the root's name)."""
     own = [(path, root.resolve().name) for path in sorted(root.glob("*/seed*/metrics.jsonl"))]
     nested = [(path, f"{root.name}/{path.parents[2].name}" if several else path.parents[2].name)
               for path in sorted(root.glob("*/*/seed*/metrics.jsonl"))]
-    return [(path, setting, path.parent.parent.name, path.parent.name.removeprefix("seed"))
-            for path, setting in own + nested]
+    return [(path, setting, path.parent.parent.name, run_seed(path.parent)) for path, setting in own + nested]
 
 
 def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Sequence[str] = (),
@@ -141,33 +151,40 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
     of those of `pes` and `seeds` (empty: all); a root that is one jaxpe-compare workdir (<pe>/seed<k>/metrics.jsonl)
     is one setting, named by the root. Each curve is `run_curve`'s in its task's metric (`run_metric`), with
     the run's `wall_seconds`; "metric" is the one metric of every setting, None when they differ. With several roots a
-    setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). ValueError when there is no run,
-    when an encoding of `pes` or a seed of `seeds` has no run under the roots (naming those they hold), when no run is
-    of both, or when a setting's runs trained tasks of different metrics."""
+    setting is named "<root's name>/<setting>" (e.g. sweeps at two learning rates). Seeds compare as integers (the
+    directory seed01 is seed 1; a curve is keyed by its directory's name). ValueError when there is no run, when a
+    run directory is not seed<k> or two of one setting and encoding name the same seed (seed1, seed01), when an
+    encoding of `pes` or a seed of `seeds` has no run under the roots (naming those they hold), when no run is of
+    both, or when a setting's runs trained tasks of different metrics."""
     roots = [pathlib.Path(roots)] if isinstance(roots, (str, pathlib.Path)) else [pathlib.Path(r) for r in roots]
     every = [run for root in roots for run in _runs(root, len(roots) > 1)]
     if not every:
         raise ValueError(f"no runs under {', '.join(map(str, roots))} (<setting>/<pe>/seed<k>/metrics.jsonl, or "
                          f"<pe>/seed<k>/metrics.jsonl of one jaxpe-compare workdir)")
-    wanted = {"pes": list(pes), "seeds": [str(seed) for seed in seeds]}
-    held = {"pes": sorted({pe for _, _, pe, _ in every}),
-            "seeds": sorted({seed for _, _, _, seed in every}, key=lambda seed: (len(seed), seed))}
+    wanted = {"pes": list(pes), "seeds": [int(seed) for seed in seeds]}
+    held = {"pes": sorted({pe for _, _, pe, _ in every}), "seeds": sorted({seed for _, _, _, seed in every})}
     for option, what in (("pes", "encoding"), ("seeds", "seed")):
-        unknown = [value for value in wanted[option] if value not in held[option]]
+        unknown = [str(value) for value in wanted[option] if value not in held[option]]
         if unknown:
             raise ValueError(f"{option}: unknown {what}(s) {', '.join(unknown)}; the roots hold "
-                             f"{', '.join(held[option])}")
-    found = [(path, setting) for path, setting, pe, seed in every
+                             f"{', '.join(map(str, held[option]))}")
+    found = [(path, setting, pe, seed) for path, setting, pe, seed in every
              if (not pes or pe in wanted["pes"]) and (not seeds or seed in wanted["seeds"])]
+    named: dict[tuple[str, str, int], pathlib.Path] = {}
+    for path, setting, pe, seed in found:
+        first = named.setdefault((setting, pe, seed), path.parent)
+        if first != path.parent:
+            raise ValueError(f"{str(first)!r} and {str(path.parent)!r} both hold seed {seed} of {pe} in setting "
+                             f"{setting!r}; keep one of them under the roots")
     if not found:
         raise ValueError(f"no runs of encodings {wanted['pes']} and seeds {list(seeds)} together under "
                          f"{', '.join(map(str, roots))}")
     settings: dict[str, dict[str, dict[str, Any]]] = {}
     metrics: dict[str, str] = {}
     configs, environments = {}, {}
-    for path, setting in found:
+    for path, setting, pe, _ in found:
         run = path.parent
-        pe, seed = run.parent.name, run.name
+        seed = run.name
         name = f"{setting}/{pe}/{seed}"
         metric = run_metric(run)
         if metrics.setdefault(setting, metric) != metric:
@@ -272,10 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "curves.md").write_text(summary(data, window))
-    learning_curves(data, path=out / "curves.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
+        (out / "curves.md").write_text(summary(data, window))
+        learning_curves(data, path=out / "curves.png")
+    except OSError as error:  # --out a file, or a folder that cannot be written
+        parser.error(f"--out={args.out!r}: {error.strerror}: {error.filename}")
     print(summary(data, window), end="")
     return 0
 

@@ -46,12 +46,16 @@ def initialize(
         name in os.environ for name in ("JAXPE_COORDINATOR", "JAXPE_NUM_PROCESSES", "JAXPE_PROCESS_ID"))
     if explicit:
         coordinator = coordinator or os.environ.get("JAXPE_COORDINATOR")
-        num_processes = num_processes or _env_int("JAXPE_NUM_PROCESSES", 1)
+        num_processes = _env_int("JAXPE_NUM_PROCESSES", 1) if num_processes is None else num_processes
         process_id = _env_int("JAXPE_PROCESS_ID", 0) if process_id is None else process_id
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(f"{num_processes=} must be >= 1 and {process_id=} in [0, num_processes)")
+        if num_processes < 1:
+            raise ValueError(f"--num-processes={num_processes} ($JAXPE_NUM_PROCESSES) must be >= 1")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id={process_id} ($JAXPE_PROCESS_ID) must be in [0, {num_processes}), "
+                             f"below --num-processes={num_processes}")
         if num_processes > 1 and not coordinator:
-            raise ValueError(f"{coordinator=} (host:port of process 0) is needed with {num_processes=}")
+            raise ValueError(f"--coordinator ($JAXPE_COORDINATOR), host:port of process 0, is needed with "
+                             f"--num-processes={num_processes}")
         how = "--coordinator/--num-processes/--process-id or $JAXPE_*"
         kwargs = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
         single = num_processes == 1

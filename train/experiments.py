@@ -13,6 +13,8 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
+import os
 import pathlib
 import platform
 import time
@@ -111,7 +113,48 @@ def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
         raise ValueError(f"model.max_len={max_len} is shorter than the longest sequence of task "
                          f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
-    return task, build_model(config.model, task.vocab_size, longest)
+    model = build_model(config.model, task.vocab_size, longest)
+    check_model_fits(model)
+    return task, model
+
+
+def memory_bytes() -> int:
+    """The memory the run's state can take: the local accelerators' bytes_limit together, or on a CPU (which reports
+    none) the host's physical memory."""
+    limits = [(device.memory_stats() or {}).get("bytes_limit") for device in jax.local_devices()]
+    if all(limits):
+        return int(sum(limits))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+TRACED_LAYERS = 12  # a deeper model's size is extrapolated from fewer of its layers (tracing a layer takes time)
+
+
+def state_size(model: TransformerLM) -> tuple[int, int]:
+    """(parameters, bytes of the parameters and Adam's two moments) of `model`, from jax.eval_shape (nothing is
+    allocated). Past TRACED_LAYERS layers, from n and n + 4 layers (n = 4 + num_layers mod 4) and the growth per four
+    layers between them: exact for layer patterns of period 1, 2 or 4."""
+    layers = model.config.num_layers
+    if layers > TRACED_LAYERS:
+        base = 4 + layers % 4
+        short, longer = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n)))
+                         for n in (base, base + 4))
+        return tuple(b + (layers - base - 4) // 4 * (b - a) for a, b in zip(short, longer))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))
+    leaves = jax.tree.leaves(shapes)
+    return (sum(math.prod(leaf.shape) for leaf in leaves),
+            3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves))
+
+
+def check_model_fits(model: TransformerLM) -> None:
+    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) exceed
+    memory_bytes(): such a model would abort XLA or exhaust the host before the first step rather than fail in
+    words."""
+    (count, state), memory = state_size(model), memory_bytes()
+    if state > memory:
+        raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
+                         f"more than the {memory / 2**30:.3g} GiB of memory here; lower model.d_model, "
+                         "model.num_layers, model.mlp_dim or model.max_len")
 
 
 def check_tokens(task: Task, batch_size: int) -> None:

@@ -7,7 +7,6 @@ saves it when given a path (notebooks display the returned Figure).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from jaxpe.train.tables import metric_label, metric_scale
+from jaxpe.train.tasks.base import json_object
 
 
 def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1) -> tuple[Figure, list[Any]]:
@@ -34,8 +34,18 @@ def _save(fig: Figure, path: str | pathlib.Path | None) -> Figure:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file."""
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl file. A last line cut short (no newline, not JSON: a run killed as it wrote)
+    is left out; any other line that is not a JSON object is a ValueError naming the file and the line."""
+    lines = pathlib.Path(path).read_text(errors="replace").split("\n")  # the last one "" after a whole line
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                records.append(json_object(line, f"{str(path)!r}, line {number},"))
+            except ValueError:
+                if number < len(lines):
+                    raise
+    return records
 
 
 def _error_bar(split: Mapping[str, Any], metric: str) -> tuple[float, float]:

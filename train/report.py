@@ -23,6 +23,8 @@ from jaxpe.train.tables import comparison_table, load_comparison, merge_comparis
 def merge_into(directory: str | pathlib.Path, paths: Sequence[str | pathlib.Path]) -> None:
     """Merges the comparisons at `paths`, in order, into directory's compare.json (if any) and writes the result
     there (compare.json, compare.md, compare.png)."""
+    if pathlib.Path(directory).exists() and not pathlib.Path(directory).is_dir():
+        raise ValueError(f"--merge-into {str(directory)!r} exists and is not a directory")
     comparisons = [load_comparison(p) for p in paths]
     if (pathlib.Path(directory) / "compare.json").is_file():
         comparisons.insert(0, load_comparison(directory))
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                labels=[s for s in args.labels.split(",") if s]), end="")
     except ValueError as error:
         parser.error(str(error))
+    except OSError as error:  # --merge-into a directory that cannot be written
+        parser.error(f"{error.strerror}: {error.filename}")
     return 0
 
 

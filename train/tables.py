@@ -11,7 +11,6 @@ explain.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxpe.train.tasks import task_config_class
+from jaxpe.train.tasks.base import json_object
 
 PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
 INTERVAL = "95 % interval: seed spread + evaluation-set binomial error"  # the [low, high] after a mean (interval95)
@@ -111,14 +111,22 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], *, label_key: str = "p
     return rows
 
 
+COMPARISON_KEYS = ("task", "metric", "splits", "rows")  # what every compare.json holds (experiments._compare)
+
+
 def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
-    """The compare.json of a jaxpe-compare workdir (or the file itself)."""
+    """The compare.json of a jaxpe-compare workdir (or the file itself); ValueError naming the file when there is none,
+    or it is no JSON object with COMPARISON_KEYS."""
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / "compare.json"
     if not path.is_file():
         raise ValueError(f"{str(path)!r} is not a compare.json (run jaxpe-compare first)")
-    return json.loads(path.read_text())
+    comparison = json_object(path.read_text(errors="replace"), f"{str(path)!r}")
+    missing = [key for key in COMPARISON_KEYS if key not in comparison]
+    if missing:
+        raise ValueError(f"{str(path)!r} is not a compare.json of jaxpe-compare: it has no {', '.join(missing)}")
+    return comparison
 
 
 def _task_config(task: Mapping[str, Any]) -> Any:
@@ -186,7 +194,8 @@ def comparison_table(paths: Sequence[str | pathlib.Path], *, splits: Sequence[st
         c["rows"] = summarize_seeds(c["runs"]) if c.get("runs") else c["rows"]
     labels = list(labels) or [pathlib.Path(p).name for p in paths]
     if len(labels) != len(comparisons):
-        raise ValueError(f"{len(labels)=} must equal the number of comparisons {len(comparisons)}")
+        raise ValueError(f"labels: {len(labels)} given ({', '.join(labels)}) for {len(comparisons)} comparison(s); "
+                         "give one per comparison")
     columns = [(c, label, split) for c, label in zip(comparisons, labels)
                for split in c["splits"] if not splits or split in splits]
     pes = list(dict.fromkeys(row["pe"] for c in comparisons for row in c["rows"]))

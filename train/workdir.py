@@ -8,8 +8,9 @@ saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or 
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
 saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
 filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
-unresolved. A task read from outside data (lm's corpus: `Task.corpus`) leaves its fingerprint in `corpus.json`
-(`write_corpus`), and `check_same_corpus` refuses to resume, reuse or read back the run once that data changed.
+unresolved. A task read from outside data (lm's corpus, counting's data_dir: `Task.corpus`) leaves its fingerprint in
+`corpus.json` (`write_corpus`), and `check_same_corpus` refuses to resume, reuse or read back the run once that data
+changed.
 `write_json` writes a workdir's JSON files atomically.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from jaxpe.train.config import TrainConfig, load_config, resolve_config, resolve_task, to_dict
 from jaxpe.train.tasks import Task
+from jaxpe.train.tasks.base import json_object
 
 LOCK_NAME = ".jaxpe.lock"
 
@@ -137,18 +139,36 @@ def write_corpus(workdir: pathlib.Path, task: Task) -> None:
 
 def check_same_corpus(workdir: pathlib.Path, task: Task) -> None:
     """ValueError when workdir/corpus.json holds another fingerprint than `task.corpus`'s: the run's data (its
-    source's documents, their names or sizes) changed since the run began. A task without `corpus`, or a run that
-    saved none (written before runs did), passes."""
+    documents' names or contents) changed since the run began. A corpus.json without "hash", saved when fingerprints
+    hashed names and sizes only, is checked against `task.names_fingerprint`, that kind. A task without `corpus`, or
+    a run that saved none (written before runs did), passes."""
     corpus, path = getattr(task, "corpus", None), workdir / CORPUS_NAME
     if corpus is None or not path.is_file():
         return
-    saved = json.loads(path.read_text())
-    if saved.get("fingerprint") != corpus["fingerprint"]:
+    saved = json_object(path.read_text(errors="replace"), f"{str(path)!r}")
+    if "hash" in saved:
+        now, kind = corpus["fingerprint"], "names and contents"
+    else:
+        now, kind = getattr(task, "names_fingerprint", None), "names and sizes (saved before they hashed contents)"
+    if saved.get("fingerprint") != now:
         raise ValueError(
-            f"the corpus of the run in {str(workdir)!r} changed: task.source={corpus['source']!r} now gives "
-            f"fingerprint {corpus['fingerprint'][:12]} ({corpus['bytes']} bytes), the run began on "
+            f"the corpus of the run in {str(workdir)!r} changed: {corpus['option']}={corpus['source']!r} now gives "
+            f"fingerprint {str(now)[:12]} ({corpus['bytes']} bytes), the run began on "
             f"{str(saved.get('fingerprint'))[:12]} ({saved.get('bytes')} bytes; fingerprints hash the documents' "
-            f"names and sizes, {CORPUS_NAME}); restore that corpus to resume the run, or use a new workdir")
+            f"{kind}, {CORPUS_NAME}); restore that data to resume the run, or use a new workdir")
+
+
+def check_outside_data(workdir: pathlib.Path, task: Task) -> None:
+    """ValueError when `workdir` is a directory of the task's outside data (`Task.corpus`'s source) or inside one:
+    the run's own files (metrics.jsonl, result.md...) would join its data, and change its fingerprint."""
+    corpus = getattr(task, "corpus", None)
+    if corpus is None:
+        return
+    sources = corpus["source"] if isinstance(corpus["source"], list) else [corpus["source"]]
+    for source in map(pathlib.Path, sources):
+        if source.is_dir() and workdir.resolve().is_relative_to(source.resolve()):
+            raise ValueError(f"workdir {str(workdir)!r} is inside {corpus['option']}={str(source)!r}: the run's own "
+                             "files would become its data; use a workdir outside it")
 
 
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
@@ -171,8 +191,9 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
     config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
     checkpointing (run.checkpoint_every=0) would leave behind, or a run on a corpus that changed since
     (check_same_corpus). The saved config is read back first, so that a field added since it was written (with its
-    default) is no difference."""
+    default) is no difference. A workdir inside the task's data is refused too (check_outside_data)."""
     check_workdir(workdir)
+    check_outside_data(workdir, task)
     path = workdir / "config.json"
     if not path.is_file():
         present = [name for name in RUN_STATE if (workdir / name).exists()]

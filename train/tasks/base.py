@@ -55,9 +55,11 @@ class Split:
 
 @runtime_checkable
 class Task(Protocol):
-    """What the training loop needs from a task. A task whose data is read from outside (lm's corpus) may also have
-    `corpus`, a JSON dict with its "source" and a "fingerprint" of the data: a run saves it and refuses to go on
-    when the fingerprint changed (jaxpe.train.workdir.check_same_corpus)."""
+    """What the training loop needs from a task. A task whose data is read from outside (lm's corpus, counting's
+    data_dir) may also have `corpus`, a JSON dict with the "option" that names the data (e.g. "task.source"), its
+    "source", the "fingerprint" of the data (content_fingerprint, "hash": CONTENT_HASH) and its "bytes": a run saves
+    it and refuses to go on when the fingerprint changed (jaxpe.train.workdir.check_same_corpus). A task that saved
+    fingerprints of another kind before has `names_fingerprint` too, that older kind, to check such a run by."""
 
     name: str
     vocab_size: int
@@ -149,6 +151,21 @@ def planned_lengths(own: Sequence[int] | np.ndarray) -> np.ndarray:
 def trim_batch(batch: Batch, length: int) -> Batch:
     """The first `length` positions of every [B, L] array of `batch`."""
     return {name: np.ascontiguousarray(array[:, :length]) for name, array in batch.items()}
+
+
+CONTENT_HASH = "blake2b"  # corpus["hash"] of content_fingerprint (a corpus.json without one: names and sizes)
+
+
+def content_fingerprint(documents: Iterable[tuple[str, bytes]], salt: str = "") -> str:
+    """The blake2b digest (32 bytes, 64 hex digits) of `salt` and each (name, content) of `documents` in order, every
+    name and content preceded by its length: an edit that keeps a document's size changes it, and so does a rename,
+    a reordering, or bytes moved from one document to the next."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=32)
+    for name, content in documents:
+        for part in (name.encode(), content):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()
 
 
 def derive_seed(seed: int, *parts: object) -> int:

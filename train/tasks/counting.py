@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import os
 import random
@@ -37,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpe.train.tasks.base import (Batch, Split, WordVocab, check_ints, derive_seed, epoch_indices, json_object,
-                                   make_batch, pad_and_shift)
+from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, WordVocab, check_ints, content_fingerprint, derive_seed,
+                                   epoch_indices, json_object, make_batch, pad_and_shift)
 
 Sample = dict[str, str]  # {"context": ..., "question": ..., "answer": ...}
 
@@ -67,6 +68,8 @@ class CountingConfig:
                    n_test=(self.n_test, 1), seq_len=(self.seq_len, 2))
         if self.data_dir is not None and not isinstance(self.data_dir, (str, os.PathLike)):
             raise TypeError(f"data_dir={self.data_dir!r} must be a path or None")
+        if self.data_dir is not None and not str(self.data_dir).strip():
+            raise ValueError(f"data_dir={self.data_dir!r} names no directory (an empty path would be the current one)")
 
 
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,
@@ -128,20 +131,28 @@ def read_jsonl(path: str | os.PathLike) -> list[Sample]:
     `context` is joined with spaces, as the official loader does; blank lines
     are skipped.
     """
+    return _parse_jsonl(Path(path).read_bytes(), path)
+
+
+def _parse_jsonl(data: bytes, path: str | os.PathLike) -> list[Sample]:
+    """The samples of `data`, the bytes of the .jsonl file at `path` (read_jsonl)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error})") from None
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            obj = json_object(line, f"{path}:{lineno}: the line")
-            if isinstance(obj.get("context"), list):
-                obj["context"] = " ".join(obj["context"])
-            for key in SAMPLE_KEYS:
-                if not isinstance(obj.get(key), str):
-                    raise ValueError(f"{path}:{lineno}: key {key!r} missing or not a string")
-                if not tokenize(obj[key]):  # an empty answer would be scored on no token: 0 % error
-                    raise ValueError(f"{path}:{lineno}: key {key!r} is empty")
-            samples.append({key: obj[key] for key in SAMPLE_KEYS})
+    for lineno, line in enumerate(io.StringIO(text, newline=None), start=1):  # lines as open() reads them
+        if not line.strip():
+            continue
+        obj = json_object(line, f"{path}:{lineno}: the line")
+        if isinstance(obj.get("context"), list):
+            obj["context"] = " ".join(obj["context"])
+        for key in SAMPLE_KEYS:
+            if not isinstance(obj.get(key), str):
+                raise ValueError(f"{path}:{lineno}: key {key!r} missing or not a string")
+            if not tokenize(obj[key]):  # an empty answer would be scored on no token: 0 % error
+                raise ValueError(f"{path}:{lineno}: key {key!r} is empty")
+        samples.append({key: obj[key] for key in SAMPLE_KEYS})
     return samples
 
 
@@ -168,6 +179,8 @@ class CountingTask:
     def __init__(self, config: CountingConfig):
         self.config = config
         self.seq_len = config.seq_len
+        self.fingerprint: str | None = None  # of data_dir's files (content_fingerprint); None for generated data
+        self.data_bytes = 0  # the size of data_dir's .jsonl files
         self.samples = self._load_or_generate()  # split name -> samples
         self.vocab = base_vocab(config.max_value)
         for split in self.samples.values():  # words of loaded data that the generator never writes
@@ -180,12 +193,23 @@ class CountingTask:
     def _load_or_generate(self) -> dict[str, list[Sample]]:
         cfg = self.config
         if cfg.data_dir is not None:
-            return _load_dir(Path(cfg.data_dir))
+            samples, files = _load_dir(Path(cfg.data_dir))
+            self.fingerprint, self.data_bytes = content_fingerprint(files), sum(len(data) for _, data in files)
+            return samples
         sizes = {"train": (cfg.n_train, 3, cfg.max_steps), "valid": (cfg.n_valid, 3, cfg.max_steps),
                  "test": (cfg.n_test, 3, cfg.max_steps), "len_x2": (cfg.n_test, cfg.max_steps + 1, 2 * cfg.max_steps)}
         return {split: generate_samples(n, nvars=cfg.nvars, min_steps=lo, max_steps=hi, max_value=cfg.max_value,
                                         seed=derive_seed(cfg.seed, "counting", split))
                 for split, (n, lo, hi) in sizes.items()}
+
+    @property
+    def corpus(self) -> dict[str, object] | None:
+        """What identifies the data read from data_dir: {"option", "source", "fingerprint", "hash", "bytes"}
+        (tasks.base.Task); None for generated data, which the options fix."""
+        if self.fingerprint is None:
+            return None
+        return {"option": "task.data_dir", "source": str(self.config.data_dir), "fingerprint": self.fingerprint,
+                "hash": CONTENT_HASH, "bytes": self.data_bytes}
 
     def encode(self, samples: Sequence[Sample], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(inputs, targets, weights), each [N, seq_len]; weights mark the answer tokens."""
@@ -245,16 +269,18 @@ def _longer_len(task: CountingTask, samples: Sequence[Sample]) -> int:
     return task.seq_len * max(1, -(-(longest - 1) // task.seq_len))
 
 
-def _load_dir(data_dir: Path) -> dict[str, list[Sample]]:
-    """train.jsonl and valid.jsonl (required), plus every other <name>.jsonl as a split <name>."""
+def _load_dir(data_dir: Path) -> tuple[dict[str, list[Sample]], list[tuple[str, bytes]]]:
+    """train.jsonl and valid.jsonl (required), plus every other <name>.jsonl as a split <name>; and the files read,
+    (name, bytes) in the order read."""
     if not data_dir.is_dir():
         raise ValueError(f"data_dir={str(data_dir)!r} is not a directory")
     for required in ("train", "valid"):
         if not (data_dir / f"{required}.jsonl").is_file():
             raise ValueError(f"data_dir={str(data_dir)!r} has no {required}.jsonl")
-    samples = {}
+    samples, files = {}, []
     for path in sorted(data_dir.glob("*.jsonl"), key=lambda p: (p.stem not in ("train", "valid", "test"), p.stem)):
-        samples[path.stem] = read_jsonl(path)
+        files.append((path.name, path.read_bytes()))
+        samples[path.stem] = _parse_jsonl(files[-1][1], path)
         if not samples[path.stem]:
             raise ValueError(f"{path} holds no samples")
-    return samples
+    return samples, files

@@ -11,8 +11,10 @@ Tokens are bytes (vocab 256). Sources (`source` option):
 
 A file (or a dataset row) is a document. The corpus is capped at `max_bytes`:
 documents are taken in a fixed pseudo-random order (a hash of the name) while
-they fit. `fingerprint` is the sha256 of the sorted document names and sizes; `corpus` (source, fingerprint, bytes)
-is saved with a run (jaxpe.train.workdir) so that a run is not resumed on another corpus.
+they fit. `fingerprint` hashes the names and contents of the documents read (tasks.base.content_fingerprint, blake2b:
+an edit that keeps a file's size changes it); `corpus` (option, source, fingerprint, bytes) is saved with a run
+(jaxpe.train.workdir) so that a run is not resumed on another corpus. `names_fingerprint`, the sha256 of the document
+names and sizes, is what runs saved before fingerprints hashed the content, and checks those.
 Splits (`split_by`), a dataset's own validation/test splits used when it has them:
 - `"document"`: each document goes wholly to train, valid or test by a hash of
   its name, so its split never depends on which other documents are present;
@@ -53,8 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpe.train.tasks.base import (Batch, Split, check_int, check_probability, check_step, derive_seed,
-                              make_batch)
+from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, check_int, check_probability, check_step,
+                                   content_fingerprint, derive_seed, make_batch)
 
 SPLITS = ("train", "valid", "test")
 SPLIT_BY = ("auto", "document", "bytes")
@@ -92,6 +94,8 @@ class LMConfig:
                 (isinstance(self.source, tuple) and self.source and
                  all(isinstance(s, (str, os.PathLike)) for s in self.source))):
             raise TypeError(f"source={self.source!r} must be 'stdlib', 'hf:<name>', a path or a tuple of paths")
+        if any(not str(path).strip() for path in (self.source if isinstance(self.source, tuple) else (self.source,))):
+            raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
         if not all(isinstance(s, str) for s in self.suffixes):
             raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
         check_int("seed", self.seed, 0)
@@ -199,8 +203,9 @@ def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
             f"{len(others)} other file(s), e.g. {others[0]!r}; set {setting} to take them")
 
 
-def _file_documents(config: LMConfig) -> tuple[list[Document], str]:
-    """The documents of a file source (stdlib or local paths) in name order, and the fingerprint."""
+def _file_documents(config: LMConfig) -> list[Document]:
+    """The documents of a file source (stdlib or local paths) in name order, each file read up to its size when the
+    corpus was chosen (so never past max_bytes in all)."""
     if config.source == "stdlib":
         root, names = stdlib_files()
         files = {name: root / name for name in names}
@@ -218,22 +223,26 @@ def _file_documents(config: LMConfig) -> tuple[list[Document], str]:
                          f"smallest, {smallest!r}, has {sizes[smallest]} bytes); raise task.max_bytes")
     if total == 0:
         raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
-    chosen.sort()
-    listing = "".join(f"{name}\t{sizes[name]}\n" for name in chosen)
-    return [(name, files[name].read_bytes()) for name in chosen], hashlib.sha256(listing.encode()).hexdigest()
+    return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
 
 
-def _hf_documents(config: LMConfig) -> tuple[Documents | list[Document], str]:
+def _read(path: Path, size: int) -> bytes:
+    """The first `size` bytes of the file at `path`."""
+    with open(path, "rb") as file:
+        return file.read(size)
+
+
+def _hf_documents(config: LMConfig) -> Documents | list[Document]:
     """A Hugging Face dataset's documents by split when it has its own validation and test splits, else all of
-    them in row order; and the fingerprint."""
+    them in row order."""
+    name, _, subset = config.source.removeprefix("hf:").partition(":")
+    if not name:
+        raise ValueError(f"source={config.source!r} must be 'hf:<name>' or 'hf:<name>:<config>'")
     try:
         import datasets  # an optional extra (jaxpe[hf]), needed only for hf: sources
     except ImportError:
         raise ImportError(f"source={config.source!r} needs the Hugging Face `datasets` package: "
                           "pip install 'jaxpe[hf]' (or pip install datasets)") from None
-    name, _, subset = config.source.removeprefix("hf:").partition(":")
-    if not name:
-        raise ValueError(f"source={config.source!r} must be 'hf:<name>' or 'hf:<name>:<config>'")
     if Path(name).is_dir():
         loaded = datasets.load_from_disk(name)
     else:
@@ -263,9 +272,22 @@ def _hf_documents(config: LMConfig) -> tuple[Documents | list[Document], str]:
             else:
                 continue
             break
-    listing = "".join(f"{doc}\t{len(content)}\n" for split in SPLITS for doc, content in sorted(docs[split]))
-    fingerprint = hashlib.sha256(f"{config.source}\n{listing}".encode()).hexdigest()
-    return (docs if own_splits else docs["train"]), fingerprint
+    return docs if own_splits else docs["train"]
+
+
+def fingerprints(config: LMConfig, loaded: Documents | list[Document]) -> tuple[str, str]:
+    """(content fingerprint, names fingerprint) of the documents a source gave: `loaded` as _file_documents or
+    _hf_documents return it. The first is tasks.base.content_fingerprint over the documents in order (a dataset's
+    salted with its source); the second the sha256 of their names and sizes, what runs saved before."""
+    ordered = sorted(loaded) if isinstance(loaded, list) else [doc for split in SPLITS for doc in sorted(loaded[split])]
+    salt = f"{config.source}\n" if _is_hf(config) else ""
+    listing = "".join(f"{name}\t{len(content)}\n" for name, content in ordered)
+    return content_fingerprint(ordered, salt=salt), hashlib.sha256(f"{salt}{listing}".encode()).hexdigest()
+
+
+def _is_hf(config: LMConfig) -> bool:
+    """Whether config.source names a Hugging Face dataset ("hf:...")."""
+    return isinstance(config.source, str) and config.source.startswith("hf:")
 
 
 def cut_windows(stream: np.ndarray, starts: np.ndarray, ends: np.ndarray, length: int
@@ -293,8 +315,8 @@ class LMTask:
     def __init__(self, config: LMConfig):
         self.config = config
         self.seq_len = config.seq_len
-        is_hf = isinstance(config.source, str) and config.source.startswith("hf:")
-        loaded, self.fingerprint = _hf_documents(config) if is_hf else _file_documents(config)
+        loaded = _hf_documents(config) if _is_hf(config) else _file_documents(config)
+        self.fingerprint, self.names_fingerprint = fingerprints(config, loaded)
         if isinstance(loaded, dict):
             docs, self.split_by = loaded, "own"
         else:
@@ -310,10 +332,13 @@ class LMTask:
 
     @property
     def corpus(self) -> dict[str, object]:
-        """What identifies the corpus: {"source", "fingerprint", "bytes"} (JSON values; bytes over every split)."""
+        """What identifies the corpus: {"option", "source", "fingerprint", "hash", "bytes"} (JSON values; bytes over
+        every split; tasks.base.Task)."""
         source = self.config.source
-        return {"source": str(source) if isinstance(source, (str, os.PathLike)) else [str(s) for s in source],
-                "fingerprint": self.fingerprint, "bytes": sum(int(s.size) for s in self.streams.values())}
+        return {"option": "task.source",
+                "source": str(source) if isinstance(source, (str, os.PathLike)) else [str(s) for s in source],
+                "fingerprint": self.fingerprint, "hash": CONTENT_HASH,
+                "bytes": sum(int(s.size) for s in self.streams.values())}
 
     def _too_short(self, split: str, count: int) -> str:
         """Why `split` holds nothing to predict, and the settings that fix it."""
