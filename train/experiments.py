@@ -149,7 +149,9 @@ def state_size(model: TransformerLM) -> tuple[int, int]:
 def check_model_fits(model: TransformerLM) -> None:
     """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) exceed
     memory_bytes(): such a model would abort XLA or exhaust the host before the first step rather than fail in
-    words."""
+    words. Not in a multi-process run, whose state (with run.fsdp) spreads over other hosts' memory too."""
+    if jax.process_count() > 1:
+        return
     (count, state), memory = state_size(model), memory_bytes()
     if state > memory:
         raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
