@@ -162,56 +162,6 @@ def test_a_dispatch_holds_the_steps_of_one_length_and_each_length_compiles_once(
     assert trainer.train_steps._cache_size() == len(common)
 
 
-def test_a_runs_lengths_compile_at_once_before_its_first_step_and_evaluation_lengths_too():
-    """With the training set on the device, Feed.compile compiles train_steps at every length the remaining steps
-    need, each in a thread of its own (the compiler, not the caller's thread), before the first dispatch; the steps
-    then compile nothing. With host batches it compiles nothing. evaluate_members compiles its lengths the same way
-    before its first batch."""
-    import threading
-
-    import jax
-    import jax.monitoring
-
-    from jaxpe.train import Trainer
-    from jaxpe.train.config import build_model, longest_length
-    from jaxpe.train.feed import Feed
-
-    compiles: list[bool] = []  # one per XLA compilation: whether it ran in the main thread
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **_: compiles.append(threading.current_thread() is threading.main_thread())
-        if event.endswith("backend_compile_duration") else None)
-    config = counting("run.steps=48", "run.steps_per_dispatch=4", "run.pad_multiple=2", "task.max_steps=7")
-    task = build_task(config)
-    trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
-                      seq_len=task.seq_len)
-    feed, state = Feed(trainer, task), trainer.init_state()
-    lengths = set(feed.step_lengths().tolist())
-    assert len(lengths) > 1  # the test needs several
-    before = len(compiles)
-    feed.compile(state, 0)
-    assert compiles[before:] == [False] * len(lengths)
-    assert trainer.batch_lengths["train"] == lengths
-    before, step = len(compiles), 0
-    while step < 48:
-        chunk = feed.steps(step, min(4, 48 - step))
-        state, _ = trainer.train_steps(state, chunk.data, chunk.rows, np.int32(chunk.steps), chunk.length)
-        step += chunk.steps
-    jax.block_until_ready(state)
-    assert compiles[before:] == []
-    assert trainer.train_steps._cache_size() == len(lengths)
-
-    splits = task.eval_splits()
-    planned = {int(n) for plan in trainer.eval_lengths(splits).values() for n in plan}
-    before = len(compiles)
-    trainer.evaluate_members(state.params, splits)
-    assert compiles[before:].count(False) == len(planned) > 1 and compiles[before:].count(True) <= 1  # 1: to_host
-
-    host = Trainer(model=trainer.model, config=counting("run.steps=48"), seq_len=task.seq_len)  # one step a dispatch
-    host_feed = Feed(host, task)
-    host_feed.compile(host.init_state(), 0)
-    assert not host_feed.on_device and host.train_steps._cache_size() == 0
-
-
 def test_compile_ahead_leaves_the_evaluation_nothing_to_compile():
     """Trainer.compile_ahead compiles every eval step of the planned evaluations in a background thread, ahead of
     time (the parameters' shapes and placements only); evaluating afterwards compiles nothing and gives the metrics

@@ -136,11 +136,6 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"${name}={text!r} must be an integer") from None
 
 
-def host_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 MAX_CPU_DEVICES = 8  # beyond this a shard per core gets too small to keep a core busy
 
@@ -159,7 +154,8 @@ def split_host_cpu() -> int | None:
     flags = os.environ.get("XLA_FLAGS", "")
     if CPU_DEVICES_FLAG in flags:
         return None
-    count = _env_int("JAXPE_CPU_DEVICES", min(host_cores(), MAX_CPU_DEVICES))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = _env_int("JAXPE_CPU_DEVICES", min(cores, MAX_CPU_DEVICES))
     if count < 1:
         raise ValueError(f"$JAXPE_CPU_DEVICES={count} must be >= 1")
     os.environ["XLA_FLAGS"] = f"{CPU_DEVICES_FLAG}={count} {flags}".strip()

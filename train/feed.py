@@ -73,23 +73,6 @@ class Feed:
             self._step_lengths = planned_lengths([self.trainer.bucket(lengths[r], full) for r in rows])
         return self._step_lengths
 
-    def compile(self, state: Any, start: int) -> None:
-        """With the training set on the device, compiles `Trainer.train_steps` at every length that steps
-        start + 1 .. run.steps compute at (`step_lengths`: known ahead), all at once (Trainer.compile_train_steps)
-        instead of one at the first step of each; nothing with one length (the first dispatch compiles it) or with
-        host batches (their lengths are known one at a time). A run cut short may have compiled a length for
-        nothing."""
-        if not self.on_device:
-            return
-        lengths = set(self.step_lengths()[start:].tolist())
-        if len(lengths) < 2:
-            return
-        data, _ = self._device_set()
-        config = self.trainer.config
-        rows = np.zeros((config.run.steps_per_dispatch, config.optim.batch_size), np.int32)
-        rows_on_device = distributed.put_batch({"rows": rows}, self.trainer.mesh, axis=1)["rows"]
-        self.trainer.compile_train_steps(state, data, rows_on_device, lengths)
-
     def steps(self, step: int, count: int) -> Chunk:
         """The batches of steps step + 1 .. step + n (task batches step .. step + n − 1): the first `count` of them,
         or fewer where a batch pads to another length than the first one (see the module's docstring)."""

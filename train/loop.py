@@ -295,7 +295,6 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
     serial = distributed.one_program_at_a_time(trainer.mesh)  # then the next batch is built while a step runs
     feed = Feed(trainer, task)
-    feed.compile(state, start)
     done, running = start, None
     try:
         with _SigintAtStepEnd() as sigint:

@@ -10,12 +10,11 @@ B batch, L length, V vocabulary, S members (seeds), K steps per dispatch.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -37,20 +36,6 @@ def positions_depend_on_length(model: Any) -> bool:
     pe = getattr(getattr(model, "config", None), "pe_config", None)
     scaling = getattr(pe, "scaling", None)
     return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
-
-
-def compile_concurrently(programs: Sequence[jax.stages.Lowered]) -> None:
-    """Compiles lowered programs, as many at once as this process has cores: XLA compiles a program on one core, so
-    k programs take about the longest one's time instead of their sum. Each lands in jax's compilation cache, where
-    the jitted function's calls at the same shapes and placements find it. The caller lowers them (traces, in its
-    thread and under its jax config); only the compiler runs in the threads (it releases the GIL)."""
-    if len(programs) <= 1:
-        for program in programs:
-            program.compile()
-        return
-    with concurrent.futures.ThreadPoolExecutor(min(len(programs), distributed.host_cores())) as pool:
-        for _ in pool.map(lambda program: program.compile(), programs):
-            pass  # re-raises a compile error here
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -157,29 +142,6 @@ class Trainer:
         self.eval_step = jax.jit(eval_step, in_shardings=(self.state_sharding.params, batch_sharding),
                                  out_shardings=replicated)
 
-    def compile_train_steps(self, state: TrainState, data: Batch, rows: jax.Array, lengths: Iterable[int]) -> None:
-        """Compiles `train_steps` at each of `lengths` for a state, data {name: [N, L]} and rows [K, B] shaped and
-        placed as these (nothing runs or is read: the state may be donated afterwards), concurrently
-        (`compile_concurrently`). Each new length is logged as `note_length` logs it."""
-        lengths = sorted({int(n) for n in lengths})
-        full = next(iter(data.values())).shape[1]
-        for length in lengths:
-            self.note_length("train", length, full)
-        compile_concurrently([self.train_steps.lower(state, data, rows, np.int32(0), length) for length in lengths])
-
-    def _eval_programs(self, params: Any, lengths: Iterable[int]) -> list[jax.stages.Lowered]:
-        """`eval_step` lowered for params shaped and placed as `params` and batches [run.eval_batch_size, n] of
-        each n in `lengths` (as `evaluate.split_sums` runs it)."""
-        shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                              params)
-        rows, sharding = self.config.run.eval_batch_size, distributed.batch_sharding(self.mesh)
-        programs = []
-        for length in sorted({int(n) for n in lengths}):
-            batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
-                     for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
-            programs.append(self.eval_step.lower(shaped, batch))
-        return programs
-
     def seed(self, member: int) -> int:
         """The run seed of `member` (config.run.seed without seeds)."""
         return self.config.run.seed if self.seeds is None else self.seeds[member]
@@ -273,11 +235,15 @@ class Trainer:
         if setting == "off" or (setting == "auto" and distributed.on_cpu(self.mesh)) or self.pad_to == "block":
             return
         plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
-        lengths = {int(n) for plan in plans for n in plan}
+        lengths = sorted({int(n) for plan in plans for n in plan})
+        shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        rows, sharding = self.config.run.eval_batch_size, distributed.batch_sharding(self.mesh)
 
         def compile_all() -> None:
-            for program in self._eval_programs(params, lengths):
-                program.compile()
+            for length in lengths:
+                batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
+                         for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
+                self.eval_step.lower(shaped, batch).compile()
 
         self._ahead = threading.Thread(target=compile_all, name="jaxpe-compile-ahead", daemon=True)
         self._ahead.start()
@@ -295,14 +261,11 @@ class Trainer:
                          on_batch: Callable[[int], None] | None = None) -> list[dict[str, dict[str, float]]]:
         """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
         seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch. Waits
-        for `compile_ahead`'s thread first (its programs are these); compiles the lengths it left concurrently
-        (`compile_concurrently`) before the first batch runs."""
+        for `compile_ahead`'s thread first (its programs are these)."""
         if self._ahead is not None:
             self._ahead.join()
             self._ahead = None
         lengths = None if self.pad_to == "block" else self.eval_lengths(splits)
-        if lengths is not None:
-            compile_concurrently(self._eval_programs(params, {int(n) for plan in lengths.values() for n in plan}))
         sums = {
             name: evaluate.split_sums(
                 self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
