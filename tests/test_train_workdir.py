@@ -89,6 +89,25 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
         train_and_evaluate(tiny("run.steps=6", "run.checkpoint_every=2", "optim.learning_rate=0.5"), tmp_path)
 
 
+def test_a_run_that_failed_before_its_first_step_does_not_hold_its_workdir(tmp_path):
+    """A run that failed after writing config.json (and an empty metrics.jsonl, an empty checkpoints folder) but
+    before any step is no run to resume: a corrected config trains there. One metrics record makes it a run."""
+    tiny_dir = tmp_path / "run"
+    tiny_dir.mkdir()
+    (tiny_dir / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))))
+    (tiny_dir / "metrics.jsonl").touch()
+    (tiny_dir / "checkpoints").mkdir()
+    result = train_and_evaluate(tiny("run.steps=2"), tiny_dir)
+    assert result["steps"] == 2
+    assert load_config(tiny_dir / "config.json").optim.batch_size != 4096
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))))
+    (other / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=re.escape("optim.batch_size: 4096 -> ")):
+        train_and_evaluate(tiny("run.steps=2"), other)
+
+
 # 2. Validate first, write later.
 
 @pytest.mark.parametrize("main, argv, message", [

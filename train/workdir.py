@@ -179,6 +179,14 @@ def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
+def holds_run_state(workdir: pathlib.Path) -> bool:
+    """Whether a run left anything in `workdir` beside its config.json and corpus.json: a checkpoint, a result.json
+    or a metrics.jsonl record (a run that failed before its first step leaves an empty one)."""
+    metrics = workdir / "metrics.jsonl"
+    return bool(checkpoint_steps(workdir) or (workdir / "result.json").exists()
+                or metrics.is_file() and metrics.stat().st_size)
+
+
 def check_workdir(workdir: pathlib.Path) -> None:
     """ValueError when `workdir` exists but is not a directory."""
     if workdir.exists() and not workdir.is_dir():
@@ -186,7 +194,8 @@ def check_workdir(workdir: pathlib.Path) -> None:
 
 
 def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
-    """ValueError when `workdir` holds state of a run whose config (config.json) differs from `config` (both
+    """ValueError when `workdir` holds state of a run (holds_run_state: a config.json alone, left by a run that failed
+    before its first step, is replaced) whose config (config.json) differs from `config` (both
     resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
     config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
     checkpointing (run.checkpoint_every=0) would leave behind, or a run on a corpus that changed since
@@ -200,6 +209,8 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
         if present:
             raise ValueError(f"workdir {str(workdir)!r} holds {', '.join(present)} but no config.json: state of an "
                              "unknown run; use a new workdir")
+        return
+    if not holds_run_state(workdir):  # a run that stopped before its first record: nothing to resume or mix with
         return
     differences = config_differences(load_config(path), config, task)
     if differences:
