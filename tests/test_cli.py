@@ -319,3 +319,12 @@ def test_compare_says_its_cells_are_means_and_95_percent_intervals(monkeypatch, 
     assert ("counting: seq_error (%), lower is better; each cell: mean over seeds 0,1 [95 % interval: seed spread + "
             "evaluation-set binomial error]") in out
     assert "±" not in out and "std" not in out
+
+
+@pytest.mark.parametrize("step, message", [("-1", "'-1' must be >= 1"), ("0", "'0' must be >= 1"),
+                                           ("last", "'last' is not a step number")])
+def test_eval_step_is_a_usage_error_naming_the_flag(step, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.eval_main(["--workdir", str(tmp_path), "--step", step])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: argument --step: {message}" in err

@@ -110,6 +110,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def step_number(text: str) -> int:
+    """A --step: a checkpoint's step, an integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1 (checkpoints are saved after a step)")
+    return value
+
+
 def int_list(text: str, *, minimum: int, maximum: int | None = None) -> list[int]:
     """Comma-separated integers in [minimum, maximum] (None: no upper bound), each given once (argparse type, through
     functools.partial)."""
@@ -324,7 +335,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxpe-eval",
                                      description="Evaluate a checkpoint on in-distribution, OOD and longer splits.")
     parser.add_argument("--workdir", type=directory, required=True, help="a jaxpe-train workdir")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest readable one)")
+    parser.add_argument("--step", type=step_number, help="checkpoint step (default: the latest readable one)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar over the evaluated sequences on stderr (default: the run's run.progress)")
     _multihost_flags(parser)
