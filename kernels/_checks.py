@@ -28,7 +28,7 @@ def fused_refusal(q: jax.Array, *, impl: str, dtypes: tuple[type, ...] | None, c
                   ) -> Exception | None:
     """The error the fused path `impl` ("pallas" or "triton") raises for these inputs, None when it takes them: the
     fused kernels are causal, take `dtypes` (None: every dtype the operation takes) and static shapes, not
-    jax.export's symbolic ones. impl='blockwise' and impl='reference' take them all."""
+    jax.export's symbolic ones. impl='reference' takes them all (impl='auto' picks a path that does)."""
     if not causal:
         return bidirectional_refusal(impl)
     if dtypes is not None and q.dtype not in dtypes:
@@ -38,7 +38,7 @@ def fused_refusal(q: jax.Array, *, impl: str, dtypes: tuple[type, ...] | None, c
                          f"(impl='blockwise' and impl='reference' take any floating dtype)")
     if not all(isinstance(size, int) for size in q.shape):
         return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export), and impl={impl!r} needs static "
-                          f"shapes: impl='blockwise' and impl='reference' export with a symbolic batch and length")
+                          f"shapes: impl='auto' and impl='reference' export with a symbolic batch and length")
     return None
 
 
