@@ -640,13 +640,18 @@ class _Compiler:
             try:
                 line = self._lines.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self.process.kill()
-                self.process.wait()  # ended, not reused
-                return {"error": f"Triton compile timed out after {timeout} s"}
+                return self._timed_out(timeout)
             if line is None:
                 return self._ended()
             if _RESULT_PREFIX in line:  # after whatever the compilers wrote to the same line, if anything
+                if deadline is not None and time.monotonic() > deadline:  # a result past the timeout is none
+                    return self._timed_out(timeout)
                 return json.loads(line.split(_RESULT_PREFIX, 1)[1])
+
+    def _timed_out(self, timeout: float) -> dict[str, Any]:
+        self.process.kill()
+        self.process.wait()  # ended, not reused
+        return {"error": f"Triton compile timed out after {timeout} s"}
 
     def _ended(self) -> dict[str, Any]:
         status = self.process.wait()
