@@ -415,6 +415,7 @@ class CoPECore(nn.Module):
     soft_onehot: bool = False
     soft_onehot_temp: float = 0.05
     talking_heads: bool = False
+    shared_table: bool = False  # the table is shared by all layers: the caller passes it as ctx.pos_emb
 
     @nn.compact
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
@@ -422,6 +423,10 @@ class CoPECore(nn.Module):
         pos_emb = ctx.pos_emb
         if pos_emb is not None:  # a table shared by all layers, passed in by the caller
             check_pos_emb(pos_emb, hq, d)
+        elif self.shared_table:
+            shape = (hq, self.npos, d) if self.per_head else (self.npos, d)
+            raise ValueError(f"pos_emb is None, but this CoPE (shared_table=True) shares one position table {shape} "
+                             "across layers, owned by the model: pass it as pos_emb")
         else:
             shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
                 (self.npos, d), ("positions", "head_dim"))
@@ -499,7 +504,8 @@ class CoPEConfig(PEConfig):
             check_dense_impl(impl)
         return CoPECore(npos=self.table_rows(max_len), gates=self.gates, per_head=self.per_head,
                         add_relative=self.add_relative, impl=impl, soft_onehot=self.soft_onehot,
-                        soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads)
+                        soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads,
+                        shared_table=self.shared_table)
 
     def causal_only(self) -> str | None:
         if self.add_relative:

@@ -240,9 +240,6 @@ class Attention(_DropoutLayer):
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
         """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention."""
-        if pos_emb is None and self.shared_table_shape is not None:
-            raise ValueError(f"pos_emb is None, but pe={self.linen.pe} shares one table "
-                             f"{self.shared_table_shape} across layers: pass it")
         deterministic = self._deterministic(deterministic)
         return self._apply(x, deterministic=deterministic, decode=decode, cache=decode,
                            dropout_key=self._dropout_key(deterministic), pos_emb=pos_emb, positions=positions,
@@ -302,9 +299,6 @@ class AttentionCore(LinenLayer):
         return q, kv, kv, ctx
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        if ctx.pos_emb is None and self.shared_table_shape is not None:
-            raise ValueError(f"pos_emb is None, but the encoding shares one table {self.shared_table_shape} "
-                             f"across layers: pass it")
         return self._apply(q, k, v, ctx, cache=ctx.decode)
 
     def init_cache(self, batch_size: int, length: int) -> None:

@@ -166,6 +166,25 @@ def test_a_cope_layer_checks_a_shared_table():
         layer.apply(params, jnp.ones((2, 5, 32)), pos_emb=jnp.ones((3, 4)))
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_layer_of_a_shared_cope_table_needs_the_table(per_head):
+    """With shared_table=True the model owns the table: a linen layer called without it must say so (it made its own,
+    never shared), as the NNX layer does; given the table, the layer computes what a layer owning that table does."""
+    shared = jaxpe.pe_config("cope", npos=6, shared_table=True, per_head=per_head)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    with pytest.raises(ValueError, match="pos_emb is None.*shared_table=True.*pass it as pos_emb"):
+        _attention(pe=shared).init(jax.random.key(1), x)
+    with pytest.raises(ValueError, match="pos_emb is None.*pass it as pos_emb"):
+        jaxpe.nnx.Attention(32, num_heads=4, num_kv_heads=2, head_dim=8, pe=shared, rngs=nnx.Rngs(0))(x)
+    table = jax.random.normal(jax.random.key(2), (4, 6, 8) if per_head else (6, 8))
+    params = _attention(pe=shared).init(jax.random.key(1), x, pos_emb=table)
+    owning = {"params": {**params["params"], "pe": {"pos_emb": table}}}
+    own = _attention(pe=jaxpe.pe_config("cope", npos=6, per_head=per_head))
+    np.testing.assert_allclose(_attention(pe=shared).apply(params, x, pos_emb=table), own.apply(owning, x),
+                               rtol=1e-6, atol=1e-6)
+    assert "pe" not in params["params"] or "pos_emb" not in params["params"]["pe"]
+
+
 def test_soft_onehot_temperature_as_a_numpy_float():
     q = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
     table = 0.1 * jax.random.normal(jax.random.key(1), (6, 8))
