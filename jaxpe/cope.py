@@ -499,9 +499,12 @@ class CoPEConfig(PEConfig):
                              "get no positions; use 'none' or an encoding that acts in attention")
         check_positive_number("soft_onehot_temp", self.soft_onehot_temp)
 
-    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def check_layer(self, *, head_dim: int, impl: str) -> None:
         if self.soft_onehot or self.talking_heads:
             check_dense_impl(impl)
+
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        self.check_layer(head_dim=head_dim, impl=impl)
         return CoPECore(npos=self.table_rows(max_len), gates=self.gates, per_head=self.per_head,
                         add_relative=self.add_relative, impl=impl, soft_onehot=self.soft_onehot,
                         soft_onehot_temp=self.soft_onehot_temp, talking_heads=self.talking_heads,

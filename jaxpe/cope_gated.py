@@ -114,6 +114,9 @@ class GatedCoPERoPEConfig(GatedCoPEConfig):
         super().__post_init__()
         check_positive_number("theta", self.theta)
 
-    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def check_layer(self, *, head_dim: int, impl: str) -> None:
         check_even_head_dim(head_dim)
+
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        self.check_layer(head_dim=head_dim, impl=impl)
         return GatedCoPECore(max_pos=self.table_rows(max_len), rope=True, theta=self.theta)

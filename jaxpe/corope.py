@@ -288,12 +288,16 @@ class CoRoPEConfig(PEConfig):
                              "attention factor would also scale the gates")
         object.__setattr__(self, "scaling", None if spec is None else tuple(sorted(spec.items())))
 
-    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def check_layer(self, *, head_dim: int, impl: str) -> None:
         check_even_head_dim(head_dim)
+        if self.rotary_dim is not None:
+            check_rotary_dim(self.rotary_dim, head_dim)
+
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        self.check_layer(head_dim=head_dim, impl=impl)
         if self.rotary_dim is None and self.scaling is None:
             return CoRoPECore(theta=self.theta, impl=impl)
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
-        check_rotary_dim(rotary_dim, head_dim)
         with jax.ensure_compile_time_eval():  # concrete numbers even when a model is built under jit
             freqs, _ = rope_frequencies(rotary_dim, theta=self.theta, scaling=self.scaling)
         freqs = np.concatenate([np.asarray(freqs, np.float64), np.zeros((head_dim - rotary_dim) // 2)])

@@ -132,7 +132,7 @@ class RoPEConfig(PEConfig):
         if spec is not None and spec["rope_type"] == "dynamic" and self.rotary_dim == 2:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be > 2 for dynamic NTK scaling")
 
-    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+    def check_layer(self, *, head_dim: int, impl: str) -> None:
         if self.rotary_dim is None:
             check_even_head_dim(head_dim)
         else:
@@ -140,5 +140,8 @@ class RoPEConfig(PEConfig):
         if self.scaling is not None and dict(self.scaling)["rope_type"] == "dynamic" and (self.rotary_dim or
                                                                                            head_dim) == 2:
             raise ValueError(f"rotary_dim=2 (head dim D={head_dim}) must be > 2 for dynamic NTK scaling")
+
+    def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
+        self.check_layer(head_dim=head_dim, impl=impl)
         return RoPECore(theta=self.theta, rotary_dim=self.rotary_dim, interleaved=self.interleaved,
                         scaling=self.scaling)

@@ -190,8 +190,11 @@ class StickBreakingConfig(PEConfig):
     def __post_init__(self) -> None:
         check_bool("attend_current", self.attend_current)
 
+    def check_layer(self, *, head_dim: int, impl: str) -> None:
+        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses impls it has no path of
+
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
-        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses bad impls at construction
+        self.check_layer(head_dim=head_dim, impl=impl)
         return StickBreakingCore(attend_current=self.attend_current, impl=impl)
 
     def causal_only(self) -> str | None:

@@ -185,6 +185,26 @@ def test_a_layer_of_a_shared_cope_table_needs_the_table(per_head):
     assert "pe" not in params["params"] or "pos_emb" not in params["params"]["pe"]
 
 
+@pytest.mark.parametrize("pe, options, message", [
+    (jaxpe.pe_config("rope"), {"head_dim": 7}, "head dim D=7 must be even"),
+    (jaxpe.pe_config("corope", rotary_dim=16), {"head_dim": 8}, "rotary_dim"),
+    (jaxpe.pe_config("cope_rope"), {"head_dim": 7}, "head dim D=7 must be even"),
+    (jaxpe.pe_config("cope", soft_onehot=True), {"impl": "pallas"}, "impl='pallas' cannot run CoPE's soft one-hot"),
+    (jaxpe.pe_config("fox"), {"impl": "triton"}, "impl='triton': fox has no such fused kernel"),
+])
+def test_a_layer_that_cannot_run_is_refused_at_construction(pe, options, message):
+    """Every field of a layer is checked when it is built, combinations too (they were refused only at init)."""
+    layer = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "pe": pe, **options}
+    with pytest.raises(ValueError, match=message):
+        jaxpe.Attention(**layer)
+    with pytest.raises(ValueError, match=message):
+        jaxpe.nnx.Attention(16, **layer, rngs=nnx.Rngs(0))
+    heads = 2 * layer["head_dim"]
+    with pytest.raises(ValueError, match=message):
+        jaxpe.ModelConfig(vocab_size=8, d_model=heads, num_heads=2, num_layers=1, pe=pe.name,
+                          pe_options=dataclasses.asdict(pe), impl=layer.get("impl", "auto"))
+
+
 def test_soft_onehot_temperature_as_a_numpy_float():
     q = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
     table = 0.1 * jax.random.normal(jax.random.key(1), (6, 8))
