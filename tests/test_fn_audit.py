@@ -1,0 +1,42 @@
+"""The public attention functions at inputs the kernel sweeps do not reach, against NumPy float64 restatements of
+the formulas written here (not read from the code under test).
+
+B batch, L length, Hq query heads, Hkv key/value heads (G = Hq // Hkv), D head dim.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpe
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def numpy_mileage(q: np.ndarray, k: np.ndarray, *, causal: bool) -> np.ndarray:
+    """Co-RoPE's Δ [B, Hkv, L, L] for self-attention: z_it = σ(D^−½·q^leader_i·k_t) with leader g·G of group g;
+    Δ_ij = Σ_{t=j+1..i} z_it for j ≤ i, and −Σ_{t=i+1..j} z_it for j > i when bidirectional (0 when causal)."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    batch, length, hq, d = q.shape
+    hkv = k.shape[2]
+    out = np.zeros((batch, hkv, length, length))
+    for b, g in np.ndindex(batch, hkv):
+        z = _sigmoid(d ** -0.5 * q[b, :, g * (hq // hkv)] @ k[b, :, g].T)  # [L, L]
+        for i, j in np.ndindex(length, length):
+            if j <= i:
+                out[b, g, i, j] = z[i, j + 1:i + 1].sum()
+            elif not causal:
+                out[b, g, i, j] = -z[i, i + 1:j + 1].sum()
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_corope_mileage_without_a_mask_counts_the_keys_after_the_query_when_bidirectional(causal):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 5, 6, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
+    got = jaxpe.corope_mileage(q, k, causal=causal)
+    np.testing.assert_allclose(np.asarray(got), numpy_mileage(q, k, causal=causal), atol=2e-6)
