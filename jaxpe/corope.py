@@ -59,7 +59,8 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     if not causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal=False is self-attention: q and k must have the same length, got Lq={q.shape[1]}, "
                          f"Lk={k.shape[1]}")
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    # in the inputs' compute dtype: a float64 scale (NumPy's, under jax_enable_x64) keeps float32 maths float32
+    sm_scale = jnp.asarray(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, compute_dtype(q, k))
     if mask is None:
         mask = visibility_mask(q.shape[1], k.shape[1], causal=causal)
     leaders = q[:, :, :: q.shape[2] // k.shape[2]]  # [B, Lq, Hkv, D]
@@ -91,8 +92,8 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
     """
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     dtype = compute_dtype(q, k)
+    sm_scale = jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, dtype)  # float32 maths for a float64 scale
     q1, q2 = jnp.split(q.astype(dtype).reshape(b, lq, hkv, hq // hkv, d), 2, axis=-1)  # [B, Lq, Hkv, G, D/2]
     k1, k2 = jnp.split(k.astype(dtype), 2, axis=-1)  # [B, Lk, Hkv, D/2]
 

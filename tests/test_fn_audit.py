@@ -5,6 +5,7 @@ B batch, L length, Hq query heads, Hkv key/value heads (G = Hq // Hkv), D head d
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,3 +41,19 @@ def test_corope_mileage_without_a_mask_counts_the_keys_after_the_query_when_bidi
     k = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
     got = jaxpe.corope_mileage(q, k, causal=causal)
     np.testing.assert_allclose(np.asarray(got), numpy_mileage(q, k, causal=causal), atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_corope_takes_a_numpy_float64_sm_scale_under_x64(impl):
+    """`sm_scale=1 / np.sqrt(D)` is a NumPy float64: under x64 it must neither break the float32 maths (it did: a scan
+    carry of float32 met float64 mileage) nor turn them float64."""
+    rng = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.normal(size=(1, 6, 4, 8)), jnp.float32)
+        k = jnp.asarray(rng.normal(size=(1, 6, 2, 8)), jnp.float32)
+        sm_scale = 1 / np.sqrt(8.0) / 2
+        out = jaxpe.corope_attention(q, k, k, sm_scale=sm_scale, impl=impl)
+        mileage = jaxpe.corope_mileage(q, k, sm_scale=sm_scale)
+        want = jaxpe.corope_attention(q, k, k, sm_scale=float(sm_scale), impl=impl)
+    assert out.dtype == mileage.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
