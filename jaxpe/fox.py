@@ -35,7 +35,7 @@ from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
-from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, visibility_mask
+from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, resolve_sm_scale, visibility_mask
 from jaxpe.validation import check_array, check_float, check_qkv, check_sm_scale, open_attention
 
 
@@ -127,7 +127,7 @@ def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array
                           window: int | None, impl: str) -> jax.Array:
     """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl, run through
     jaxpe.dispatch.PATHS."""
-    call = Call(q, k, v, c, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window)
+    call = Call(q, k, v, c, resolve_sm_scale(sm_scale, q), causal, segment_ids, window)
     return run_chosen("fox", Choice(impl, impl), call)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpe
+from transformation_harness import float64_values
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -57,3 +58,25 @@ def test_corope_takes_a_numpy_float64_sm_scale_under_x64(impl):
         want = jaxpe.corope_attention(q, k, k, sm_scale=float(sm_scale), impl=impl)
     assert out.dtype == mileage.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["cope", "corope", "fox", "stickbreaking"])
+def test_a_numpy_float64_sm_scale_keeps_float32_inputs_float32_under_x64(op):
+    """float32 inputs compute in float32 under x64 (tests/test_float64.py holds the layers to it); a NumPy float64
+    sm_scale (1 / np.sqrt(D)) must not turn the dense paths' maths float64."""
+    with jax.enable_x64(True):
+        q = jnp.ones((1, 5, 2, 8), jnp.float32)
+        sm_scale = 1 / np.sqrt(8.0)
+        attend = {"cope": lambda q: jaxpe.cope_attention(q, q, q, jnp.zeros((4, 8), jnp.float32), sm_scale=sm_scale),
+                  "corope": lambda q: jaxpe.corope_attention(q, q, q, sm_scale=sm_scale),
+                  "fox": lambda q: jaxpe.forgetting_attention(q, q, q, jnp.zeros((1, 5, 2), jnp.float32),
+                                                              sm_scale=sm_scale),
+                  "stickbreaking": lambda q: jaxpe.stickbreaking_attention(q, q, q, sm_scale=sm_scale)}[op]
+        assert float64_values(jax.grad(lambda q: attend(q).sum()), q) == []
+
+
+def test_cope_positions_of_float32_inputs_are_float32_with_a_numpy_float64_sm_scale_under_x64():
+    with jax.enable_x64(True):
+        q = jnp.ones((1, 5, 2, 8), jnp.float32)
+        for causal in (True, False):
+            assert jaxpe.cope_positions(q, q, npos=4, sm_scale=np.float64(0.3), causal=causal).dtype == jnp.float32
