@@ -80,3 +80,28 @@ def test_cope_positions_of_float32_inputs_are_float32_with_a_numpy_float64_sm_sc
         q = jnp.ones((1, 5, 2, 8), jnp.float32)
         for causal in (True, False):
             assert jaxpe.cope_positions(q, q, npos=4, sm_scale=np.float64(0.3), causal=causal).dtype == jnp.float32
+
+
+ATTENTIONS = {"cope": lambda q, k, v: jaxpe.cope_attention(q, k, v, jnp.zeros((3, 8), jnp.float32)),
+              "corope": lambda q, k, v: jaxpe.corope_attention(q, k, v),
+              "fox": lambda q, k, v: jaxpe.forgetting_attention(q, k, v, jnp.zeros((1, 4, 2), jnp.float32)),
+              "stickbreaking": lambda q, k, v: jaxpe.stickbreaking_attention(q, k, v),
+              "cope_positions": lambda q, k, v: jaxpe.cope_positions(q, k, npos=4),
+              "corope_mileage": lambda q, k, v: jaxpe.corope_mileage(q, k)}
+
+
+@pytest.mark.parametrize("op", ATTENTIONS)
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_8_bit_float_inputs_are_a_type_error_naming_the_argument(op, dtype):
+    """8-bit floats have no implicit promotion in jax: the maths' float32 statistics cannot meet them (it was jax's
+    TypePromotionError from deep inside, naming no argument, where the fused paths' refusals call every floating dtype
+    fine for 'reference' and 'blockwise')."""
+    x = jnp.ones((1, 4, 2, 8), dtype)
+    with pytest.raises(TypeError, match=f"q.dtype={jnp.dtype(dtype).name}"):
+        ATTENTIONS[op](x, x, x)
+
+
+def test_8_bit_float_forget_gates_are_a_type_error_naming_log_fgate():
+    x = jnp.ones((1, 4, 2, 8), jnp.float32)
+    with pytest.raises(TypeError, match="log_fgate.dtype=float8_e4m3fn"):
+        jaxpe.forgetting_attention(x, x, x, jnp.zeros((1, 4, 2), jnp.float8_e4m3fn))
