@@ -50,6 +50,15 @@ def check_float(name: str, x: jax.Array) -> None:
         raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={dtype}")
 
 
+def check_wide_float(name: str, x: jax.Array) -> None:
+    """Raise TypeError unless `x` is a floating-point array of 16 bits or more: jax promotes 8-bit floats
+    (float8_e4m3fn, ...) to nothing implicitly, so they cannot meet the float32 statistics of the attention maths."""
+    check_float(name, x)
+    if jnp.dtype(x.dtype).itemsize < 2:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {name}.dtype={x.dtype} (8-bit "
+                        f"floats have no implicit promotion in jax: cast them, e.g. {name}.astype(jnp.bfloat16))")
+
+
 def check_rank(name: str, x: jax.Array, rank: int, dims: str) -> None:
     """Raise TypeError unless `x` is an array, ValueError unless it has `rank` axes (`dims` names them, e.g.
     "B L H D")."""
@@ -100,7 +109,7 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int]:
     """Validate q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; return (Hkv, G = Hq // Hkv)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_rank(name, x, 4, "B L H D")
-        check_float(name, x)
+        check_wide_float(name, x)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k.shape={k.shape}, v.shape={v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:

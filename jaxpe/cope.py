@@ -45,7 +45,7 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, pe_config, pe_names, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
-                                    qk_logits, reverse_cumsum, visibility_mask, warn_dense_logits)
+                                    qk_logits, resolve_sm_scale, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
 from jaxpe.validation import (check_array, check_attention_mask, check_bool, check_choice,
                               check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask,
@@ -93,7 +93,7 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | j
     """
     _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads, mask=mask, causal=causal,
                            sm_scale=sm_scale)
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = resolve_sm_scale(sm_scale, q)
     if mask is None:
         mask = _default_mask(q.shape[1], k.shape[1], causal)
     logits = qk_logits(q, k if gate_k is None else gate_k, gates=True)
@@ -338,7 +338,7 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     and run through jaxpe.dispatch.PATHS."""
     if q.shape[1] == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    call = Call(q, k, v, pos_emb, gate_k, _concrete_or_traced(sm_scale, q), causal, segment_ids, window, impl,
+    call = Call(q, k, v, pos_emb, gate_k, resolve_sm_scale(sm_scale, q), causal, segment_ids, window, impl,
                 soft_onehot_temp, talking_heads, mask, extra_logits)
     choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=call.dense_only,
@@ -389,18 +389,6 @@ def triton_path(call: Call, compiled: bool) -> jax.Array:
 
     return cope_attention_triton(call.q, call.k, call.v, call.pos_emb, call.gate_k, sm_scale=call.sm_scale,
                                  segment_ids=call.segment_ids, window=call.window)
-
-
-def _concrete_or_traced(sm_scale: float | jax.Array | None, q: jax.Array) -> float | jax.Array:
-    """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar in q's `compute_dtype`
-    (so that float32 maths stays float32 under jax_enable_x64, and float64 inputs keep float64 maths)."""
-    if sm_scale is None:
-        return q.shape[-1] ** -0.5
-    try:
-        return float(sm_scale)
-    except jax.errors.ConcretizationTypeError:
-        return jnp.asarray(sm_scale, compute_dtype(q))
-
 
 
 class CoPECore(nn.Module):

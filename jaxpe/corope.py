@@ -37,8 +37,8 @@ from jaxpe.kernels._common import carry_init, sincos
 from jaxpe.kernels.corope_blockwise import check_inv_freq, corope_attention_blockwise
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
-from jaxpe.softmax_attention import (causal_mask, fold_padding, masked_softmax_attention, qk_logits, reverse_cumsum,
-                                     visibility_mask, warn_dense_logits)
+from jaxpe.softmax_attention import (fold_padding, masked_softmax_attention, qk_logits, resolve_sm_scale,
+                                     reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inputs, check_even_head_dim,
                               check_padding_mask, check_positive_number, check_qkv, check_sm_scale, open_attention)
 
@@ -49,8 +49,8 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     `mask` shows, z from the leader heads q[:, :, ::G]: Σ_{t=j+1..i} z_it for j < i; when causal, 0 for j ≥ i, else
     −Σ_{t=i+1..j} z_it for j > i.
 
-    q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last); causal=False is
-    self-attention (Lq = Lk, query i at key position i).
+    q [B, Lq, Hq, D], k [B, Lk, Hkv, D], mask [B|1, Lq, Lk] bool (None: causal, queries last, or every key when
+    causal=False); causal=False is self-attention (Lq = Lk, query i at key position i).
     """
     check_qkv(q, k, k)
     check_sm_scale(sm_scale)
@@ -59,9 +59,9 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     if not causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal=False is self-attention: q and k must have the same length, got Lq={q.shape[1]}, "
                          f"Lk={k.shape[1]}")
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = resolve_sm_scale(sm_scale, q)
     if mask is None:
-        mask = causal_mask(q.shape[1], k.shape[1])
+        mask = visibility_mask(q.shape[1], k.shape[1], causal=causal)
     leaders = q[:, :, :: q.shape[2] // k.shape[2]]  # [B, Lq, Hkv, D]
     logits = sm_scale * qk_logits(leaders, k, gates=True)
     z = jnp.where(mask[:, None], jax.nn.sigmoid(logits), 0.0)  # [B, Hkv, Lq, Lk]
@@ -91,7 +91,7 @@ def corope_scores(q: jax.Array, k: jax.Array, mileage: jax.Array, *, theta: floa
     """
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = resolve_sm_scale(sm_scale, q)
     dtype = compute_dtype(q, k)
     q1, q2 = jnp.split(q.astype(dtype).reshape(b, lq, hkv, hq // hkv, d), 2, axis=-1)  # [B, Lq, Hkv, G, D/2]
     k1, k2 = jnp.split(k.astype(dtype), 2, axis=-1)  # [B, Lk, Hkv, D/2]
@@ -196,8 +196,7 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
     everything folded in) runs densely. The impl is chosen here, once, and run through jaxpe.dispatch.PATHS."""
     if q.shape[1] == 0 or q.shape[0] == 0:  # no queries: an empty output, as jax.nn.dot_product_attention gives
         return jnp.zeros(q.shape, q.dtype)
-    call = Call(q, k, v, theta, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window,
-                inv_freq, mask)
+    call = Call(q, k, v, theta, resolve_sm_scale(sm_scale, q), causal, segment_ids, window, inv_freq, mask)
     choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=mask is not None,
                           kernel_refusal=lambda fused: refusal("corope", fused, call))

@@ -35,15 +35,15 @@ from jaxpe.kernels.fox_blockwise import forgetting_attention_blockwise
 from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
-from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, visibility_mask
-from jaxpe.validation import check_array, check_float, check_qkv, check_sm_scale, open_attention
+from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, resolve_sm_scale, visibility_mask
+from jaxpe.validation import check_array, check_qkv, check_sm_scale, check_wide_float, open_attention
 
 
 def check_log_fgate(log_fgate: jax.Array, q: jax.Array) -> None:
     """log_fgate: a float array [B, L, Hq] matching q [B, L, Hq, D]; where concrete, every entry <= 0 (the log of a
     gate in (0, 1]) and finite (a gate of 0, log −inf, makes the running sums' differences −inf − (−inf))."""
     check_array("log_fgate", log_fgate, "B L Hq")
-    check_float("log_fgate", log_fgate)
+    check_wide_float("log_fgate", log_fgate)
     if tuple(log_fgate.shape) != tuple(q.shape[:3]):
         raise ValueError(f"log_fgate must have shape [B, L, Hq]={tuple(q.shape[:3])}, got "
                          f"log_fgate.shape={tuple(log_fgate.shape)}")
@@ -127,7 +127,7 @@ def _forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, c: jax.Array
                           window: int | None, impl: str) -> jax.Array:
     """`forgetting_attention` on checked inputs with the running sums c [B, L, Hq] and a resolved impl, run through
     jaxpe.dispatch.PATHS."""
-    call = Call(q, k, v, c, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, causal, segment_ids, window)
+    call = Call(q, k, v, c, resolve_sm_scale(sm_scale, q), causal, segment_ids, window)
     return run_chosen("fox", Choice(impl, impl), call)
 
 

@@ -16,6 +16,18 @@ from jaxpe.base import GATE_PRECISION, compute_dtype, document_ids
 from jaxpe.validation import check_qkv
 
 
+def resolve_sm_scale(sm_scale: float | jax.Array | None, q: jax.Array) -> float | jax.Array:
+    """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar in q's `compute_dtype`:
+    float32 maths stay float32 under jax_enable_x64 whatever the scale's dtype (a NumPy float64 such as
+    1 / np.sqrt(D) too), and float64 inputs keep float64 maths."""
+    if sm_scale is None:
+        return q.shape[-1] ** -0.5
+    try:
+        return float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        return jnp.asarray(sm_scale, compute_dtype(q))
+
+
 def repeat_kv(x: jax.Array, groups: int) -> jax.Array:
     """[B, L, Hkv, D] -> [B, L, Hkv·G, D], head h of the result is head h // G of `x`."""
     return x if groups == 1 else jnp.repeat(x, groups, axis=2)

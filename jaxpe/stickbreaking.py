@@ -33,7 +33,7 @@ from jaxpe.base import compute_dtype
 from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockwise, suffix_sums
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
-from jaxpe.softmax_attention import qk_logits, repeat_kv, visibility_mask
+from jaxpe.softmax_attention import qk_logits, repeat_kv, resolve_sm_scale, visibility_mask
 from jaxpe.validation import check_bool, check_qkv, check_sm_scale, open_attention
 
 
@@ -115,7 +115,7 @@ def _stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_sca
                              ) -> tuple[jax.Array, jax.Array]:
     """`stickbreaking_attention` on checked self-attention inputs and a resolved impl, run through
     jaxpe.dispatch.PATHS: (out, remainder) in q's dtype."""
-    call = Call(q, k, v, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, attend_current, segment_ids, window)
+    call = Call(q, k, v, resolve_sm_scale(sm_scale, q), attend_current, segment_ids, window)
     return run_chosen("stickbreaking", Choice(impl, impl), call)
 
 
