@@ -21,7 +21,8 @@ from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import check_bool, check_even_head_dim, check_float, check_positive_number, check_rank
+from jaxpe.validation import (check_bool, check_even_head_dim, check_positive_number, check_rank,
+                              check_wide_float)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, rotary_dim: int | None = None,
@@ -33,7 +34,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, ro
     `rope_scaling` dict (or its (key, value) pairs, hashable for jit's static arguments); YaRN also scales cos and
     sin. length: the sequence length dynamic NTK scales by; None: max(positions) + 1, as transformers does."""
     check_rank("x", x, 4, "B L H D")
-    check_float("x", x)
+    check_wide_float("x", x)
     if rotary_dim is None:
         check_even_head_dim(x.shape[-1])
     else:

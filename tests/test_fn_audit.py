@@ -105,3 +105,8 @@ def test_8_bit_float_forget_gates_are_a_type_error_naming_log_fgate():
     x = jnp.ones((1, 4, 2, 8), jnp.float32)
     with pytest.raises(TypeError, match="log_fgate.dtype=float8_e4m3fn"):
         jaxpe.forgetting_attention(x, x, x, jnp.zeros((1, 4, 2), jnp.float8_e4m3fn))
+
+
+def test_8_bit_float_rotary_input_is_a_type_error_naming_x():
+    with pytest.raises(TypeError, match="x.dtype=float8_e4m3fn"):
+        jaxpe.apply_rope(jnp.ones((1, 4, 2, 8), jnp.float8_e4m3fn), jnp.arange(4))
