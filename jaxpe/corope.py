@@ -40,7 +40,8 @@ from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_
 from jaxpe.softmax_attention import (fold_padding, masked_softmax_attention, qk_logits, resolve_sm_scale,
                                      reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inputs, check_even_head_dim,
-                              check_padding_mask, check_positive_number, check_qkv, check_sm_scale, open_attention)
+                              check_padding_mask, check_positive_number, check_qkv, check_queries_last,
+                              check_sm_scale, open_attention)
 
 
 def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | None = None,
@@ -55,6 +56,7 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     check_qkv(q, k, k)
     check_sm_scale(sm_scale)
     check_attention_mask(mask, q.shape[0], q.shape[1], k.shape[1])
+    check_queries_last(q, k, mask)
     check_bool("causal", causal)
     if not causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal=False is self-attention: q and k must have the same length, got Lq={q.shape[1]}, "

@@ -19,7 +19,8 @@ from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask
 __all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
            "check_float_dtype", "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int",
-           "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv", "check_rank",
+           "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv",
+           "check_queries_last", "check_rank",
            "check_segment_ids", "check_sm_scale", "check_token_ids", "check_wide_float", "check_window", "is_int",
            "open_attention"]
 
@@ -45,6 +46,13 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     """Raise ValueError unless `value` is an int >= `minimum` (a bool is not an int here)."""
     if not is_int(value, minimum):
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def check_queries_last(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> None:
+    """Without a mask the Lq queries are the last Lq of the Lk key positions: ValueError unless Lq <= Lk."""
+    if mask is None and q.shape[1] > k.shape[1]:
+        raise ValueError(f"q has more tokens than k (Lq={q.shape[1]} > Lk={k.shape[1]}): without a mask the queries "
+                         "are the last Lq of the Lk key positions; pass k of every position, or a mask [B|1, Lq, Lk]")
 
 
 def check_optional_int(name: str, value: Any, minimum: int) -> None:

@@ -110,3 +110,17 @@ def test_8_bit_float_forget_gates_are_a_type_error_naming_log_fgate():
 def test_8_bit_float_rotary_input_is_a_type_error_naming_x():
     with pytest.raises(TypeError, match="x.dtype=float8_e4m3fn"):
         jaxpe.apply_rope(jnp.ones((1, 4, 2, 8), jnp.float8_e4m3fn), jnp.arange(4))
+
+
+@pytest.mark.parametrize("positions", [
+    lambda q, k, **kw: jaxpe.cope_positions(q, k, npos=8, **kw),
+    lambda q, k, **kw: jaxpe.corope_mileage(q, k, **kw),
+], ids=["cope_positions", "corope_mileage"])
+def test_more_queries_than_keys_need_a_mask(positions):
+    """Without a mask the queries are the last Lq of the Lk positions: Lq > Lk has no such reading (the first
+    Lq − Lk queries silently saw no key); with a mask it is the caller's layout."""
+    q, k = jnp.ones((1, 5, 2, 8)), jnp.ones((1, 3, 2, 8))
+    with pytest.raises(ValueError, match=r"Lq=5 > Lk=3"):
+        positions(q, k)
+    mask = jnp.tril(jnp.ones((1, 5, 3), bool))
+    assert positions(q, k, mask=mask).shape[-2:] == (5, 3)
