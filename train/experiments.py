@@ -127,23 +127,23 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-TRACED_LAYERS = 12  # a deeper model's size is extrapolated from fewer of its layers (tracing a layer takes time)
-
-
 def state_size(model: TransformerLM) -> tuple[int, int]:
     """(parameters, bytes of the parameters and Adam's two moments) of `model`, from jax.eval_shape (nothing is
-    allocated). Past TRACED_LAYERS layers, from n and n + 4 layers (n = 4 + num_layers mod 4) and the growth per four
-    layers between them: exact for layer patterns of period 1, 2 or 4."""
-    layers = model.config.num_layers
-    if layers > TRACED_LAYERS:
-        base = 4 + layers % 4
-        short, longer = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n)))
-                         for n in (base, base + 4))
-        return tuple(b + (layers - base - 4) // 4 * (b - a) for a, b in zip(short, longer))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))
-    leaves = jax.tree.leaves(shapes)
-    return (sum(math.prod(leaf.shape) for leaf in leaves),
-            3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves))
+    allocated) of its first layers, one period of its layer pattern (ModelConfig.layer_pattern): a block's parameters
+    depend only on its place in the pattern, so block j counts once for each layer i with i ≡ j modulo the period
+    (tracing every layer of a very deep model would never end)."""
+    config = model.config
+    layers = config.num_layers
+    period = min(layers, len(config.layer_pattern))
+    first = TransformerLM(dataclasses.replace(config, num_layers=period))
+    params = jax.eval_shape(lambda: first.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))["params"]
+    repeats = {f"block{j}": len(range(j, layers, period)) for j in range(period)}  # TransformerLM's block names
+    count = size = 0
+    for name, tree in params.items():
+        for leaf in jax.tree.leaves(tree):
+            n = repeats.get(name, 1) * math.prod(leaf.shape)
+            count, size = count + n, size + n * leaf.dtype.itemsize
+    return count, 3 * size
 
 
 def check_model_fits(model: TransformerLM) -> None:
