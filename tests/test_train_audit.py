@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxpe.train import experiments
+import pytest
+from jaxpe.train import cli, experiments
 from tiny_config import tiny
+
+
+def exit_status(main, argv) -> int:
+    """The command's exit status, whether it returns it or argparse exits."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
 
 
 def test_state_size_counts_every_layer_pattern_exactly():
@@ -16,3 +25,19 @@ def test_state_size_counts_every_layer_pattern_exactly():
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     count = sum(leaf.size for leaf in jax.tree.leaves(shapes))
     assert experiments.state_size(model) == (count, 3 * 4 * count)  # float32 parameters and two moments
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.eval_multiples=2", "task.eval_multiples=2 must be a list, e.g. task.eval_multiples=[2,4]"),
+    ("task.eval_multiples=2,4", "task.eval_multiples='2,4' must be a list"),
+    ("task.suffixes=5", "task.suffixes=5 must be a list"),
+    ("task.suffixes=true", "task.suffixes=True must be a list"),
+])
+def test_a_list_option_given_one_value_is_a_usage_error_naming_it(override, message, tmp_path, capsys, monkeypatch):
+    """A number where the lm task takes a list was 'int' object is not iterable, naming no key."""
+    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    monkeypatch.setattr(cli.experiments, "train_seeds", None)  # a call would fail with a TypeError
+    status = exit_status(cli.train_main, ["--task", "lm", "--workdir", str(tmp_path / "run"),
+                                          f"task.source={tmp_path}", override])
+    err = capsys.readouterr().err
+    assert status == 2 and f"jaxpe-train: error: {message}" in err and "Traceback" not in err

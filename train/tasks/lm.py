@@ -90,6 +90,9 @@ class LMConfig:
                 object.__setattr__(self, field, tuple(getattr(self, field)))
         if isinstance(self.suffixes, str):  # task.suffixes=.bin,.dat on a command line
             object.__setattr__(self, "suffixes", tuple(s for s in self.suffixes.split(",") if s))
+        for field, example in (("eval_multiples", "[2,4]"), ("suffixes", '[".txt",".md"]')):
+            if not isinstance(getattr(self, field), tuple):
+                raise TypeError(f"{field}={getattr(self, field)!r} must be a list, e.g. {field}={example}")
         if not (isinstance(self.source, (str, os.PathLike)) or
                 (isinstance(self.source, tuple) and self.source and
                  all(isinstance(s, (str, os.PathLike)) for s in self.source))):
