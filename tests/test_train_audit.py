@@ -41,3 +41,16 @@ def test_a_list_option_given_one_value_is_a_usage_error_naming_it(override, mess
                                           f"task.source={tmp_path}", override])
     err = capsys.readouterr().err
     assert status == 2 and f"jaxpe-train: error: {message}" in err and "Traceback" not in err
+
+
+def test_a_resume_may_change_how_many_steps_a_dispatch_runs_and_compile_ahead(tmp_path):
+    """run.steps_per_dispatch and run.compile_ahead change no result (a dispatch of K steps computes K single steps);
+    a resume that changes them was refused as another config. It ends where the uninterrupted run does."""
+    steps = ["run.checkpoint_every=2", "run.async_checkpoints=false", "model.dropout=0.1"]
+    whole = experiments.train_and_evaluate(tiny("run.steps=4", *steps), tmp_path / "whole")
+    experiments.train_and_evaluate(tiny("run.steps=2", *steps), tmp_path / "cut")
+    resumed = experiments.train_and_evaluate(
+        tiny("run.steps=4", "run.steps_per_dispatch=2", "run.compile_ahead=off", *steps), tmp_path / "cut")
+    assert resumed["resumed_from"] == 2
+    for split, values in whole["splits"].items():
+        assert resumed["splits"][split] == pytest.approx(values, rel=1e-5)

@@ -30,10 +30,11 @@ from jaxpe.train.tasks.base import json_object
 
 LOCK_NAME = ".jaxpe.lock"
 
-# Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
+# Run fields that may change between a run and its resumption: length, bookkeeping, the device layout and how steps
+# are dispatched and compiled; batch lengths and steps a dispatch change no metric and no data position.
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
                         "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
-                        "pad_to", "pad_multiple")  # batch lengths change no metric and no data position
+                        "pad_to", "pad_multiple", "steps_per_dispatch", "compile_ahead")
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
