@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jaxpe.train import cli, experiments
+from jaxpe.train.config import to_dict
+from jaxpe.train.workdir import write_json
 from tiny_config import tiny
 
 
@@ -54,3 +56,14 @@ def test_a_resume_may_change_how_many_steps_a_dispatch_runs_and_compile_ahead(tm
     assert resumed["resumed_from"] == 2
     for split, values in whole["splits"].items():
         assert resumed["splits"][split] == pytest.approx(values, rel=1e-5)
+
+
+@pytest.mark.parametrize("every, why", [(0, "the run saves none (run.checkpoint_every=0"),
+                                        (5, "the run has saved none yet (run.checkpoint_every=5)")])
+def test_eval_of_a_run_without_a_checkpoint_says_why(every, why, tmp_path, capsys):
+    """A workdir that holds a run's config.json but no checkpoint: jaxpe-eval said 'step=None: no such checkpoint'."""
+    write_json(tmp_path / "config.json", to_dict(tiny(f"run.checkpoint_every={every}")))
+    status = exit_status(cli.eval_main, ["--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"jaxpe-eval: error: no checkpoint in {tmp_path / 'checkpoints'}: {why}" in err

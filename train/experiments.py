@@ -367,7 +367,12 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     try:
         steps = checkpoints.all_steps()
-        if not steps or (step is not None and step not in steps):
+        if not steps:
+            every = config.run.checkpoint_every
+            why = (f"the run saves none (run.checkpoint_every=0; its result.json holds its final evaluation)"
+                   if not every else f"the run has saved none yet (run.checkpoint_every={every})")
+            raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: {why}")
+        if step is not None and step not in steps:
             raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
         if step is not None:
             state, meta = checkpoints.restore(step, trainer.abstract_state())
