@@ -8,7 +8,7 @@ import pytest
 from jaxpe.train import cli, experiments
 from jaxpe.train.config import to_dict
 from jaxpe.train.workdir import write_json
-from tiny_config import tiny
+from tiny_config import TINY, tiny
 
 
 def exit_status(main, argv) -> int:
@@ -67,3 +67,24 @@ def test_eval_of_a_run_without_a_checkpoint_says_why(every, why, tmp_path, capsy
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err
     assert f"jaxpe-eval: error: no checkpoint in {tmp_path / 'checkpoints'}: {why}" in err
+
+
+def test_a_run_on_a_relative_corpus_path_is_read_back_from_another_directory(tmp_path, monkeypatch, capsys):
+    """`task.source=corpus` given in one directory: jaxpe-eval (and restore_run) of the run from another directory
+    said "source path 'corpus' does not exist"; resuming there with the same relative path names another corpus,
+    refused naming the setting."""
+    (tmp_path / "here" / "corpus").mkdir(parents=True)
+    (tmp_path / "here" / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "elsewhere" / "corpus").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "corpus" / "a.txt").write_text("another text altogether, " * 60)
+    lm = ["--task", "lm", "task.source=corpus", "task.seq_len=16", "task.eval_bytes=64", "task.eval_multiples=[2]",
+          "run.steps=2", "run.checkpoint_every=2", "run.async_checkpoints=false"]
+    tiny_lm = [word for word in TINY if not word.startswith(("task.", "model.max_len"))]
+    monkeypatch.chdir(tmp_path / "here")
+    assert exit_status(cli.train_main, [*tiny_lm, *lm, "--workdir", str(tmp_path / "run")]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert exit_status(cli.eval_main, ["--workdir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert experiments.restore_run(tmp_path / "run").task.corpus["bytes"] == 45 * 40
+    status = exit_status(cli.train_main, [*tiny_lm, *lm, "--workdir", str(tmp_path / "run")])
+    assert status == 2 and "task.options.source" in capsys.readouterr().err

@@ -70,6 +70,8 @@ class CountingConfig:
             raise TypeError(f"data_dir={self.data_dir!r} must be a path or None")
         if self.data_dir is not None and not str(self.data_dir).strip():
             raise ValueError(f"data_dir={self.data_dir!r} names no directory (an empty path would be the current one)")
+        if self.data_dir is not None:  # absolute: a run reads its data from any directory
+            object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
 
 
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,

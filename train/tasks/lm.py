@@ -99,6 +99,10 @@ class LMConfig:
             raise TypeError(f"source={self.source!r} must be 'stdlib', 'hf:<name>', a path or a tuple of paths")
         if any(not str(path).strip() for path in (self.source if isinstance(self.source, tuple) else (self.source,))):
             raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
+        if self.source != "stdlib" and not _is_hf(self):  # absolute: a run reads its files from any directory
+            paths = tuple(os.path.abspath(path) for path in (self.source if isinstance(self.source, tuple)
+                                                             else (self.source,)))
+            object.__setattr__(self, "source", paths if isinstance(self.source, tuple) else paths[0])
         if not all(isinstance(s, str) for s in self.suffixes):
             raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
         check_int("seed", self.seed, 0)
