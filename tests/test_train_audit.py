@@ -88,3 +88,15 @@ def test_a_run_on_a_relative_corpus_path_is_read_back_from_another_directory(tmp
     assert experiments.restore_run(tmp_path / "run").task.corpus["bytes"] == 45 * 40
     status = exit_status(cli.train_main, [*tiny_lm, *lm, "--workdir", str(tmp_path / "run")])
     assert status == 2 and "task.options.source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [cli.train_main, cli.compare_main])
+def test_more_devices_than_present_is_refused_before_anything_is_written(main, tmp_path, capsys):
+    """run.num_devices beyond the devices here was refused by the Trainer, after config.json and the lock were
+    written, as 'num_devices=99 must be ...' (not the key a user sets)."""
+    argv = ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY, f"run.num_devices={jax.device_count() + 1}"]
+    status = exit_status(main, argv)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"error: run.num_devices={jax.device_count() + 1} must be in [1, {jax.device_count()}]" in err
+    assert not (tmp_path / "run").exists()

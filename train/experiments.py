@@ -33,7 +33,7 @@ from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, pr
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
-from jaxpe.train.trainer import Trainer
+from jaxpe.train.trainer import Trainer, run_mesh
 from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, checkpoint_steps, config_differences,
                                  locked_workdir, resolved_pair, write_corpus, write_json)
 
@@ -100,8 +100,9 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
 
 def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
     """Checks what TrainConfig's own checks cannot see alone (the task's options and data, its splits named in
-    run.eval_splits, the model against the task); returns the task and the model, built once here. The encoding and
-    its options were resolved and checked when config.model was made. ValueError names the key."""
+    run.eval_splits, the model against the task, the devices for the batch sizes); returns the task and the model,
+    built once here. The encoding and its options were resolved and checked when config.model was made. ValueError
+    names the key."""
     task = build_task(config)
     splits = list(task.eval_splits())
     unknown = [name for name in config.run.eval_splits if name not in splits]
@@ -113,6 +114,7 @@ def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
         raise ValueError(f"model.max_len={max_len} is shorter than the longest sequence of task "
                          f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
+    run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
     model = build_model(config.model, task.vocab_size, longest)
     check_model_fits(model)
     return task, model
