@@ -2,12 +2,19 @@
 one's own files, resuming, hostile config values; each a case that once failed."""
 from __future__ import annotations
 
+import codecs
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+
 from jaxpe.train import cli, experiments
-from jaxpe.train.config import to_dict
+from jaxpe.train.config import build_config, to_dict
+from jaxpe.train.tasks import make_task
+from jaxpe.train.tasks.counting import generate_samples, write_jsonl
 from jaxpe.train.workdir import write_json
+
 from tiny_config import TINY, tiny
 
 
@@ -100,3 +107,21 @@ def test_more_devices_than_present_is_refused_before_anything_is_written(main, t
     assert status == 2 and "Traceback" not in err
     assert f"error: run.num_devices={jax.device_count() + 1} must be in [1, {jax.device_count()}]" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_counting_data_and_presets_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Windows editors and PowerShell write UTF-8 with a byte order mark and CRLF line ends: such .jsonl files (and a
+    preset) were refused as 'Unexpected UTF-8 BOM'; they now give the same samples (and settings) as plain ones."""
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    for split, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_jsonl(plain / f"{split}.jsonl", generate_samples(16, nvars=2, min_steps=3, max_steps=8, seed=seed))
+        marked.mkdir(exist_ok=True)
+        data = (plain / f"{split}.jsonl").read_bytes()
+        (marked / f"{split}.jsonl").write_bytes(codecs.BOM_UTF8 + data.replace(b"\n", b"\r\n"))
+    want, got = (make_task("counting", data_dir=str(d), nvars=2, max_steps=8).eval_splits() for d in (plain, marked))
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name].inputs, want[name].inputs)
+        np.testing.assert_array_equal(got[name].targets, want[name].targets)
+    (tmp_path / "preset.json").write_bytes(codecs.BOM_UTF8 + b'{"model": {"num_layers": 3}}\r\n')
+    assert build_config(preset=str(tmp_path / "preset.json")).model.num_layers == 3

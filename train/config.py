@@ -196,7 +196,7 @@ def load_config(path: str | os.PathLike) -> TrainConfig:
 def _read_text(path: str | os.PathLike, what: str) -> str:
     """The UTF-8 text of the file at `path`; ValueError starting with `what` when it cannot be read or decoded."""
     try:
-        return pathlib.Path(path).read_text(encoding="utf-8")
+        return pathlib.Path(path).read_text(encoding="utf-8-sig")  # a byte order mark (Windows editors) skipped
     except OSError as error:
         raise ValueError(f"{what} cannot be read: {error.strerror}") from error
     except UnicodeDecodeError as error:

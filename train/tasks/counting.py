@@ -139,7 +139,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Sample]:
 def _parse_jsonl(data: bytes, path: str | os.PathLike) -> list[Sample]:
     """The samples of `data`, the bytes of the .jsonl file at `path` (read_jsonl)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is no part of the text
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text ({error})") from None
     samples = []
