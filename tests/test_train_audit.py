@@ -125,3 +125,15 @@ def test_counting_data_and_presets_saved_with_a_byte_order_mark_read_as_without(
         np.testing.assert_array_equal(got[name].targets, want[name].targets)
     (tmp_path / "preset.json").write_bytes(codecs.BOM_UTF8 + b'{"model": {"num_layers": 3}}\r\n')
     assert build_config(preset=str(tmp_path / "preset.json")).model.num_layers == 3
+
+
+def test_eval_of_a_comparison_names_its_runs(tmp_path, capsys):
+    """jaxpe-eval on a jaxpe-compare workdir (its runs one level down) said only 'is it a jaxpe-train workdir?'."""
+    for pe in ("cope", "rope"):
+        (tmp_path / pe / "seed0").mkdir(parents=True)
+        write_json(tmp_path / pe / "seed0" / "config.json", to_dict(tiny(pe=pe)))
+    status = exit_status(cli.eval_main, ["--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert (f"holds no config.json; it holds the runs of a comparison: give one of them ({tmp_path}/cope/seed0, "
+            f"{tmp_path}/rope/seed0)") in err

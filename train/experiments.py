@@ -357,7 +357,10 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
+        runs = sorted(str(path.parent) for path in workdir.glob("*/seed*/config.json"))
+        hint = (f"it holds the runs of a comparison: give one of them ({', '.join(runs[:3])}{', ...' * (len(runs) > 3)})"
+                if runs else "is it a jaxpe-train workdir?")
+        raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
         num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
