@@ -137,3 +137,13 @@ def test_eval_of_a_comparison_names_its_runs(tmp_path, capsys):
     assert status == 2 and "Traceback" not in err
     assert (f"holds no config.json; it holds the runs of a comparison: give one of them ({tmp_path}/cope/seed0, "
             f"{tmp_path}/rope/seed0)") in err
+
+
+def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
+    """task.source=[dir/a.txt, dir]: the file was read as two documents ('a.txt' and 'dir/a.txt'), which split by
+    document could send to train and test alike."""
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "texts" / name).write_text(f"{name} holds some text to model. " * 20)
+    with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'a\.txt' and 'texts/a\.txt'\)"):
+        make_task("lm", source=[str(tmp_path / "texts" / "a.txt"), str(tmp_path / "texts")], seq_len=16)

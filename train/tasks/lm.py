@@ -196,6 +196,10 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
         if clash := sorted(found.keys() & files.keys()):
             raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
         files.update(found)
+    seen: dict[Path, str] = {}
+    for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
+        if (other := seen.setdefault(path.resolve(), name)) != name:
+            raise ValueError(f"source names the file {str(path)!r} twice (as {other!r} and {name!r}); give it once")
     return files
 
 
