@@ -147,3 +147,14 @@ def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
         (tmp_path / "texts" / name).write_text(f"{name} holds some text to model. " * 20)
     with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'a\.txt' and 'texts/a\.txt'\)"):
         make_task("lm", source=[str(tmp_path / "texts" / "a.txt"), str(tmp_path / "texts")], seq_len=16)
+
+
+@pytest.mark.parametrize("override", [f"optim.batch_size={10**20}", f"task.n_eval={10**20}",
+                                      f"model.vocab_size={10**20}"])
+def test_a_size_too_large_to_store_is_one_line(override, tmp_path, capsys):
+    """A size of 21 digits passes every bound and then overflowed NumPy or jax: an OverflowError traceback."""
+    status = exit_status(cli.train_main, ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY, override])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert "jaxpe-train: error: a setting too large to store as an integer (" in err and "optim.batch_size" in err
+    assert not (tmp_path / "run").exists()

@@ -233,8 +233,9 @@ def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Ca
 
 def _failure(prog: str, error: BaseException) -> int | None:
     """Prints the one line for a failure and returns the exit status: a bad config, data or workdir, or one too large
-    for the memory, `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or permission problem exit 1; the
-    time limit exit 3; Ctrl-C exit 130. None for an unexpected error (its traceback is shown)."""
+    for the memory or to store as an integer, `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or
+    permission problem exit 1; the time limit exit 3; Ctrl-C exit 130. None for an unexpected error (its traceback is
+    shown)."""
     if isinstance(error, TimeLimitReached):
         if error.checkpointed:
             print(f"{prog}: time limit reached: stopped at step {error.step} with a checkpoint; rerun the same "
@@ -250,7 +251,8 @@ def _failure(prog: str, error: BaseException) -> int | None:
     if isinstance(error, (WorkdirBusyError, NonFiniteLossError, ImportError)):
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ImportError) else 1  # ImportError: an optional extra a setting needs (jaxpe[hf])
-    if isinstance(error, MemoryError) or not isinstance(error, ValueError) and "RESOURCE_EXHAUSTED" in str(error):
+    if isinstance(error, (MemoryError, OverflowError)) or (not isinstance(error, ValueError)
+                                                           and "RESOURCE_EXHAUSTED" in str(error)):
         return _report_memory(prog, error)  # RESOURCE_EXHAUSTED: XLA's out of memory
     if _os_error(error) is not None or "No space left on device" in str(error):
         return _report_os_error(prog, error)
@@ -261,9 +263,11 @@ def _failure(prog: str, error: BaseException) -> int | None:
 
 
 def _report_memory(prog: str, error: BaseException) -> int:
-    """One line for a config too large for this machine's memory (exit 2: a size in it must come down)."""
+    """One line for a config too large for this machine's memory, or for a NumPy or jax integer (an OverflowError;
+    exit 2: a size in it must come down)."""
     what = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-    print(f"{prog}: error: out of memory ({what}); lower the sizes of the config: optim.batch_size, "
+    kind = "a setting too large to store as an integer" if isinstance(error, OverflowError) else "out of memory"
+    print(f"{prog}: error: {kind} ({what}); lower the sizes of the config: optim.batch_size, "
           "run.eval_batch_size, task.seq_len, the task's set sizes or the model's (model.d_model, model.num_layers)",
           file=sys.stderr)
     return 2
