@@ -101,7 +101,8 @@ def test_a_run_on_a_relative_corpus_path_is_read_back_from_another_directory(tmp
 def test_more_devices_than_present_is_refused_before_anything_is_written(main, tmp_path, capsys):
     """run.num_devices beyond the devices here was refused by the Trainer, after config.json and the lock were
     written, as 'num_devices=99 must be ...' (not the key a user sets)."""
-    argv = ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY, f"run.num_devices={jax.device_count() + 1}"]
+    argv = ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY,
+            f"run.num_devices={jax.device_count() + 1}"]
     status = exit_status(main, argv)
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err

@@ -358,8 +358,8 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     config_path = workdir / "config.json"
     if not config_path.is_file():
         runs = sorted(str(path.parent) for path in workdir.glob("*/seed*/config.json"))
-        hint = (f"it holds the runs of a comparison: give one of them ({', '.join(runs[:3])}{', ...' * (len(runs) > 3)})"
-                if runs else "is it a jaxpe-train workdir?")
+        listed = ", ".join(runs[:3]) + ", ..." * (len(runs) > 3)
+        hint = f"it holds the runs of a comparison: give one of them ({listed})" if runs else "is it a jaxpe-train workdir?"
         raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
