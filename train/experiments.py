@@ -359,7 +359,8 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     if not config_path.is_file():
         runs = sorted(str(path.parent) for path in workdir.glob("*/seed*/config.json"))
         listed = ", ".join(runs[:3]) + ", ..." * (len(runs) > 3)
-        hint = f"it holds the runs of a comparison: give one of them ({listed})" if runs else "is it a jaxpe-train workdir?"
+        hint = (f"it holds the runs of a comparison: give one of them ({listed})" if runs
+                else "is it a jaxpe-train workdir?")
         raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
