@@ -3,6 +3,8 @@ one's own files, resuming, hostile config values; each a case that once failed."
 from __future__ import annotations
 
 import codecs
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import pytest
 
 from jaxpe.train import cli, experiments
 from jaxpe.train.config import build_config, to_dict
+from jaxpe.train.loop import MetricsLog
 from jaxpe.train.tasks import make_task
 from jaxpe.train.tasks.counting import generate_samples, write_jsonl
 from jaxpe.train.workdir import write_json
@@ -159,3 +162,22 @@ def test_a_size_too_large_to_store_is_one_line(override, tmp_path, capsys):
     assert status == 2 and "Traceback" not in err
     assert "jaxpe-train: error: a setting too large to store as an integer (" in err and "optim.batch_size" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, monkeypatch):
+    """Resuming rewrites metrics.jsonl without the records past the resume step; a kill in the middle of that write
+    left the file cut short (records before the resume step lost for good). Now the old file stays whole until the
+    new one replaces it."""
+    lines = [json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) for step in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    write_text = pathlib.Path.write_text
+
+    def killed_halfway(self: pathlib.Path, text: str, *args, **kwargs) -> int:
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(tmp_path, resume_step=3, enabled=True, tensorboard=False)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
