@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +182,15 @@ def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, mon
         MetricsLog(tmp_path, resume_step=3, enabled=True, tensorboard=False)
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+
+
+@pytest.mark.parametrize("preset, message", [
+    ({"tasks": {"flipflopp": {"seq_len": 32}}}, "preset '{path}': 'tasks' names unknown task(s) ['flipflopp']"),
+    ({"encodings": {"cpoe": {"npos": 8}}}, "preset '{path}': 'encodings' names unknown encoding(s) ['cpoe']"),
+])
+def test_a_preset_naming_an_unknown_task_or_encoding_is_refused(preset, message, tmp_path):
+    """A misspelt task or encoding in a preset of one's own: its options were never applied, and nothing said so."""
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(preset))
+    with pytest.raises(ValueError, match=re.escape(message.format(path=path))):
+        build_config(preset=str(path), task="flipflop", pe="cope")
