@@ -375,7 +375,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         steps = checkpoints.all_steps()
         if not steps:
             every = config.run.checkpoint_every
-            why = (f"the run saves none (run.checkpoint_every=0; its result.json holds its final evaluation)"
+            why = ("the run saves none (run.checkpoint_every=0; its result.json holds its final evaluation)"
                    if not every else f"the run has saved none yet (run.checkpoint_every={every})")
             raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: {why}")
         if step is not None and step not in steps:
