@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import pathlib
 import re
 
@@ -194,3 +195,22 @@ def test_a_preset_naming_an_unknown_task_or_encoding_is_refused(preset, message,
     path.write_text(json.dumps(preset))
     with pytest.raises(ValueError, match=re.escape(message.format(path=path))):
         build_config(preset=str(path), task="flipflop", pe="cope")
+
+
+def test_longer_splits_of_documents_shorter_than_the_training_length_are_flagged(tmp_path, caplog):
+    """Documents no longer than L bytes: len_x2 scores the very bytes and positions test does, and silently reported
+    the same number as if the model generalised to twice its length. A warning says so; one long document is
+    enough to silence it."""
+    (tmp_path / "short").mkdir()
+    for i in range(5):
+        (tmp_path / "short" / f"{i}.txt").write_text(f"note {i}: a short line.\n")
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
+        task = make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2])
+    test, longer = task.eval_splits()["test"], task.eval_splits()["len_x2"]
+    assert longer.weights.sum() == test.weights.sum() and not longer.weights[:, 32:].any()  # the premise
+    assert "no test document is longer than task.seq_len=32 bytes: len_x2 scores" in caplog.text
+    caplog.clear()
+    (tmp_path / "short" / "long.txt").write_text("a much longer note that runs on well past the training length. " * 3)
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
+        make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2], test_fraction=0.4)
+    assert "len_x2 scores" not in caplog.text

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -57,6 +58,8 @@ import numpy as np
 
 from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, check_int, check_probability, check_step,
                                    content_fingerprint, derive_seed, make_batch)
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 SPLIT_BY = ("auto", "document", "bytes")
@@ -340,6 +343,11 @@ class LMTask:
             self.bounds[split] = np.cumsum([0, *sizes], dtype=np.int64)
             if not (np.diff(self.bounds[split]) >= 2).any():  # no byte to predict from one before it
                 raise ValueError(self._too_short(split, len(docs[split])))
+        if config.eval_multiples and np.diff(self.bounds["test"]).max() <= self.seq_len + 1:  # no target past L
+            longer = ", ".join(f"len_x{m}" for m in config.eval_multiples)
+            log.warning("task lm: no test document is longer than task.seq_len=%d bytes: %s scores the bytes and "
+                        "positions that test scores, nothing past %d; give longer documents, or "
+                        "task.documents=joined", self.seq_len, longer, self.seq_len)
 
     @property
     def corpus(self) -> dict[str, object]:
