@@ -214,3 +214,15 @@ def test_longer_splits_of_documents_shorter_than_the_training_length_are_flagged
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
         make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2], test_fraction=0.4)
     assert "len_x2 scores" not in caplog.text
+
+
+def test_a_warmup_longer_than_the_run_is_flagged(caplog):
+    """run.steps=50 with the default 100 warmup steps: the learning rate never reached optim.learning_rate (half of
+    it at the end), and nothing said so."""
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
+        experiments.validate_config(tiny("optim.warmup_steps=100", "run.steps=50"))
+    assert "optim.warmup_steps=100 >= run.steps=50: the learning rate never reaches optim.learning_rate" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
+        experiments.validate_config(tiny("optim.warmup_steps=10", "run.steps=50"))
+    assert "warmup" not in caplog.text

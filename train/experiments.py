@@ -115,6 +115,9 @@ def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
                          f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
     run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
+    if config.optim.warmup_steps >= config.run.steps:
+        log.warning("optim.warmup_steps=%d >= run.steps=%d: the learning rate never reaches optim.learning_rate",
+                    config.optim.warmup_steps, config.run.steps)
     model = build_model(config.model, task.vocab_size, longest)
     check_model_fits(model)
     return task, model
