@@ -155,8 +155,8 @@ def test_bad_values_fail_before_anything_is_written_or_trained(main, argv, messa
 
 @pytest.mark.parametrize("overrides", [["model.num_layers=16"], ["model.num_layers=15", "model.pe_options.every=2"]])
 def test_a_deep_models_size_is_counted_from_a_few_layers(overrides):
-    """state_size of 15 or 16 layers, extrapolated from 7 and 11 or 8 and 12 (CoPE every second layer: a period of
-    2), equals the count of the whole model's parameters."""
+    """state_size of 15 or 16 layers, counted from one period of the layer pattern (1 layer, or 2 with CoPE every
+    second layer), equals the count of the whole model's parameters."""
     _, model = experiments.validate_config(tiny(*overrides, pe="cope"))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     count = sum(leaf.size for leaf in jax.tree.leaves(shapes))

@@ -221,67 +221,53 @@ def _os_error(error: BaseException) -> OSError | None:
 
 
 def _guarded(parser: argparse.ArgumentParser, args: argparse.Namespace, body: Callable[[], int]) -> int:
-    """Runs the command; a failure ends in one line on stderr (the traceback only with --debug):
-    a bad config, data or workdir, or one too large for the memory, `<prog>: error: ...` exit 2; a busy workdir, NaN
-    loss, full disk or permission problem exit 1; the time limit exit 3; Ctrl-C exit 130."""
-    prog = parser.prog
+    """Runs the command; a failure ends in one line on stderr (_failure; the traceback only with --debug)."""
     try:
         return body()
-    except TimeLimitReached as stop:
-        if args.debug:
+    except (Exception, KeyboardInterrupt) as error:
+        status = None if args.debug else _failure(parser.prog, error)
+        if status is None:
             raise
-        if stop.checkpointed:
-            print(f"{prog}: time limit reached: stopped at step {stop.step} with a checkpoint; rerun the same command "
-                  "to resume", file=sys.stderr)
+        return status
+
+
+def _failure(prog: str, error: BaseException) -> int | None:
+    """Prints the one line for a failure and returns the exit status: a bad config, data or workdir, or one too large
+    for the memory or to store as an integer, `<prog>: error: ...` exit 2; a busy workdir, NaN loss, full disk or
+    permission problem exit 1; the time limit exit 3; Ctrl-C exit 130. None for an unexpected error (its traceback is
+    shown)."""
+    if isinstance(error, TimeLimitReached):
+        if error.checkpointed:
+            print(f"{prog}: time limit reached: stopped at step {error.step} with a checkpoint; rerun the same "
+                  "command to resume", file=sys.stderr)
         else:
-            print(f"{prog}: time limit reached: stopped at step {stop.step}; run.checkpoint_every=0 saved nothing to "
-                  "resume from", file=sys.stderr)
+            print(f"{prog}: time limit reached: stopped at step {error.step}; run.checkpoint_every=0 saved nothing "
+                  "to resume from", file=sys.stderr)
         return 3
-    except TrainingInterrupted as interrupt:
-        if args.debug:
-            raise
-        print(f"{prog}: interrupted at step {interrupt.step}; rerun the same command to resume", file=sys.stderr)
+    if isinstance(error, KeyboardInterrupt):  # TrainingInterrupted too
+        at = f" at step {error.step}" if isinstance(error, TrainingInterrupted) else ""
+        print(f"{prog}: interrupted{at}; rerun the same command to resume", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    except ValueError as error:
-        if args.debug:
-            raise
-        if _os_error(error) is not None or "No space left on device" in str(error):
-            return _report_os_error(prog, error)
+    if isinstance(error, (WorkdirBusyError, NonFiniteLossError, ImportError)):
         print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    except (WorkdirBusyError, NonFiniteLossError) as error:
-        if args.debug:
-            raise
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 1
-    except MemoryError as error:
-        if args.debug:
-            raise
-        return _report_memory(prog, error)
-    except ImportError as error:  # an optional extra a setting needs (lm's task.source=hf:..., jaxpe[hf])
-        if args.debug:
-            raise
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
-        if args.debug:
-            raise
-        if "RESOURCE_EXHAUSTED" in str(error):  # XLA's out of memory
-            return _report_memory(prog, error)
-        if _os_error(error) is None and "No space left on device" not in str(error):
-            raise
+        return 2 if isinstance(error, ImportError) else 1  # ImportError: an optional extra a setting needs (jaxpe[hf])
+    if isinstance(error, (MemoryError, OverflowError)) or (not isinstance(error, ValueError)
+                                                           and "RESOURCE_EXHAUSTED" in str(error)):
+        return _report_memory(prog, error)  # RESOURCE_EXHAUSTED: XLA's out of memory
+    if _os_error(error) is not None or "No space left on device" in str(error):
         return _report_os_error(prog, error)
+    if isinstance(error, ValueError):
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _report_memory(prog: str, error: BaseException) -> int:
-    """One line for a config too large for this machine's memory (exit 2: a size in it must come down)."""
+    """One line for a config too large for this machine's memory, or for a NumPy or jax integer (an OverflowError;
+    exit 2: a size in it must come down)."""
     what = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-    print(f"{prog}: error: out of memory ({what}); lower the sizes of the config: optim.batch_size, "
+    kind = "a setting too large to store as an integer" if isinstance(error, OverflowError) else "out of memory"
+    print(f"{prog}: error: {kind} ({what}); lower the sizes of the config: optim.batch_size, "
           "run.eval_batch_size, task.seq_len, the task's set sizes or the model's (model.d_model, model.num_layers)",
           file=sys.stderr)
     return 2

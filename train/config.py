@@ -37,7 +37,7 @@ from typing import Any
 
 from jaxpe.model import ModelConfig, TransformerLM
 from jaxpe.registry import pe_config, pe_names
-from jaxpe.train.tasks import Task, make_task, task_config_class
+from jaxpe.train.tasks import TASK_NAMES, Task, make_task, task_config_class
 from jaxpe.train.tasks.base import PAD_TO, config_from_options, json_object
 
 COMPILE_AHEAD = ("auto", "on", "off")  # run.compile_ahead: when Trainer.compile_ahead compiles the eval steps early
@@ -196,7 +196,7 @@ def load_config(path: str | os.PathLike) -> TrainConfig:
 def _read_text(path: str | os.PathLike, what: str) -> str:
     """The UTF-8 text of the file at `path`; ValueError starting with `what` when it cannot be read or decoded."""
     try:
-        return pathlib.Path(path).read_text(encoding="utf-8")
+        return pathlib.Path(path).read_text(encoding="utf-8-sig")  # a byte order mark (Windows editors) skipped
     except OSError as error:
         raise ValueError(f"{what} cannot be read: {error.strerror}") from error
     except UnicodeDecodeError as error:
@@ -224,9 +224,12 @@ def build_config(
         data = load_preset(preset)
         preset_tasks = data.pop("tasks", {})
         preset_encodings = data.pop("encodings", {})
-        for key, names in (("tasks", preset_tasks), ("encodings", preset_encodings)):
+        for key, names, known in (("tasks", preset_tasks, TASK_NAMES), ("encodings", preset_encodings, pe_names())):
             if not isinstance(names, Mapping):
                 raise ValueError(f"preset {preset!r}: {key!r} must map names to their options, got {names!r}")
+            if unknown := sorted(str(name) for name in names if name not in known):
+                raise ValueError(f"preset {preset!r}: {key!r} names unknown {key[:-1]}(s) {unknown}; "
+                                 f"choose from {', '.join(known)}")
         config = apply_dict(config, {k: v for k, v in data.items() if not k.startswith("_")})
     if task is not None and task != config.task.name:
         config = apply_dict(dataclasses.replace(config, task=TaskConfig()), {"task": {"name": task}})

@@ -162,11 +162,12 @@ def split_host_cpu() -> int | None:
     return count
 
 
-def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = ()) -> Mesh:
+def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = (), what: str = "num_devices") -> Mesh:
     """A 1-D ("data",) mesh over the first `num_devices` devices (0 = all, of every process).
 
     With 0 on a single-process CPU, the most devices that split every size in `divides` (the batch sizes) evenly:
-    the host's per-core devices (`split_host_cpu`) need not divide a user's batch.
+    the host's per-core devices (`split_host_cpu`) need not divide a user's batch. A ValueError names the count
+    `what`.
     """
     devices = jax.devices()
     if num_devices == 0:
@@ -174,9 +175,9 @@ def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = ()) -> Mesh:
         if devices[0].platform == "cpu" and jax.process_count() == 1:
             num_devices = max(n for n in range(1, num_devices + 1) if all(size % n == 0 for size in divides))
     if not 1 <= num_devices <= len(devices):
-        raise ValueError(f"{num_devices=} must be in [1, {len(devices)}] (the devices present)")
+        raise ValueError(f"{what}={num_devices} must be in [1, {len(devices)}] (the devices present)")
     if num_devices != len(devices) and jax.process_count() > 1:
-        raise ValueError(f"{num_devices=} must be 0 (all devices) in a multi-process run")
+        raise ValueError(f"{what}={num_devices} must be 0 (all devices) in a multi-process run")
     return Mesh(np.asarray(devices[:num_devices]), (DATA_AXIS,))
 
 

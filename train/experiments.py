@@ -33,7 +33,7 @@ from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, pr
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
-from jaxpe.train.trainer import Trainer
+from jaxpe.train.trainer import Trainer, run_mesh
 from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, checkpoint_steps, config_differences,
                                  locked_workdir, resolved_pair, write_corpus, write_json)
 
@@ -100,8 +100,9 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
 
 def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
     """Checks what TrainConfig's own checks cannot see alone (the task's options and data, its splits named in
-    run.eval_splits, the model against the task); returns the task and the model, built once here. The encoding and
-    its options were resolved and checked when config.model was made. ValueError names the key."""
+    run.eval_splits, the model against the task, the devices for the batch sizes); returns the task and the model,
+    built once here. The encoding and its options were resolved and checked when config.model was made. ValueError
+    names the key."""
     task = build_task(config)
     splits = list(task.eval_splits())
     unknown = [name for name in config.run.eval_splits if name not in splits]
@@ -113,6 +114,10 @@ def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
         raise ValueError(f"model.max_len={max_len} is shorter than the longest sequence of task "
                          f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
+    run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
+    if config.optim.warmup_steps >= config.run.steps:
+        log.warning("optim.warmup_steps=%d >= run.steps=%d: the learning rate never reaches optim.learning_rate",
+                    config.optim.warmup_steps, config.run.steps)
     model = build_model(config.model, task.vocab_size, longest)
     check_model_fits(model)
     return task, model
@@ -127,23 +132,23 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-TRACED_LAYERS = 12  # a deeper model's size is extrapolated from fewer of its layers (tracing a layer takes time)
-
-
 def state_size(model: TransformerLM) -> tuple[int, int]:
     """(parameters, bytes of the parameters and Adam's two moments) of `model`, from jax.eval_shape (nothing is
-    allocated). Past TRACED_LAYERS layers, from n and n + 4 layers (n = 4 + num_layers mod 4) and the growth per four
-    layers between them: exact for layer patterns of period 1, 2 or 4."""
-    layers = model.config.num_layers
-    if layers > TRACED_LAYERS:
-        base = 4 + layers % 4
-        short, longer = (state_size(TransformerLM(dataclasses.replace(model.config, num_layers=n)))
-                         for n in (base, base + 4))
-        return tuple(b + (layers - base - 4) // 4 * (b - a) for a, b in zip(short, longer))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))
-    leaves = jax.tree.leaves(shapes)
-    return (sum(math.prod(leaf.shape) for leaf in leaves),
-            3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves))
+    allocated) of its first layers, one period of its layer pattern (ModelConfig.layer_pattern): a block's parameters
+    depend only on its place in the pattern, so block j counts once for each layer i with i ≡ j modulo the period
+    (tracing every layer of a very deep model would never end)."""
+    config = model.config
+    layers = config.num_layers
+    period = min(layers, len(config.layer_pattern))
+    first = TransformerLM(dataclasses.replace(config, num_layers=period))
+    params = jax.eval_shape(lambda: first.init(jax.random.key(0), jax.numpy.zeros((1, 1), jax.numpy.int32)))["params"]
+    repeats = {f"block{j}": len(range(j, layers, period)) for j in range(period)}  # TransformerLM's block names
+    count = size = 0
+    for name, tree in params.items():
+        for leaf in jax.tree.leaves(tree):
+            n = repeats.get(name, 1) * math.prod(leaf.shape)
+            count, size = count + n, size + n * leaf.dtype.itemsize
+    return count, 3 * size
 
 
 def check_model_fits(model: TransformerLM) -> None:
@@ -355,7 +360,11 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{str(workdir)!r} holds no config.json; is it a jaxpe-train workdir?")
+        runs = sorted(str(path.parent) for path in workdir.glob("*/seed*/config.json"))
+        listed = ", ".join(runs[:3]) + ", ..." * (len(runs) > 3)
+        hint = (f"it holds the runs of a comparison: give one of them ({listed})" if runs
+                else "is it a jaxpe-train workdir?")
+        raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
         num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
@@ -367,7 +376,12 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     checkpoints = Checkpoints(workdir / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     try:
         steps = checkpoints.all_steps()
-        if not steps or (step is not None and step not in steps):
+        if not steps:
+            every = config.run.checkpoint_every
+            why = ("the run saves none (run.checkpoint_every=0; its result.json holds its final evaluation)"
+                   if not every else f"the run has saved none yet (run.checkpoint_every={every})")
+            raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: {why}")
+        if step is not None and step not in steps:
             raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
         if step is not None:
             state, meta = checkpoints.restore(step, trainer.abstract_state())

@@ -29,6 +29,7 @@ from jaxpe.train.step import Metrics, TrainState
 from jaxpe.train.tasks import Split, Task
 from jaxpe.train.tasks.base import scored_lengths
 from jaxpe.train.trainer import Trainer
+from jaxpe.train.workdir import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class MetricsLog:
         self.path, self.enabled = workdir / "metrics.jsonl", enabled
         if enabled and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if self._step(line) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            write_atomically(self.path, "".join(line + "\n" for line in kept))  # a kill here keeps every record
         self.writer = None
         if enabled and tensorboard:
             self.writer = _tensorboard_writer(workdir / "tb", purge_step=resume_step + 1 if resume_step else None)

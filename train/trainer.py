@@ -38,6 +38,19 @@ def positions_depend_on_length(model: Any) -> bool:
     return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
 
 
+def run_mesh(config: TrainConfig) -> jax.sharding.Mesh:
+    """The data-parallel mesh of run.num_devices devices (0: as distributed.make_mesh chooses) for config's batches;
+    a ValueError naming the key when there are not that many devices or a batch does not split over them evenly."""
+    optim, run = config.optim, config.run
+    batch_sizes = {"optim.batch_size": optim.batch_size,
+                   "optim.batch_size / optim.grad_accum": optim.batch_size // optim.grad_accum,
+                   "run.eval_batch_size": run.eval_batch_size}
+    mesh = distributed.make_mesh(run.num_devices, divides=tuple(batch_sizes.values()), what="run.num_devices")
+    for what, size in batch_sizes.items():
+        distributed.check_batch_size(size, mesh, what)
+    return mesh
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _split_members(tree: Any, members: int) -> tuple[Any, ...]:
     """A tree of [S, ...] leaves -> S trees of [...] leaves (S = members)."""
@@ -75,13 +88,7 @@ class Trainer:
             log.warning("run.pad_to=%s: the encoding's positions depend on the padded length (dynamic NTK "
                         "scaling), so every batch is padded to the full block", self.pad_to)
             self.pad_to = "block"
-        batch_sizes = (config.optim.batch_size, config.optim.batch_size // config.optim.grad_accum,
-                       config.run.eval_batch_size)
-        self.mesh = distributed.make_mesh(config.run.num_devices, divides=batch_sizes)
-        distributed.check_batch_size(config.optim.batch_size, self.mesh)
-        distributed.check_batch_size(config.optim.batch_size // config.optim.grad_accum, self.mesh,
-                                     "optim.batch_size / optim.grad_accum")
-        distributed.check_batch_size(config.run.eval_batch_size, self.mesh, "run.eval_batch_size")
+        self.mesh = run_mesh(config)
         tx = make_optimizer(config.optim, config.run.steps)
 
         def logits_train(params: Any, inputs: jax.Array, key: jax.Array) -> jax.Array:

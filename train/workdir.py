@@ -11,7 +11,7 @@ filled in), so a config that leaves them unset is the same run as the resolved o
 unresolved. A task read from outside data (lm's corpus, counting's data_dir: `Task.corpus`) leaves its fingerprint in
 `corpus.json` (`write_corpus`), and `check_same_corpus` refuses to resume, reuse or read back the run once that data
 changed.
-`write_json` writes a workdir's JSON files atomically.
+`write_json` writes a workdir's JSON files atomically (`write_atomically`).
 """
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ from jaxpe.train.tasks.base import json_object
 
 LOCK_NAME = ".jaxpe.lock"
 
-# Run fields that may change between a run and its resumption: length, bookkeeping and the device layout.
+# Run fields that may change between a run and its resumption: length, bookkeeping, the device layout and how steps
+# are dispatched and compiled; batch lengths and steps a dispatch change no metric and no data position.
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
                         "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
-                        "pad_to", "pad_multiple")  # batch lengths change no metric and no data position
+                        "pad_to", "pad_multiple", "steps_per_dispatch", "compile_ahead")
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
@@ -90,11 +91,16 @@ def locked_workdir(workdir: pathlib.Path, *, is_main: bool) -> Iterator[None]:
         yield
 
 
-def write_json(path: pathlib.Path, data: Any) -> None:
-    """Writes `data` as indented JSON, atomically (write then rename)."""
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` atomically (a file beside it, then a rename): a kill leaves the old file or the new."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    """Writes `data` as indented JSON, atomically (write_atomically)."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -70,6 +70,8 @@ class CountingConfig:
             raise TypeError(f"data_dir={self.data_dir!r} must be a path or None")
         if self.data_dir is not None and not str(self.data_dir).strip():
             raise ValueError(f"data_dir={self.data_dir!r} names no directory (an empty path would be the current one)")
+        if self.data_dir is not None:  # absolute: a run reads its data from any directory
+            object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
 
 
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,
@@ -137,7 +139,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Sample]:
 def _parse_jsonl(data: bytes, path: str | os.PathLike) -> list[Sample]:
     """The samples of `data`, the bytes of the .jsonl file at `path` (read_jsonl)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is no part of the text
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text ({error})") from None
     samples = []

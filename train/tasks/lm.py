@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -57,6 +58,8 @@ import numpy as np
 
 from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, check_int, check_probability, check_step,
                                    content_fingerprint, derive_seed, make_batch)
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 SPLIT_BY = ("auto", "document", "bytes")
@@ -90,12 +93,19 @@ class LMConfig:
                 object.__setattr__(self, field, tuple(getattr(self, field)))
         if isinstance(self.suffixes, str):  # task.suffixes=.bin,.dat on a command line
             object.__setattr__(self, "suffixes", tuple(s for s in self.suffixes.split(",") if s))
+        for field, example in (("eval_multiples", "[2,4]"), ("suffixes", '[".txt",".md"]')):
+            if not isinstance(getattr(self, field), tuple):
+                raise TypeError(f"{field}={getattr(self, field)!r} must be a list, e.g. {field}={example}")
         if not (isinstance(self.source, (str, os.PathLike)) or
                 (isinstance(self.source, tuple) and self.source and
                  all(isinstance(s, (str, os.PathLike)) for s in self.source))):
             raise TypeError(f"source={self.source!r} must be 'stdlib', 'hf:<name>', a path or a tuple of paths")
         if any(not str(path).strip() for path in (self.source if isinstance(self.source, tuple) else (self.source,))):
             raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
+        if self.source != "stdlib" and not _is_hf(self):  # absolute: a run reads its files from any directory
+            paths = tuple(os.path.abspath(path) for path in (self.source if isinstance(self.source, tuple)
+                                                             else (self.source,)))
+            object.__setattr__(self, "source", paths if isinstance(self.source, tuple) else paths[0])
         if not all(isinstance(s, str) for s in self.suffixes):
             raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
         check_int("seed", self.seed, 0)
@@ -189,6 +199,10 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
         if clash := sorted(found.keys() & files.keys()):
             raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
         files.update(found)
+    seen: dict[Path, str] = {}
+    for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
+        if (other := seen.setdefault(path.resolve(), name)) != name:
+            raise ValueError(f"source names the file {str(path)!r} twice (as {other!r} and {name!r}); give it once")
     return files
 
 
@@ -329,6 +343,11 @@ class LMTask:
             self.bounds[split] = np.cumsum([0, *sizes], dtype=np.int64)
             if not (np.diff(self.bounds[split]) >= 2).any():  # no byte to predict from one before it
                 raise ValueError(self._too_short(split, len(docs[split])))
+        if config.eval_multiples and np.diff(self.bounds["test"]).max() <= self.seq_len + 1:  # no target past L
+            longer = ", ".join(f"len_x{m}" for m in config.eval_multiples)
+            log.warning("task lm: no test document is longer than task.seq_len=%d bytes: %s scores the bytes and "
+                        "positions that test scores, nothing past %d; give longer documents, or "
+                        "task.documents=joined", self.seq_len, longer, self.seq_len)
 
     @property
     def corpus(self) -> dict[str, object]:

@@ -1,0 +1,228 @@
+"""The training package as a user running their own runs meets it: size checks of every layer pattern, a corpus of
+one's own files, resuming, hostile config values; each a case that once failed."""
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpe.train import cli, experiments
+from jaxpe.train.config import build_config, to_dict
+from jaxpe.train.loop import MetricsLog
+from jaxpe.train.tasks import make_task
+from jaxpe.train.tasks.counting import generate_samples, write_jsonl
+from jaxpe.train.workdir import write_json
+
+from tiny_config import TINY, tiny
+
+
+def exit_status(main, argv) -> int:
+    """The command's exit status, whether it returns it or argparse exits."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_state_size_counts_every_layer_pattern_exactly():
+    """A pattern of period 3 (not 1, 2 or 4) with a table of its own in every third layer: state_size equals the
+    count of the whole model's parameters traced in full."""
+    overrides = ["model.num_layers=14", "model.layer_pe=cope,none,none", "model.pe_options.shared_table=false"]
+    _, model = experiments.validate_config(tiny(*overrides, pe="cope"))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    count = sum(leaf.size for leaf in jax.tree.leaves(shapes))
+    assert experiments.state_size(model) == (count, 3 * 4 * count)  # float32 parameters and two moments
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.eval_multiples=2", "task.eval_multiples=2 must be a list, e.g. task.eval_multiples=[2,4]"),
+    ("task.eval_multiples=2,4", "task.eval_multiples='2,4' must be a list"),
+    ("task.suffixes=5", "task.suffixes=5 must be a list"),
+    ("task.suffixes=true", "task.suffixes=True must be a list"),
+])
+def test_a_list_option_given_one_value_is_a_usage_error_naming_it(override, message, tmp_path, capsys, monkeypatch):
+    """A number where the lm task takes a list was 'int' object is not iterable, naming no key."""
+    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    monkeypatch.setattr(cli.experiments, "train_seeds", None)  # a call would fail with a TypeError
+    status = exit_status(cli.train_main, ["--task", "lm", "--workdir", str(tmp_path / "run"),
+                                          f"task.source={tmp_path}", override])
+    err = capsys.readouterr().err
+    assert status == 2 and f"jaxpe-train: error: {message}" in err and "Traceback" not in err
+
+
+def test_a_resume_may_change_how_many_steps_a_dispatch_runs_and_compile_ahead(tmp_path):
+    """run.steps_per_dispatch and run.compile_ahead change no result (a dispatch of K steps computes K single steps);
+    a resume that changes them was refused as another config. It ends where the uninterrupted run does."""
+    steps = ["run.checkpoint_every=2", "run.async_checkpoints=false", "model.dropout=0.1"]
+    whole = experiments.train_and_evaluate(tiny("run.steps=4", *steps), tmp_path / "whole")
+    experiments.train_and_evaluate(tiny("run.steps=2", *steps), tmp_path / "cut")
+    resumed = experiments.train_and_evaluate(
+        tiny("run.steps=4", "run.steps_per_dispatch=2", "run.compile_ahead=off", *steps), tmp_path / "cut")
+    assert resumed["resumed_from"] == 2
+    for split, values in whole["splits"].items():
+        assert resumed["splits"][split] == pytest.approx(values, rel=1e-5)
+
+
+@pytest.mark.parametrize("every, why", [(0, "the run saves none (run.checkpoint_every=0"),
+                                        (5, "the run has saved none yet (run.checkpoint_every=5)")])
+def test_eval_of_a_run_without_a_checkpoint_says_why(every, why, tmp_path, capsys):
+    """A workdir that holds a run's config.json but no checkpoint: jaxpe-eval said 'step=None: no such checkpoint'."""
+    write_json(tmp_path / "config.json", to_dict(tiny(f"run.checkpoint_every={every}")))
+    status = exit_status(cli.eval_main, ["--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"jaxpe-eval: error: no checkpoint in {tmp_path / 'checkpoints'}: {why}" in err
+
+
+def test_a_run_on_a_relative_corpus_path_is_read_back_from_another_directory(tmp_path, monkeypatch, capsys):
+    """`task.source=corpus` given in one directory: jaxpe-eval (and restore_run) of the run from another directory
+    said "source path 'corpus' does not exist"; resuming there with the same relative path names another corpus,
+    refused naming the setting."""
+    (tmp_path / "here" / "corpus").mkdir(parents=True)
+    (tmp_path / "here" / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "elsewhere" / "corpus").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "corpus" / "a.txt").write_text("another text altogether, " * 60)
+    lm = ["--task", "lm", "task.source=corpus", "task.seq_len=16", "task.eval_bytes=64", "task.eval_multiples=[2]",
+          "run.steps=2", "run.checkpoint_every=2", "run.async_checkpoints=false"]
+    tiny_lm = [word for word in TINY if not word.startswith(("task.", "model.max_len"))]
+    monkeypatch.chdir(tmp_path / "here")
+    assert exit_status(cli.train_main, [*tiny_lm, *lm, "--workdir", str(tmp_path / "run")]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert exit_status(cli.eval_main, ["--workdir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert experiments.restore_run(tmp_path / "run").task.corpus["bytes"] == 45 * 40
+    status = exit_status(cli.train_main, [*tiny_lm, *lm, "--workdir", str(tmp_path / "run")])
+    assert status == 2 and "task.options.source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [cli.train_main, cli.compare_main])
+def test_more_devices_than_present_is_refused_before_anything_is_written(main, tmp_path, capsys):
+    """run.num_devices beyond the devices here was refused by the Trainer, after config.json and the lock were
+    written, as 'num_devices=99 must be ...' (not the key a user sets)."""
+    argv = ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY,
+            f"run.num_devices={jax.device_count() + 1}"]
+    status = exit_status(main, argv)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"error: run.num_devices={jax.device_count() + 1} must be in [1, {jax.device_count()}]" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_counting_data_and_presets_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Windows editors and PowerShell write UTF-8 with a byte order mark and CRLF line ends: such .jsonl files (and a
+    preset) were refused as 'Unexpected UTF-8 BOM'; they now give the same samples (and settings) as plain ones."""
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    for split, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_jsonl(plain / f"{split}.jsonl", generate_samples(16, nvars=2, min_steps=3, max_steps=8, seed=seed))
+        marked.mkdir(exist_ok=True)
+        data = (plain / f"{split}.jsonl").read_bytes()
+        (marked / f"{split}.jsonl").write_bytes(codecs.BOM_UTF8 + data.replace(b"\n", b"\r\n"))
+    want, got = (make_task("counting", data_dir=str(d), nvars=2, max_steps=8).eval_splits() for d in (plain, marked))
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name].inputs, want[name].inputs)
+        np.testing.assert_array_equal(got[name].targets, want[name].targets)
+    (tmp_path / "preset.json").write_bytes(codecs.BOM_UTF8 + b'{"model": {"num_layers": 3}}\r\n')
+    assert build_config(preset=str(tmp_path / "preset.json")).model.num_layers == 3
+
+
+def test_eval_of_a_comparison_names_its_runs(tmp_path, capsys):
+    """jaxpe-eval on a jaxpe-compare workdir (its runs one level down) said only 'is it a jaxpe-train workdir?'."""
+    for pe in ("cope", "rope"):
+        (tmp_path / pe / "seed0").mkdir(parents=True)
+        write_json(tmp_path / pe / "seed0" / "config.json", to_dict(tiny(pe=pe)))
+    status = exit_status(cli.eval_main, ["--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert (f"holds no config.json; it holds the runs of a comparison: give one of them ({tmp_path}/cope/seed0, "
+            f"{tmp_path}/rope/seed0)") in err
+
+
+def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
+    """task.source=[dir/a.txt, dir]: the file was read as two documents ('a.txt' and 'dir/a.txt'), which split by
+    document could send to train and test alike."""
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "texts" / name).write_text(f"{name} holds some text to model. " * 20)
+    with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'a\.txt' and 'texts/a\.txt'\)"):
+        make_task("lm", source=[str(tmp_path / "texts" / "a.txt"), str(tmp_path / "texts")], seq_len=16)
+
+
+@pytest.mark.parametrize("override", [f"optim.batch_size={10**20}", f"task.n_eval={10**20}",
+                                      f"model.vocab_size={10**20}"])
+def test_a_size_too_large_to_store_is_one_line(override, tmp_path, capsys):
+    """A size of 21 digits passes every bound and then overflowed NumPy or jax: an OverflowError traceback."""
+    status = exit_status(cli.train_main, ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY, override])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert "jaxpe-train: error: a setting too large to store as an integer (" in err and "optim.batch_size" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, monkeypatch):
+    """Resuming rewrites metrics.jsonl without the records past the resume step; a kill in the middle of that write
+    left the file cut short (records before the resume step lost for good). Now the old file stays whole until the
+    new one replaces it."""
+    lines = [json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) for step in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    write_text = pathlib.Path.write_text
+
+    def killed_halfway(self: pathlib.Path, text: str, *args, **kwargs) -> int:
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(tmp_path, resume_step=3, enabled=True, tensorboard=False)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+
+
+@pytest.mark.parametrize("preset, message", [
+    ({"tasks": {"flipflopp": {"seq_len": 32}}}, "preset '{path}': 'tasks' names unknown task(s) ['flipflopp']"),
+    ({"encodings": {"cpoe": {"npos": 8}}}, "preset '{path}': 'encodings' names unknown encoding(s) ['cpoe']"),
+])
+def test_a_preset_naming_an_unknown_task_or_encoding_is_refused(preset, message, tmp_path):
+    """A misspelt task or encoding in a preset of one's own: its options were never applied, and nothing said so."""
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(preset))
+    with pytest.raises(ValueError, match=re.escape(message.format(path=path))):
+        build_config(preset=str(path), task="flipflop", pe="cope")
+
+
+def test_longer_splits_of_documents_shorter_than_the_training_length_are_flagged(tmp_path, caplog):
+    """Documents no longer than L bytes: len_x2 scores the very bytes and positions test does, and silently reported
+    the same number as if the model generalised to twice its length. A warning says so; one long document is
+    enough to silence it."""
+    (tmp_path / "short").mkdir()
+    for i in range(5):
+        (tmp_path / "short" / f"{i}.txt").write_text(f"note {i}: a short line.\n")
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
+        task = make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2])
+    test, longer = task.eval_splits()["test"], task.eval_splits()["len_x2"]
+    assert longer.weights.sum() == test.weights.sum() and not longer.weights[:, 32:].any()  # the premise
+    assert "no test document is longer than task.seq_len=32 bytes: len_x2 scores" in caplog.text
+    caplog.clear()
+    (tmp_path / "short" / "long.txt").write_text("a much longer note that runs on well past the training length. " * 3)
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
+        make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2], test_fraction=0.4)
+    assert "len_x2 scores" not in caplog.text
+
+
+def test_a_warmup_longer_than_the_run_is_flagged(caplog):
+    """run.steps=50 with the default 100 warmup steps: the learning rate never reached optim.learning_rate (half of
+    it at the end), and nothing said so."""
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
+        experiments.validate_config(tiny("optim.warmup_steps=100", "run.steps=50"))
+    assert "optim.warmup_steps=100 >= run.steps=50: the learning rate never reaches optim.learning_rate" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
+        experiments.validate_config(tiny("optim.warmup_steps=10", "run.steps=50"))
+    assert "warmup" not in caplog.text
