@@ -226,3 +226,13 @@ def test_a_warmup_longer_than_the_run_is_flagged(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
         experiments.validate_config(tiny("optim.warmup_steps=10", "run.steps=50"))
     assert "warmup" not in caplog.text
+
+
+def test_a_list_override_reads_json_as_the_task_options_do():
+    """`model.layer_pe=["cope","none"]` (JSON, as task lists are written) was split at its commas into the unknown
+    encodings '["cope"' and '"none"]'."""
+    as_json = build_config(task="counting", pe="cope", overrides=['model.layer_pe=["cope","none"]'])
+    assert as_json.model.layer_pe == ("cope", "none") == build_config(
+        task="counting", pe="cope", overrides=["model.layer_pe=cope,none"]).model.layer_pe
+    with pytest.raises(ValueError, match="config key 'model.layer_pe': cannot read"):
+        build_config(task="counting", pe="cope", overrides=['model.layer_pe=["cope",'])

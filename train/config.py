@@ -531,7 +531,11 @@ def _parse(key: str, text: str, hint: Any) -> Any:
     elif str in options:
         return text
     elif tuple in options:
-        return tuple(s for s in text.split(",") if s)
+        if not text.startswith("["):
+            return tuple(s for s in text.split(",") if s)
+        value = _parse_literal(text)  # a JSON list, the syntax of the task options' lists
+        if isinstance(value, list):
+            return tuple(value)
     raise ValueError(f"config key {key!r}: cannot read {text!r} as {_describe(hint)}")
 
 
