@@ -236,3 +236,18 @@ def test_a_list_override_reads_json_as_the_task_options_do():
         task="counting", pe="cope", overrides=["model.layer_pe=cope,none"]).model.layer_pe
     with pytest.raises(ValueError, match="config key 'model.layer_pe': cannot read"):
         build_config(task="counting", pe="cope", overrides=['model.layer_pe=["cope",'])
+
+
+def test_a_run_and_a_comparison_do_not_share_a_workdir(tmp_path, capsys):
+    """jaxpe-train into a jaxpe-compare root (or the reverse) mixed the two commands' files; now one line, exit 2."""
+    comparison, run = tmp_path / "comparison", tmp_path / "run"
+    (comparison / "rope" / "seed0").mkdir(parents=True)
+    write_json(comparison / "rope" / "seed0" / "config.json", to_dict(tiny()))
+    run.mkdir()
+    write_json(run / "config.json", to_dict(tiny()))
+    assert exit_status(cli.train_main, ["--task", "flipflop", "--pe", "rope", "--workdir", str(comparison), *TINY]) == 2
+    assert "holds a comparison" in capsys.readouterr().err
+    assert exit_status(cli.compare_main, ["--task", "flipflop", "--pe", "rope", "--seeds", "0", "--workdir", str(run),
+                                          *TINY]) == 2
+    assert "holds the run of a jaxpe-train command" in capsys.readouterr().err
+    assert not (comparison / "config.json").exists() and not (run / "rope").exists()

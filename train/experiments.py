@@ -34,8 +34,8 @@ from jaxpe.train.tables import comparison_heading, results_markdown, summarize_s
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.trainer import Trainer, run_mesh
-from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, checkpoint_steps, config_differences,
-                                 locked_workdir, resolved_pair, write_corpus, write_json)
+from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
+                                 config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -457,6 +457,7 @@ def compare_encodings(
             raise ValueError(f"{what} repeat {repeated}: each must appear once")
     workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
+    check_workdir_kind(workdir, comparison=True)
     # Every run checked before any trains: its config (once per encoding: the seed changes nothing checked there)
     # and its workdir (a run directory holding another config is refused now, not after the runs before it).
     runs = []

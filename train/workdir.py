@@ -199,6 +199,18 @@ def check_workdir(workdir: pathlib.Path) -> None:
         raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory; give a directory (new or a run's)")
 
 
+def check_workdir_kind(workdir: pathlib.Path, *, comparison: bool) -> None:
+    """ValueError when `workdir` holds the other kind of workdir than asked for: a comparison's root (jaxpe-compare:
+    compare.json, or runs in <pe>/seed<n>/) where one run goes, or one run's (jaxpe-train: config.json) where a
+    comparison goes. Mixed, one command's files would overwrite or hide the other's."""
+    if comparison and (workdir / "config.json").is_file():
+        raise ValueError(f"workdir {str(workdir)!r} holds the run of a jaxpe-train command (config.json): a comparison "
+                         "needs a workdir of its own")
+    if not comparison and ((workdir / "compare.json").is_file() or any(workdir.glob("*/seed*/config.json"))):
+        raise ValueError(f"workdir {str(workdir)!r} holds a comparison (jaxpe-compare: compare.json or "
+                         "<pe>/seed<n>/ runs): give a run a workdir of its own")
+
+
 def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
     """ValueError when `workdir` holds state of a run (holds_run_state: a config.json alone, left by a run that failed
     before its first step, is replaced) whose config (config.json) differs from `config` (both
@@ -208,6 +220,7 @@ def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> No
     (check_same_corpus). The saved config is read back first, so that a field added since it was written (with its
     default) is no difference. A workdir inside the task's data is refused too (check_outside_data)."""
     check_workdir(workdir)
+    check_workdir_kind(workdir, comparison=False)
     check_outside_data(workdir, task)
     path = workdir / "config.json"
     if not path.is_file():
