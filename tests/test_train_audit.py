@@ -251,3 +251,10 @@ def test_a_run_and_a_comparison_do_not_share_a_workdir(tmp_path, capsys):
                                           *TINY]) == 2
     assert "holds the run of a jaxpe-train command" in capsys.readouterr().err
     assert not (comparison / "config.json").exists() and not (run / "rope").exists()
+
+
+@pytest.mark.parametrize("option", ["task.n_train=10000000000", "task.max_steps=1000000000000"])
+def test_counting_programs_past_the_host_memory_are_refused_before_generating(option, capsys):
+    """Generation of that many statements ran for hours (at least 5 bytes of text each, more than the host holds)."""
+    status = exit_status(cli.train_main, ["--task", "counting", "--workdir", "unused", option])
+    assert status == 2 and "GiB of text, more than this host's memory" in capsys.readouterr().err

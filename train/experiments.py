@@ -14,7 +14,6 @@ import datetime
 import json
 import logging
 import math
-import os
 import pathlib
 import platform
 import time
@@ -33,6 +32,7 @@ from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, pr
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
+from jaxpe.train.tasks.base import host_memory_bytes
 from jaxpe.train.trainer import Trainer, run_mesh
 from jaxpe.train.workdir import (check_same_corpus, check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
                                  config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
@@ -129,7 +129,7 @@ def memory_bytes() -> int:
     limits = [(device.memory_stats() or {}).get("bytes_limit") for device in jax.local_devices()]
     if all(limits):
         return int(sum(limits))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes()
 
 
 def state_size(model: TransformerLM) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,6 +93,11 @@ class FixedTrainSet(Protocol):
     def train_rows(self, step: int, batch_size: int) -> np.ndarray:
         """int [B]: the rows of train_set() that form batch `step`."""
         ...
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def make_batch(inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> Batch:

@@ -39,13 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, WordVocab, check_ints, content_fingerprint, derive_seed,
-                                   epoch_indices, json_object, make_batch, pad_and_shift)
+                                   epoch_indices, host_memory_bytes, json_object, make_batch, pad_and_shift)
 
 Sample = dict[str, str]  # {"context": ..., "question": ..., "answer": ...}
 
 VARIABLE_NAMES = string.ascii_lowercase
 OP_WEIGHTS = {"set": 1, "pass": 50, "increment": 7}  # `x = 0 ;`, `pass;`, `x ++;`
 SAMPLE_KEYS = ("context", "question", "answer")
+STATEMENT_BYTES = 5  # the shortest statement, "pass;"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,14 @@ class CountingTask:
             return samples
         sizes = {"train": (cfg.n_train, 3, cfg.max_steps), "valid": (cfg.n_valid, 3, cfg.max_steps),
                  "test": (cfg.n_test, 3, cfg.max_steps), "len_x2": (cfg.n_test, cfg.max_steps + 1, 2 * cfg.max_steps)}
+        # At least STATEMENT_BYTES of text per statement, U[lo, hi] statements a program: past the host's memory the
+        # generation would run for hours before failing.
+        text = sum(n * (lo + hi) // 2 * STATEMENT_BYTES for n, lo, hi in sizes.values())
+        if text > host_memory_bytes():
+            raise ValueError(f"task.n_train={cfg.n_train}, task.n_valid={cfg.n_valid}, task.n_test={cfg.n_test} "
+                             f"programs of up to task.max_steps={cfg.max_steps} statements are at least "
+                             f"{text / 2**30:.3g} GiB of text, more than this host's memory "
+                             f"({host_memory_bytes() / 2**30:.3g} GiB): lower them")
         return {split: generate_samples(n, nvars=cfg.nvars, min_steps=lo, max_steps=hi, max_value=cfg.max_value,
                                         seed=derive_seed(cfg.seed, "counting", split))
                 for split, (n, lo, hi) in sizes.items()}
