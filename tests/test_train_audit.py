@@ -258,3 +258,15 @@ def test_counting_programs_past_the_host_memory_are_refused_before_generating(op
     """Generation of that many statements ran for hours (at least 5 bytes of text each, more than the host holds)."""
     status = exit_status(cli.train_main, ["--task", "counting", "--workdir", "unused", option])
     assert status == 2 and "GiB of text, more than this host's memory" in capsys.readouterr().err
+
+
+def test_compare_reuses_a_finished_run_that_differs_in_display_and_cadence_only(tmp_path, capsys):
+    """A rerun with run.progress or the log cadence changed retrained every finished run (from scratch where it kept no
+    checkpoint); a changed run.steps still trains again."""
+    argv = ["--task", "flipflop", "--pe", "rope", "--seeds", "0", "--workdir", str(tmp_path), *TINY, "run.steps=2"]
+    assert cli.compare_main(argv) == 0
+    capsys.readouterr()
+    assert cli.compare_main([*argv, "run.progress=true", "run.log_every=2", "run.steps_per_dispatch=2"]) == 0
+    assert "reused 1 finished run(s)" in capsys.readouterr().err
+    assert cli.compare_main([*argv, "run.steps=3"]) == 0
+    assert "reused" not in capsys.readouterr().err

@@ -35,6 +35,10 @@ LOCK_NAME = ".jaxpe.lock"
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
                         "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
                         "pad_to", "pad_multiple", "steps_per_dispatch", "compile_ahead")
+# The run fields a finished run's result.json does not depend on (the cadence of logs, evaluations during training and
+# checkpoints, the display, how many steps a dispatch): jaxpe-compare reuses a finished run that differs in these only.
+REUSABLE_RESULT_FIELDS = ("log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints", "eval_splits",
+                          "progress", "tensorboard", "steps_per_dispatch", "compile_ahead")
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
