@@ -155,6 +155,16 @@ def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
         make_task("lm", source=[str(tmp_path / "texts" / "a.txt"), str(tmp_path / "texts")], seq_len=16)
 
 
+def test_a_broken_link_in_the_corpus_is_a_usage_error(tmp_path, capsys):
+    """A link to no file among the corpus' files ended as an OS error (exit 1), not as a setting to mend."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text to model. " * 20)
+    (tmp_path / "texts" / "b.txt").symlink_to(tmp_path / "gone.txt")
+    status = exit_status(cli.train_main, ["--task", "lm", "--workdir", str(tmp_path / "run"),
+                                          f"task.source={tmp_path / 'texts'}"])
+    assert status == 2 and "link(s) to no file, e.g. " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("override", [f"optim.batch_size={10**20}", f"task.n_eval={10**20}",
                                       f"model.vocab_size={10**20}"])
 def test_a_size_too_large_to_store_is_one_line(override, tmp_path, capsys):

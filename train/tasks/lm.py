@@ -199,6 +199,8 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
         if clash := sorted(found.keys() & files.keys()):
             raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
         files.update(found)
+    if broken := sorted(str(path) for path in files.values() if not path.exists()):
+        raise ValueError(f"source holds {len(broken)} link(s) to no file, e.g. {broken[0]!r}: mend or remove them")
     seen: dict[Path, str] = {}
     for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
         if (other := seen.setdefault(path.resolve(), name)) != name:
