@@ -280,3 +280,14 @@ def test_compare_reuses_a_finished_run_that_differs_in_display_and_cadence_only(
     assert "reused 1 finished run(s)" in capsys.readouterr().err
     assert cli.compare_main([*argv, "run.steps=3"]) == 0
     assert "reused" not in capsys.readouterr().err
+
+
+def test_compare_builds_a_shared_task_once(tmp_path, monkeypatch):
+    """Every encoding of a comparison trains on one task: its corpus read (or its programs generated) once, not once
+    an encoding."""
+    built = []
+    real = experiments.build_task
+    monkeypatch.setattr(experiments, "build_task", lambda config: built.append(config.task) or real(config))
+    argv = ["--task", "flipflop", "--pe", "rope,none", "--seeds", "0", "--workdir", str(tmp_path), *TINY, "run.steps=1"]
+    assert cli.compare_main(argv) == 0
+    assert len(built) == 1

@@ -26,8 +26,8 @@ import jax
 from jaxpe.model import TransformerLM
 from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
-from jaxpe.train.config import (TrainConfig, build_model, build_task, from_dict, load_config, longest_length,
-                                resolve_config, to_dict)
+from jaxpe.train.config import (TaskConfig, TrainConfig, build_model, build_task, from_dict, load_config,
+                                longest_length, resolve_config, to_dict)
 from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
@@ -99,12 +99,12 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
         return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
 
 
-def validate_config(config: TrainConfig) -> tuple[Task, TransformerLM]:
+def validate_config(config: TrainConfig, task: Task | None = None) -> tuple[Task, TransformerLM]:
     """Checks what TrainConfig's own checks cannot see alone (the task's options and data, its splits named in
-    run.eval_splits, the model against the task, the devices for the batch sizes); returns the task and the model,
-    built once here. The encoding and its options were resolved and checked when config.model was made. ValueError
-    names the key."""
-    task = build_task(config)
+    run.eval_splits, the model against the task, the devices for the batch sizes); returns the task (`task` if given:
+    config.task's, built before) and the model, built once here. The encoding and its options were resolved and
+    checked when config.model was made. ValueError names the key."""
+    task = build_task(config) if task is None else task
     splits = list(task.eval_splits())
     unknown = [name for name in config.run.eval_splits if name not in splits]
     if unknown:
@@ -462,8 +462,10 @@ def compare_encodings(
     # Every run checked before any trains: its config (once per encoding: the seed changes nothing checked there)
     # and its workdir (a run directory holding another config is refused now, not after the runs before it).
     runs = []
+    built: list[tuple[TaskConfig, Task]] = []  # each task built once (a corpus read, programs generated once)
     for config in configs:
-        task, model = validate_config(config)
+        task, model = validate_config(config, next((t for c, t in built if c == config.task), None))
+        built.append((config.task, task))
         for seed in seeds:
             run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
             run_dir = workdir / config.model.pe / f"seed{seed}"
@@ -509,7 +511,7 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
             results[run_dir] = result
     results = [results[run_dir] for _, run_dir, _, _, _ in runs]
     metric = results[0]["metric"]
-    splits = list(build_task(configs[0]).eval_splits())  # the task's order (result.json sorts its keys)
+    splits = list(runs[0][2].eval_splits())  # the task's order (result.json sorts its keys)
     comparison = {"task": configs[0].task.name, "metric": metric, "splits": splits, "rows": summarize_seeds(results),
                   "seeds": list(seeds), "environment": _environment(), "runs": results}
     table = comparison_markdown(comparison)
