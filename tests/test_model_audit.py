@@ -1,0 +1,93 @@
+"""The model-level API as a program uses it: a hand-written decoding loop after a masked prefill, generation up to a
+position table's last row, sampling at a vanishing temperature, a raw PRNG key of the wrong size, `generate` exported
+with a symbolic batch, and prefill + decode = full forward with odd GQA groups.
+
+References are identities: a decoded row equals the full forward pass over that row's real tokens alone; a greedy
+token is the argmax of the full forward pass; sampling as temperature → 0 is the argmax; an exported program equals
+the eager call.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpe
+from jaxpe.decoding import sample_tokens
+
+V = 11
+
+
+def build(pe: str, **fields) -> tuple[jaxpe.TransformerLM, dict]:
+    """A 1-layer model (width 24, 6 query heads in 3 groups) and its parameters."""
+    config = dict(vocab_size=V, d_model=24, num_layers=1, num_heads=6, num_kv_heads=3, max_len=8, pe=pe, dropout=0.0)
+    model = jaxpe.TransformerLM(jaxpe.ModelConfig(**{**config, **fields}))
+    return model, nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 4), jnp.int32))["params"])
+
+
+def tokens(batch: int, length: int, seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, V, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("masked", ["padding_mask", "segment_ids"])
+def test_a_hand_written_decode_after_a_masked_prefill_continues_each_rows_positions(masked):
+    """Prefill 5 tokens with a padding mask (row 1 left-padded by 2) or all-zero document ids, then feed 3 tokens one
+    at a time without positions: each row's logits are those of its real tokens run alone."""
+    model, params = build("rope")
+    toks = tokens(2, 8)
+    mask = jnp.array([[True] * 5, [False, False, True, True, True]])
+    prefill = {"padding_mask": mask} if masked == "padding_mask" else {"segment_ids": jnp.zeros((2, 5), jnp.int32)}
+    start = (0, 2) if masked == "padding_mask" else (0, 0)  # each row's first real token
+    step = jax.jit(lambda cache, t, kw: model.apply({"params": params, "cache": cache}, t, decode=True,
+                                                    mutable=["cache"], **kw))
+    logits, state = step(jaxpe.init_cache(model, 2, 8), toks[:, :5], prefill)
+    decoded = [logits]
+    for t in range(5, 8):
+        logits, state = step(state["cache"], toks[:, t:t + 1], {})
+        decoded.append(logits)
+    decoded = jnp.concatenate(decoded, axis=1)  # [B, 8, V]
+    for row, first in enumerate(start):
+        alone = model.apply({"params": params}, toks[row:row + 1, first:])
+        np.testing.assert_allclose(decoded[row:row + 1, first:], alone, atol=2e-5, rtol=2e-5)
+
+
+def test_a_table_encoding_generates_until_the_tokens_fed_fill_its_table():
+    """A prompt of 4 and 5 new tokens feeds 8 tokens (the last generated one is never fed) to a table of max_len=8
+    rows: every generated token is the argmax of the full forward pass; one more new token is refused."""
+    model, params = build("learned")
+    prompt = tokens(3, 4)
+    out = jaxpe.generate(model, params, prompt, max_new_tokens=5)  # [3, 9]
+    logits = model.apply({"params": params}, out[:, :-1])  # the 8 tokens fed
+    np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:], axis=-1))
+    with pytest.raises(ValueError, match="exceed max_len=8"):
+        jaxpe.generate(model, params, prompt, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("options", [{}, {"top_k": 2}, {"top_p": 0.5}], ids=str)
+def test_a_vanishing_temperature_samples_the_argmax(options):
+    """logits / temperature overflow float32 at temperature 1e-37; sampling must still approach the argmax."""
+    logits = jnp.array([[200.0, 300.0, 100.0], [-200.0, -100.0, -300.0]])
+    for seed in range(3):
+        sampled = sample_tokens(logits, jax.random.PRNGKey(seed), temperature=1e-37, **options)
+        np.testing.assert_array_equal(sampled, [1, 1])
+
+
+@pytest.mark.parametrize("rng", [jnp.zeros((3,), jnp.uint32), jnp.zeros((1, 2), jnp.uint32)], ids=["[3]", "[1, 2]"])
+def test_a_raw_key_of_the_wrong_shape_is_refused_by_name(rng):
+    model, params = build("rope")
+    with pytest.raises(ValueError, match="rng must be one PRNG key"):
+        jaxpe.generate(model, params, tokens(2, 3), max_new_tokens=2, rng=rng, temperature=1.0)
+
+
+def test_generate_exports_with_a_symbolic_batch():
+    """jax.export of generate (left-padded prompts, a stop token) with a symbolic batch runs at batch 1 and 3 and
+    equals the eager call."""
+    model, params = build("cope")
+    run = lambda p, prompt, mask: jaxpe.generate(model, p, prompt, max_new_tokens=3, padding_mask=mask, eos_id=2)
+    (b,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(run))(
+        params, jax.ShapeDtypeStruct((b, 4), jnp.int32), jax.ShapeDtypeStruct((b, 4), jnp.bool_))
+    prompt, mask = tokens(3, 4), jnp.array([[True] * 4, [False, True, True, True], [True] * 4])
+    for rows in (slice(0, 1), slice(0, 3)):
+        np.testing.assert_array_equal(exported.call(params, prompt[rows], mask[rows]),
+                                      run(params, prompt[rows], mask[rows]))
