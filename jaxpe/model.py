@@ -316,10 +316,11 @@ class TokenInfo:
 class TransformerLM(nn.Module):
     """tokens [B, L] int -> logits [B, L, V] float32.
 
-    Optional, [B, L] each: `positions` (int; default: the index within each document, continuing the cache while
-    decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention
-    across documents, and CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded
-    tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see
+    Optional, [B, L] each: `positions` (int; default: the index within each document; while decoding, each row goes
+    on from its last position in the previous call, given or default) for the index-based encodings; `segment_ids`
+    (int) packs several documents in a row: no attention across documents, and CoPE/Co-RoPE positions restart at
+    each; `padding_mask` (bool, False on padding): padded tokens are keys no real token sees (their own outputs are
+    meaningless). `decode=True` runs with the KV cache (see
     `generate`): initialise the cache with an input of the full length; a bidirectional model (config.causal False)
     does not decode. config.remat rematerialises each block in training (`REMAT_POLICIES`): the same values and
     gradients, less memory, more compute; reverse mode only (forward mode needs remat="none").
@@ -353,12 +354,13 @@ class TransformerLM(nn.Module):
         x = embed(tokens).astype(c.compute_dtype)
         if decode:
             check_cache(self)
-        if decode and positions is None:
             initialised = self.has_variable("cache", "position")
-            pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            next_var = self.variable("cache", "position", lambda: jnp.zeros((b,), jnp.int32))  # [B] each row's next
             if initialised:
-                positions = jnp.broadcast_to(pos_var.value + jnp.arange(length, dtype=jnp.int32), (b, length))
-                pos_var.value = pos_var.value + length
+                if positions is None:
+                    positions = next_var.value[:, None] + jnp.arange(length, dtype=jnp.int32)[None]  # [B, L]
+                if length:
+                    next_var.value = positions[:, -1] + 1  # each row goes on from this call's last position
         additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
         if additive is not None:
             x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
