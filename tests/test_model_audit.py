@@ -59,7 +59,7 @@ def test_a_table_encoding_generates_until_the_tokens_fed_fill_its_table():
     out = jaxpe.generate(model, params, prompt, max_new_tokens=5)  # [3, 9]
     logits = model.apply({"params": params}, out[:, :-1])  # the 8 tokens fed
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:], axis=-1))
-    with pytest.raises(ValueError, match="exceed max_len=8"):
+    with pytest.raises(ValueError, match="exceeds max_len=8"):
         jaxpe.generate(model, params, prompt, max_new_tokens=6)
 
 
