@@ -51,6 +51,28 @@ def test_a_hand_written_decode_after_a_masked_prefill_continues_each_rows_positi
         np.testing.assert_allclose(decoded[row:row + 1, first:], alone, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("pe", ["cope_gated", "cope_rope"])
+def test_gate_network_positions_skip_the_padding_of_a_decoding_prefill(pe):
+    """The gate network's soft positions sum the gates of the row's own document: a left-padded prefill (row 1
+    padded by 1, row 2 by 3) then 2 decoded tokens give each row's logits run alone. A position table of std 1 makes
+    a shifted position visible in the logits."""
+    model, params = build(pe)
+    params["block0"]["attn"]["pe"]["pos_table"] = jax.random.normal(jax.random.PRNGKey(2), (9, 4))
+    toks = tokens(3, 7)
+    mask = jnp.arange(5)[None] >= jnp.array([[0], [1], [3]])  # [3, 5]
+    logits, state = model.apply({"params": params, "cache": jaxpe.init_cache(model, 3, 7)}, toks[:, :5], decode=True,
+                                padding_mask=mask, mutable=["cache"])
+    decoded = [logits]
+    for t in (5, 6):
+        logits, state = model.apply({"params": params, "cache": state["cache"]}, toks[:, t:t + 1], decode=True,
+                                    mutable=["cache"])
+        decoded.append(logits)
+    decoded = jnp.concatenate(decoded, axis=1)  # [3, 7, V]
+    for row, first in enumerate((0, 1, 3)):
+        alone = model.apply({"params": params}, toks[row:row + 1, first:])
+        np.testing.assert_allclose(decoded[row:row + 1, first:], alone, atol=2e-5, rtol=2e-5)
+
+
 def test_a_table_encoding_generates_until_the_tokens_fed_fill_its_table():
     """A prompt of 4 and 5 new tokens feeds 8 tokens (the last generated one is never fed) to a table of max_len=8
     rows: every generated token is the argmax of the full forward pass; one more new token is refused."""
