@@ -151,7 +151,7 @@ class Attention(nn.Module):
         index_var.value = index + length
         mask = visibility_mask(length, k.shape[1], segment_ids=k_segments, window=self.window, q_index=steps[None],
                                q_segments=segments)  # [B, Lq, S]
-        return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None)
+        return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None, cache_segment_ids=k_segments)
 
 
 def check_width(params: Any, d_model: int) -> None:
