@@ -29,26 +29,34 @@ def tokens(batch: int, length: int, seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, V, dtype=jnp.int32)
 
 
-@pytest.mark.parametrize("masked", ["padding_mask", "segment_ids"])
-def test_a_hand_written_decode_after_a_masked_prefill_continues_each_rows_positions(masked):
-    """Prefill 5 tokens with a padding mask (row 1 left-padded by 2) or all-zero document ids, then feed 3 tokens one
-    at a time without positions: each row's logits are those of its real tokens run alone."""
+LEFT_PADDED = jnp.array([[True] * 8, [False, False] + [True] * 6])  # row 1 left-padded by 2
+PACKED = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1], [3] * 8])  # row 0: a document of 2 tokens, then one of 6
+MASKS = {  # name: (what the prefill of 5 tokens takes, what each later call takes, [B, 8] each)
+    "padding_mask": ({"padding_mask": LEFT_PADDED}, {}),
+    "padding_mask in every call": ({"padding_mask": LEFT_PADDED}, {"padding_mask": LEFT_PADDED}),
+    "segment_ids": ({"segment_ids": jnp.zeros((2, 8), jnp.int32)}, {}),
+    "packed segment_ids in every call": ({"segment_ids": PACKED}, {"segment_ids": PACKED}),
+}
+
+
+@pytest.mark.parametrize("masks", MASKS)
+def test_a_hand_written_decode_goes_on_from_each_rows_last_position(masks):
+    """Prefill 5 tokens with a padding mask or document ids, then feed 3 tokens one at a time without positions
+    (with or without their own mask or ids): the logits are the full forward pass's over the 8 tokens, same masks."""
     model, params = build("rope")
     toks = tokens(2, 8)
-    mask = jnp.array([[True] * 5, [False, False, True, True, True]])
-    prefill = {"padding_mask": mask} if masked == "padding_mask" else {"segment_ids": jnp.zeros((2, 5), jnp.int32)}
-    start = (0, 2) if masked == "padding_mask" else (0, 0)  # each row's first real token
+    prefill, later = MASKS[masks]
     step = jax.jit(lambda cache, t, kw: model.apply({"params": params, "cache": cache}, t, decode=True,
                                                     mutable=["cache"], **kw))
-    logits, state = step(jaxpe.init_cache(model, 2, 8), toks[:, :5], prefill)
+    logits, state = step(jaxpe.init_cache(model, 2, 8), toks[:, :5], {k: v[:, :5] for k, v in prefill.items()})
     decoded = [logits]
     for t in range(5, 8):
-        logits, state = step(state["cache"], toks[:, t:t + 1], {})
+        logits, state = step(state["cache"], toks[:, t:t + 1], {k: v[:, t:t + 1] for k, v in later.items()})
         decoded.append(logits)
     decoded = jnp.concatenate(decoded, axis=1)  # [B, 8, V]
-    for row, first in enumerate(start):
-        alone = model.apply({"params": params}, toks[row:row + 1, first:])
-        np.testing.assert_allclose(decoded[row:row + 1, first:], alone, atol=2e-5, rtol=2e-5)
+    full = model.apply({"params": params}, toks, **prefill)
+    real = prefill.get("padding_mask", jnp.ones((2, 8), bool))  # a padded token's own output is meaningless
+    np.testing.assert_allclose(decoded[real], full[real], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("pe", ["cope_gated", "cope_rope"])
