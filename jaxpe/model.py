@@ -340,7 +340,12 @@ class TransformerLM(nn.Module):
         check_token_ids("tokens", tokens, c.vocab_size)
         b, length = tokens.shape
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
-        positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)
+        segments = fold_padding(segment_ids, padding_mask)
+        if decode:
+            check_cache(self)
+            positions = self._decode_positions(positions, segments, b, length)
+        else:
+            positions = default_positions(positions, segments, b)
         pe = c.pe_config
         if not self.is_initializing():
             params = self.variables.get("params", {})
@@ -352,15 +357,6 @@ class TransformerLM(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)
-        if decode:
-            check_cache(self)
-            initialised = self.has_variable("cache", "position")
-            next_var = self.variable("cache", "position", lambda: jnp.zeros((b,), jnp.int32))  # [B] each row's next
-            if initialised:
-                if positions is None:
-                    positions = next_var.value[:, None] + jnp.arange(length, dtype=jnp.int32)[None]  # [B, L]
-                if length:
-                    next_var.value = positions[:, -1] + 1  # each row goes on from this call's last position
         additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
         if additive is not None:
             x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
@@ -386,3 +382,27 @@ class TransformerLM(nn.Module):
                                kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "vocab"))
             logits = unembed(x.astype(jnp.float32))
         return logits.astype(jnp.float32)
+
+    def _decode_positions(self, positions: jax.Array | None, segments: jax.Array | None, b: int, length: int
+                          ) -> jax.Array | None:
+        """Positions [B, L] of a decoding call's tokens: the caller's, else each token's index within its document,
+        a document that goes on from the previous call going on from its position there (None when the cache is
+        made). segments [B, L] int32 are the document ids, padding folded in (None: one document). Caches each row's
+        next position and last document id."""
+        initialised = self.has_variable("cache", "position")
+        next_var = self.variable("cache", "position", lambda: jnp.zeros((b,), jnp.int32))  # [B]
+        last_var = self.variable("cache", "segment", lambda: jnp.zeros((b,), jnp.int32))  # [B]
+        if not initialised:
+            return default_positions(positions, segments, b)
+        ids = jnp.zeros((b, length), jnp.int32) if segments is None else segments
+        if positions is None:
+            index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+            within = index if segments is None else default_positions(None, segments, b)  # [B, L]
+            continues = (within == index) & (ids == last_var.value[:, None])  # the first run, the last call's document
+            positions = within + jnp.where(continues, next_var.value[:, None], 0)
+        else:
+            positions = default_positions(positions, None, b)
+        if length:
+            next_var.value = positions[:, -1] + 1
+            last_var.value = ids[:, -1]
+        return positions
