@@ -60,6 +60,29 @@ def test_a_hand_written_decode_goes_on_from_each_rows_last_position(masks):
     np.testing.assert_allclose(decoded[real], full[real], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("pe", ["rope", "alibi"])
+def test_an_attention_layer_decoding_after_a_left_padded_prefill_goes_on_from_each_rows_position(pe):
+    """jaxpe.Attention on its own: a prefill of 5 (row 1 left-padded by 2), then 2 inputs one at a time without
+    positions or mask: each row's outputs are the layer's on its real inputs alone."""
+    layer = jaxpe.Attention(num_heads=4, num_kv_heads=2, head_dim=8, pe=pe, max_len=16)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 24))
+    params = layer.init(jax.random.PRNGKey(1), x)["params"]
+    shapes = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(1), x, decode=True))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    mask = jnp.array([[True] * 5, [False, False, True, True, True]])
+    out, state = layer.apply({"params": params, "cache": cache}, x[:, :5], decode=True, padding_mask=mask,
+                             mutable=["cache"])
+    decoded = [out]
+    for t in (5, 6):
+        out, state = layer.apply({"params": params, "cache": state["cache"]}, x[:, t:t + 1], decode=True,
+                                 mutable=["cache"])
+        decoded.append(out)
+    decoded = jnp.concatenate(decoded, axis=1)  # [2, 7, 24]
+    for row, first in enumerate((0, 2)):
+        alone = layer.apply({"params": params}, x[row:row + 1, first:])
+        np.testing.assert_allclose(decoded[row:row + 1, first:], alone, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("pe", ["cope_gated", "cope_rope"])
 def test_gate_network_positions_skip_the_padding_of_a_decoding_prefill(pe):
     """The gate network's soft positions sum the gates of the row's own document: a left-padded prefill (row 1
