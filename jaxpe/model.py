@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpe.attention import Attention, check_token_inputs, default_positions
+from jaxpe.attention import Attention, check_token_inputs, decode_positions, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.dropout import Dropout
 from jaxpe.kv_cache import check_cache
@@ -394,15 +394,11 @@ class TransformerLM(nn.Module):
         last_var = self.variable("cache", "segment", lambda: jnp.zeros((b,), jnp.int32))  # [B]
         if not initialised:
             return default_positions(positions, segments, b)
-        ids = jnp.zeros((b, length), jnp.int32) if segments is None else segments
         if positions is None:
-            index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
-            within = index if segments is None else default_positions(None, segments, b)  # [B, L]
-            continues = (within == index) & (ids == last_var.value[:, None])  # the first run, the last call's document
-            positions = within + jnp.where(continues, next_var.value[:, None], 0)
+            positions = decode_positions(segments, next_var.value, last_var.value, length)
         else:
             positions = default_positions(positions, None, b)
         if length:
             next_var.value = positions[:, -1] + 1
-            last_var.value = ids[:, -1]
+            last_var.value = jnp.zeros((b,), jnp.int32) if segments is None else segments[:, -1]
         return positions
