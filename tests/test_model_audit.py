@@ -163,3 +163,13 @@ def test_odd_gqa_bfloat16_decoding_from_one_token_equals_the_full_forward(pe):
         decoded.append(logits)
     full = model.apply({"params": params}, toks)
     np.testing.assert_allclose(jnp.concatenate(decoded, axis=1), full, atol=0.1 * float(full.std()))
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "top_k"])
+def test_a_traced_size_of_generate_says_it_must_be_static(name):
+    """max_new_tokens and top_k fix shapes: passed through jit as traced values they are refused in words."""
+    model, params = build("rope")
+    options = dict(max_new_tokens=2, rng=jax.random.PRNGKey(0), temperature=1.0)
+    run = jax.jit(lambda value: jaxpe.generate(model, params, tokens(2, 3), **{**options, name: value}))
+    with pytest.raises(ValueError, match=f"{name} must be a Python int, not a traced value"):
+        run(2)
