@@ -69,10 +69,18 @@ def check_temperature(temperature: float | jax.Array) -> None:
         raise ValueError(f"temperature={float(temperature)!r} must be finite and >= 0 (0 is greedy)")
 
 
+def _check_static(name: str, value: Any) -> None:
+    """ValueError, in words, when a setting that fixes shapes (max_new_tokens, top_k) is traced."""
+    if _is_traced(value):
+        raise ValueError(f"{name} must be a Python int, not a traced value: it fixes shapes of the compiled program; "
+                         "keep it out of jit's traced arguments (a constant, or static_argnames)")
+
+
 def check_top_k(top_k: int | None) -> None:
-    """ValueError unless `top_k` is None or an int >= 1."""
+    """ValueError unless `top_k` is None or an int >= 1 (not traced)."""
     if top_k is None:
         return
+    _check_static("top_k", top_k)
     if not is_int(top_k, 1):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
 
@@ -194,6 +202,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     check_array("prompt", prompt, "B, P")
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
+    _check_static("max_new_tokens", max_new_tokens)
     if not is_int(max_new_tokens, 1):
         raise ValueError(f"{max_new_tokens=} must be a positive int")
     check_temperature(temperature)
