@@ -84,9 +84,10 @@ class Attention(nn.Module):
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
         """x [B, L, d_model]; deterministic (dropout off; None: the field's) may be positional; positions [B, L]
-        int (default: the index within each run of equal document ids, or 0, 1, ... continuing the cache while
-        decoding) feed the index-based encodings; segment_ids [B, L] int (packed documents: no attention across
-        ids); padding_mask [B, L] bool (False: padding, a key no real token sees)."""
+        int (default: the index within each run of equal document ids; while decoding, a document the cache ends in
+        goes on from its cached position, `decode_positions`) feed the index-based encodings; segment_ids [B, L]
+        int (packed documents: no attention across ids); padding_mask [B, L] bool (False: padding, a key no real
+        token sees)."""
         check_array("x", x, "B, L, d_model")
         if decode and not self.causal:
             raise ValueError("decode=True needs causal attention, but this layer has causal=False (bidirectional: "
@@ -119,7 +120,7 @@ class Attention(nn.Module):
                                table_dtype=jax.dtypes.canonicalize_dtype(jnp.promote_types(jnp.float32,
                                                                                            self.param_dtype)))
         if decode:
-            k, v, ctx = self._with_cache(k, v, ctx)
+            k, v, ctx = self._with_cache(k, v, ctx, given=positions is not None)
         elif q_pos is None:
             q_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
             ctx = dataclasses.replace(ctx, q_pos=q_pos, k_pos=q_pos, indexed=True)
@@ -129,17 +130,25 @@ class Attention(nn.Module):
                               kernel_init=partitioned(init, "heads", "head_dim", "embed"), name="out")(out)
         return Dropout(self.dropout)(out, deterministic=deterministic)
 
-    def _with_cache(self, k: jax.Array, v: jax.Array, ctx: AttentionContext
+    def _with_cache(self, k: jax.Array, v: jax.Array, ctx: AttentionContext, *, given: bool
                     ) -> tuple[jax.Array, jax.Array, AttentionContext]:
         """Write this call's keys, values, positions and document ids at the cache index; return the cached k, v
         [B, S, Hkv, D] and a context whose dense mask covers the cache. The initialising call (full length S) is
-        ordinary self-attention."""
+        ordinary self-attention. Positions not `given` by the caller go on from the cached ones (`decode_positions`).
+        """
         b, length = k.shape[:2]
         initialised = self.has_variable("cache", "cache_index")
         index_var = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         index = index_var.value
         steps = index + jnp.arange(length, dtype=jnp.int32)
-        q_pos = jnp.broadcast_to(steps, (b, length)) if ctx.q_pos is None else ctx.q_pos
+        if initialised and not given:
+            last = jnp.maximum(index - 1, 0)
+            cached = [jax.lax.dynamic_index_in_dim(self.get_variable("cache", name), last, axis=1, keepdims=False)
+                      for name in ("cached_positions", "cached_segment_ids")]  # [B] each: the last cached token's
+            q_pos = decode_positions(ctx.segment_ids, jnp.where(index > 0, cached[0] + 1, 0),
+                                     jnp.where(index > 0, cached[1], 0), length)
+        else:
+            q_pos = jnp.broadcast_to(steps, (b, length)) if ctx.q_pos is None else ctx.q_pos
         segments = jnp.zeros((b, length), jnp.int32) if ctx.segment_ids is None else ctx.segment_ids
         k = update_cache(self, "cached_key", k, index)  # [B, S, Hkv, D]
         v = update_cache(self, "cached_value", v, index)
@@ -151,7 +160,7 @@ class Attention(nn.Module):
         index_var.value = index + length
         mask = visibility_mask(length, k.shape[1], segment_ids=k_segments, window=self.window, q_index=steps[None],
                                q_segments=segments)  # [B, Lq, S]
-        return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None)
+        return k, v, dataclasses.replace(ctx, mask=mask, segment_ids=None, cache_segment_ids=k_segments)
 
 
 def check_width(params: Any, d_model: int) -> None:
@@ -190,6 +199,19 @@ def default_positions(positions: jax.Array | None, segment_ids: jax.Array | None
     starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
                              axis=1)
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def decode_positions(segment_ids: jax.Array | None, next_position: jax.Array, last_segment: jax.Array, length: int
+                     ) -> jax.Array:
+    """Default positions int32 [B, L] of a decoding call's L tokens: each token's index within its run of equal
+    document ids (segment_ids [B, L], padding folded in; None: one document, id 0), the first run going on from
+    next_position [B] when it continues the document the previous call ended in (last_segment [B])."""
+    b = next_position.shape[0]
+    index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+    ids = jnp.zeros((b, length), jnp.int32) if segment_ids is None else segment_ids
+    within = index if segment_ids is None else default_positions(None, segment_ids, b)
+    continues = (within == index) & (ids == last_segment[:, None])  # [B, L]
+    return within + jnp.where(continues, next_position[:, None], 0)
 
 
 def check_token_inputs(batch: int, length: int, *, positions: jax.Array | None = None,

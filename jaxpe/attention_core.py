@@ -29,6 +29,8 @@ class AttentionContext:
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # sliding window, None: all
     decode: bool = dataclasses.field(default=False, metadata=dict(static=True))  # keys come from the KV cache
     cache_index: jax.Array | None = None  # int32 scalar: where this call's keys go in the cache; None: q_pos[0, 0]
+    # [B, S] int32 document ids of the cached keys, this call's included (decoding; padding folded in); None: one
+    cache_segment_ids: jax.Array | None = None
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
     # True when q_pos and k_pos are known to be 0..L−1 in every row (no caller positions, documents or cache)
     indexed: bool = dataclasses.field(default=False, metadata=dict(static=True))

@@ -65,12 +65,11 @@ class GatedCoPECore(nn.Module):
                         bias_init=partitioned(nn.initializers.zeros, "gates"), name="gate")
         gate_logits = gate(ctx.x)  # [B, Lq, H]
         gates = jax.nn.sigmoid(gate_logits.astype(compute_dtype(gate_logits)))
-        steps = _soft_positions(gates, ctx.segment_ids)
         index = ctx.cache_index
         if ctx.decode and self.has_variable("cache", "gate_positions"):
-            cached = self.get_variable("cache", "gate_positions")  # [B, S, H]
-            prev = jax.lax.dynamic_index_in_dim(cached, jnp.maximum(index - 1, 0), axis=1, keepdims=False)
-            steps = steps + jnp.where(index > 0, prev, 0.0)[:, None]
+            steps = self._continued_positions(gates, index, ctx.cache_segment_ids)
+        else:
+            steps = _soft_positions(gates, ctx.segment_ids)
         key_positions = update_cache(self, "gate_positions", steps, index) if ctx.decode else steps
         table = self.param("pos_table", partitioned(nn.initializers.normal(0.02), "positions", "head_dim"),
                            (self.max_pos, d), ctx.table_dtype)
@@ -83,6 +82,20 @@ class GatedCoPECore(nn.Module):
             k = apply_rope(k, ctx.k_pos, theta=self.theta)
         return attend(q, k, v, sm_scale=d ** -0.5, mask=ctx.mask, bias=bias, segment_ids=ctx.segment_ids,
                       window=ctx.window, causal=ctx.causal)
+
+    def _continued_positions(self, gates: jax.Array, index: jax.Array, cache_segments: jax.Array | None) -> jax.Array:
+        """Soft positions [B, Lq, H] of the Lq tokens written at cache `index`: the sums of their gates within each
+        document, plus the cached position of the token before them for those of its document. cache_segments
+        [B, S] are the cached document ids (None: one document)."""
+        prev_index = jnp.maximum(index - 1, 0)
+        prev = jax.lax.dynamic_index_in_dim(self.get_variable("cache", "gate_positions"), prev_index, axis=1,
+                                            keepdims=False)  # [B, H]
+        if cache_segments is None:
+            return _soft_positions(gates, None) + jnp.where(index > 0, prev, 0.0)[:, None]
+        segments = jax.lax.dynamic_slice_in_dim(cache_segments, index, gates.shape[1], axis=1)  # [B, Lq]
+        prev_segment = jax.lax.dynamic_index_in_dim(cache_segments, prev_index, axis=1)  # [B, 1]
+        continues = (index > 0) & (segments == prev_segment)  # [B, Lq]: the document of the token before
+        return _soft_positions(gates, segments) + jnp.where(continues[..., None], prev[:, None], 0.0)
 
 
 @register("cope_gated")

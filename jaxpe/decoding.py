@@ -33,7 +33,12 @@ def init_cache(model: TransformerLM, batch_size: int, length: int) -> Any:
     for name, value, minimum in (("batch_size", batch_size, 0), ("length", length, 1)):
         if not is_int(value, minimum):
             raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-    tokens = jnp.zeros((int(batch_size), int(length)), jnp.int32)
+    return _zero_cache(model, int(batch_size), int(length))
+
+
+def _zero_cache(model: TransformerLM, batch_size: int | Any, length: int) -> Any:
+    """`init_cache` after its checks; `batch_size` may be a symbolic dimension (jax.export)."""
+    tokens = jnp.zeros((batch_size, length), jnp.int32)
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True))["cache"]
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -64,10 +69,18 @@ def check_temperature(temperature: float | jax.Array) -> None:
         raise ValueError(f"temperature={float(temperature)!r} must be finite and >= 0 (0 is greedy)")
 
 
+def _check_static(name: str, value: Any) -> None:
+    """ValueError, in words, when a setting that fixes shapes (max_new_tokens, top_k) is traced."""
+    if _is_traced(value):
+        raise ValueError(f"{name} must be a Python int, not a traced value: it fixes shapes of the compiled program; "
+                         "keep it out of jit's traced arguments (a constant, or static_argnames)")
+
+
 def check_top_k(top_k: int | None) -> None:
-    """ValueError unless `top_k` is None or an int >= 1."""
+    """ValueError unless `top_k` is None or an int >= 1 (not traced)."""
     if top_k is None:
         return
+    _check_static("top_k", top_k)
     if not is_int(top_k, 1):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
 
@@ -103,7 +116,12 @@ def sample_tokens(logits: jax.Array, rng: jax.Array | None, *, temperature: floa
     if rng is None:
         raise ValueError(f"temperature={temperature!r} may be > 0, which samples and needs an rng")
     temperature = jnp.asarray(temperature, jnp.float32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)  # [B, V]
+    logits = logits.astype(jnp.float32)
+    # the same distribution with the largest logit at 0, so that a tiny temperature cannot overflow it to ±inf (a row
+    # whose largest logit is infinite is left as it is)
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+    shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+    scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)  # [B, V]
     if top_k is None and top_p is None:
         sampled = jax.random.categorical(rng, scaled, axis=-1)
     else:
@@ -133,25 +151,28 @@ def _stop_ids(eos_id: int | Iterable[int] | None, vocab_size: int) -> tuple[int,
 
 
 def _check_rng(rng: jax.Array | None) -> None:
-    """ValueError unless `rng` is None or a PRNG key: a typed key array of shape () or a raw uint32 key [2|4]."""
+    """ValueError unless `rng` is None or a PRNG key: a typed key array of shape () or a raw uint32 key of the
+    default PRNG implementation's shape ([2] for threefry, [4] for rbg)."""
     if rng is None:
         return
     dtype, shape = getattr(rng, "dtype", None), jnp.shape(rng)
     typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    if not (typed and shape == ()) and not (dtype == jnp.uint32 and len(shape) == 1):
+    raw = dtype == jnp.uint32 and shape == jax.eval_shape(jax.random.PRNGKey, 0).shape
+    if not (typed and shape == ()) and not raw:
         raise ValueError(f"rng must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got "
                          f"{type(rng).__name__} of shape {shape} and dtype {dtype}")
 
 
-def _check_fits_position_table(model: TransformerLM, total: int) -> None:
+def _check_fits_position_table(model: TransformerLM, fed: int) -> None:
     """ValueError when the encoding adds a table of max_len rows to the token embeddings (learned, sinusoidal,
-    AM-SPE) and the P + N tokens do not fit it. Encodings acting in attention (rope, alibi, none, corope, relative
-    and CoPE with their clamped distances/positions, the gate-network CoPE) generate past max_len."""
+    AM-SPE) and the P + N − 1 tokens fed to the model (the last generated one never is) do not fit it. Encodings
+    acting in attention (rope, alibi, none, corope, relative and CoPE with their clamped distances/positions, the
+    gate-network CoPE) generate past max_len."""
     c = model.config
-    if total > c.max_len and c.pe_config.embedding(d_model=c.d_model, max_len=c.max_len) is not None:
-        raise ValueError(f"prompt length + max_new_tokens = {total} exceeds max_len={c.max_len}: pe={c.pe!r} adds "
-                         f"its position table [max_len={c.max_len}, d_model={c.d_model}] to the token embeddings, "
-                         "which has no rows beyond it")
+    if fed > c.max_len and c.pe_config.embedding(d_model=c.d_model, max_len=c.max_len) is not None:
+        raise ValueError(f"prompt length + max_new_tokens − 1 = {fed} (the tokens fed to the model) exceeds "
+                         f"max_len={c.max_len}: pe={c.pe!r} adds its position table [max_len={c.max_len}, "
+                         f"d_model={c.d_model}] to the token embeddings, which has no rows beyond it")
 
 
 def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_tokens: int,
@@ -181,6 +202,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     check_array("prompt", prompt, "B, P")
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise TypeError(f"prompt must be an int array [B, P], got shape={tuple(prompt.shape)} dtype={prompt.dtype}")
+    _check_static("max_new_tokens", max_new_tokens)
     if not is_int(max_new_tokens, 1):
         raise ValueError(f"{max_new_tokens=} must be a positive int")
     check_temperature(temperature)
@@ -205,7 +227,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
         if not np.all(np.asarray(padding_mask)[:, -1]):
             raise ValueError("padding_mask must mark left padding: the last prompt token of every row must be real "
                              "(padding_mask[:, -1] all True)")
-    _check_fits_position_table(model, p + int(max_new_tokens))
+    _check_fits_position_table(model, p + int(max_new_tokens) - 1)
     tokens, lengths = _generate(
         model, params, prompt, padding_mask, None if greedy else rng,
         None if greedy else jnp.asarray(temperature, jnp.float32),
@@ -235,7 +257,7 @@ def _generate(model: TransformerLM, params: Any, prompt: jax.Array, padding_mask
     def stops(token: jax.Array) -> jax.Array:
         return jnp.zeros(token.shape, bool) if stop_ids is None else jnp.isin(token, stop_ids)
 
-    cache = init_cache(model, b, p + n - 1)
+    cache = _zero_cache(model, b, p + n - 1)
     logits, updated = model.apply({"params": params, "cache": cache}, prompt, decode=True, positions=positions,
                                   padding_mask=padding_mask, mutable=["cache"])
     first = pick(logits[:, -1], 0)  # [B]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpe.attention import Attention, check_token_inputs, default_positions
+from jaxpe.attention import Attention, check_token_inputs, decode_positions, default_positions
 from jaxpe.cope import CoPEConfig
 from jaxpe.dropout import Dropout
 from jaxpe.kv_cache import check_cache
@@ -316,10 +316,11 @@ class TokenInfo:
 class TransformerLM(nn.Module):
     """tokens [B, L] int -> logits [B, L, V] float32.
 
-    Optional, [B, L] each: `positions` (int; default: the index within each document, continuing the cache while
-    decoding) for the index-based encodings; `segment_ids` (int) packs several documents in a row: no attention
-    across documents, and CoPE/Co-RoPE positions restart at each; `padding_mask` (bool, False on padding): padded
-    tokens are keys no real token sees (their own outputs are meaningless). `decode=True` runs with the KV cache (see
+    Optional, [B, L] each: `positions` (int; default: the index within each document; while decoding, each row goes
+    on from its last position in the previous call, given or default) for the index-based encodings; `segment_ids`
+    (int) packs several documents in a row: no attention across documents, and CoPE/Co-RoPE positions restart at
+    each; `padding_mask` (bool, False on padding): padded tokens are keys no real token sees (their own outputs are
+    meaningless). `decode=True` runs with the KV cache (see
     `generate`): initialise the cache with an input of the full length; a bidirectional model (config.causal False)
     does not decode. config.remat rematerialises each block in training (`REMAT_POLICIES`): the same values and
     gradients, less memory, more compute; reverse mode only (forward mode needs remat="none").
@@ -339,7 +340,12 @@ class TransformerLM(nn.Module):
         check_token_ids("tokens", tokens, c.vocab_size)
         b, length = tokens.shape
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
-        positions = default_positions(positions, fold_padding(segment_ids, padding_mask), b)
+        segments = fold_padding(segment_ids, padding_mask)
+        if decode:
+            check_cache(self)
+            positions = self._decode_positions(positions, segments, b, length)
+        else:
+            positions = default_positions(positions, segments, b)
         pe = c.pe_config
         if not self.is_initializing():
             params = self.variables.get("params", {})
@@ -351,14 +357,6 @@ class TransformerLM(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=c.weight_dtype, name="embed",
                          embedding_init=partitioned(nn.initializers.normal(0.02), "vocab", "embed"))
         x = embed(tokens).astype(c.compute_dtype)
-        if decode:
-            check_cache(self)
-        if decode and positions is None:
-            initialised = self.has_variable("cache", "position")
-            pos_var = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
-            if initialised:
-                positions = jnp.broadcast_to(pos_var.value + jnp.arange(length, dtype=jnp.int32), (b, length))
-                pos_var.value = pos_var.value + length
         additive = pe.embedding(d_model=c.d_model, max_len=c.max_len)
         if additive is not None:
             x = additive.clone(parent=self, name="pos_embed")(x, positions=positions)
@@ -384,3 +382,23 @@ class TransformerLM(nn.Module):
                                kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "vocab"))
             logits = unembed(x.astype(jnp.float32))
         return logits.astype(jnp.float32)
+
+    def _decode_positions(self, positions: jax.Array | None, segments: jax.Array | None, b: int, length: int
+                          ) -> jax.Array | None:
+        """Positions [B, L] of a decoding call's tokens: the caller's, else each token's index within its document,
+        a document that goes on from the previous call going on from its position there (None when the cache is
+        made). segments [B, L] int32 are the document ids, padding folded in (None: one document). Caches each row's
+        next position and last document id."""
+        initialised = self.has_variable("cache", "position")
+        next_var = self.variable("cache", "position", lambda: jnp.zeros((b,), jnp.int32))  # [B]
+        last_var = self.variable("cache", "segment", lambda: jnp.zeros((b,), jnp.int32))  # [B]
+        if not initialised:
+            return default_positions(positions, segments, b)
+        if positions is None:
+            positions = decode_positions(segments, next_var.value, last_var.value, length)
+        else:
+            positions = default_positions(positions, None, b)
+        if length:
+            next_var.value = positions[:, -1] + 1
+            last_var.value = jnp.zeros((b,), jnp.int32) if segments is None else segments[:, -1]
+        return positions

@@ -193,7 +193,7 @@ def test_table_bound_encodings_refuse_to_pass_max_len(pe):
     params = jax.eval_shape(lambda: init(model))  # shapes suffice: the check comes first
     with pytest.raises(ValueError, match=rf"exceeds max_len={MAX_LEN}: pe='{pe}' adds its position table "
                                          rf"\[max_len={MAX_LEN}, d_model=16\]"):
-        jaxpe.generate(model, params, prompt_for(0), max_new_tokens=MAX_LEN - P + 1)
+        jaxpe.generate(model, params, prompt_for(0), max_new_tokens=MAX_LEN - P + 2)  # MAX_LEN + 1 tokens fed
 
 
 def test_decoding_past_the_cache_end_is_an_error(rope_lm):
