@@ -7,9 +7,9 @@
 Modules: config (TrainConfig, whose `model` is jaxpe.ModelConfig, and the task and model it names), step (train
 state, loss, train_step), trainer (jit and sharding; seeds stacked as one program), feed (several steps' batches a
 dispatch, a fixed training set kept on the device), loop (the loop and its hooks), experiments (train_and_evaluate,
-train_seeds, restore_run, evaluate_checkpoint, compare_encodings), evaluate (metrics and evaluation), tables (how results are
-shown: intervals, Markdown), report (the tables' command line), workdir (one run per workdir), checkpoint,
-distributed, tasks, plots, cli.
+train_seeds, restore_run, evaluate_checkpoint, compare_encodings), evaluate (metrics and evaluation), tables (how
+results are shown: intervals, Markdown), report (the tables' command line), workdir (one run per workdir),
+checkpoint, distributed, tasks, plots, cli.
 """
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig, TrainConfig, apply_overrides,

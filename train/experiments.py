@@ -35,8 +35,8 @@ from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
 from jaxpe.train.trainer import Trainer, run_mesh
 from jaxpe.train.workdir import (REUSABLE_RESULT_FIELDS, check_same_corpus, check_same_run, check_workdir,
-                                 check_workdir_kind, checkpoint_steps, config_differences, locked_workdir, resolved_pair,
-                                 write_corpus, write_json)
+                                 check_workdir_kind, checkpoint_steps, config_differences, locked_workdir,
+                                 resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
