@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 
 def _has_cuda_plugin() -> bool:
@@ -105,3 +106,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def key() -> jax.Array:
     return jax.random.PRNGKey(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs() -> Iterator[None]:
+    """After each test module, jax's caches of compiled programs are dropped: a worker that keeps every program of a
+    whole suite alive (each XLA CPU executable maps its code separately) reaches the kernel's limit of memory maps
+    per process (vm.max_map_count, 65530 by default), and XLA's compiler then crashes (SIGSEGV) on the next program."""
+    yield
+    jax.clear_caches()
