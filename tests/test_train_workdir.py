@@ -89,6 +89,23 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
         train_and_evaluate(tiny("run.steps=6", "run.checkpoint_every=2", "optim.learning_rate=0.5"), tmp_path)
 
 
+def test_a_run_resumes_with_another_attention_impl_and_remat(tmp_path):
+    """How the same maths is computed may change on resume (a run moved to a GPU, or out of memory): model.impl and
+    model.remat; the resumed run ends as the uninterrupted one, to float rounding."""
+    common = ("run.checkpoint_every=2", "run.async_checkpoints=false")
+    whole = train_and_evaluate(tiny("run.steps=4", *common, pe="cope"), tmp_path / "whole")
+    train_and_evaluate(tiny("run.steps=2", *common, pe="cope"), tmp_path / "moved")
+    with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):  # the model itself may not change
+        train_and_evaluate(tiny("run.steps=4", *common, "model.d_model=32", "model.remat=full", pe="cope"),
+                           tmp_path / "moved")
+    moved = train_and_evaluate(tiny("run.steps=4", *common, "model.impl=blockwise", "model.remat=full", pe="cope"),
+                               tmp_path / "moved")
+    assert moved["steps"] == whole["steps"] == 4
+    for split, metrics in whole["splits"].items():
+        assert moved["splits"][split]["loss"] == pytest.approx(metrics["loss"], rel=1e-4), split
+    assert load_config(tmp_path / "moved" / "config.json").model.remat == "full"  # the config it resumed under
+
+
 def test_a_run_that_failed_before_its_first_step_does_not_hold_its_workdir(tmp_path):
     """A run that failed after writing config.json (and an empty metrics.jsonl, an empty checkpoints folder) but
     before any step is no run to resume: a corrected config trains there. One metrics record makes it a run."""

@@ -4,7 +4,7 @@
 as long as a run writes there; a second writer is refused at once. The kernel drops the lock when its holder dies, so
 a killed run never blocks its restart; `locked_workdir` is the block a run writes in (the main process holding the
 lock). `check_same_run(workdir, config, task)` refuses a config that differs from the one
-saved in `workdir/config.json` in anything but RESUMABLE_RUN_FIELDS, whether or not the new run saves checkpoints:
+saved in `workdir/config.json` in anything but RESUMABLE_FIELDS, whether or not the new run saves checkpoints:
 whatever the new run would resume, reuse or leave beside its own results for `jaxpe-eval` was written under the
 saved config. Both are compared resolved (`resolved_pair`: every task option, model.vocab_size and model.max_len
 filled in), so a config that leaves them unset is the same run as the resolved one a run saves, and as one saved
@@ -35,6 +35,12 @@ LOCK_NAME = ".jaxpe.lock"
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
                         "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
                         "pad_to", "pad_multiple", "steps_per_dispatch", "compile_ahead")
+# Model fields that may change too: how the same maths is computed (model.impl: the attention kernel; model.remat: what
+# the backward recomputes). The parameters and optimizer state are the same trees: a run started on a CPU resumes on a
+# GPU with impl="triton", or with remat after running out of memory (its steps then equal to float rounding).
+RESUMABLE_MODEL_FIELDS = ("impl", "remat")
+RESUMABLE_FIELDS = (*(f"run.{name}" for name in RESUMABLE_RUN_FIELDS),
+                    *(f"model.{name}" for name in RESUMABLE_MODEL_FIELDS))
 # The run fields a finished run's result.json does not depend on (the cadence of logs, evaluations during training and
 # checkpoints, the display, how many steps a dispatch): jaxpe-compare reuses a finished run that differs in these only.
 REUSABLE_RESULT_FIELDS = ("log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints", "eval_splits",
@@ -130,12 +136,11 @@ def resolved_pair(saved: TrainConfig, new: TrainConfig, task: Task) -> tuple[Tra
 
 
 def config_differences(saved: TrainConfig, new: TrainConfig, task: Task) -> list[str]:
-    """`key: old -> new` for every field, except RESUMABLE_RUN_FIELDS, in which the two configs differ, once both
-    are resolved (resolved_pair)."""
+    """`key: old -> new` for every field, except RESUMABLE_FIELDS, in which the two configs differ, once both are
+    resolved (resolved_pair)."""
     saved, new = resolved_pair(saved, new, task)
     old, now = _flat(to_dict(saved)), _flat(to_dict(new))
-    allowed = {f"run.{name}" for name in RESUMABLE_RUN_FIELDS}
-    changed = sorted(k for k in old.keys() | now.keys() if k not in allowed and old.get(k) != now.get(k))
+    changed = sorted(k for k in old.keys() | now.keys() if k not in RESUMABLE_FIELDS and old.get(k) != now.get(k))
     return [f"{k}: {old.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in changed]
 
 
@@ -218,7 +223,7 @@ def check_workdir_kind(workdir: pathlib.Path, *, comparison: bool) -> None:
 def check_same_run(workdir: pathlib.Path, config: TrainConfig, task: Task) -> None:
     """ValueError when `workdir` holds state of a run (holds_run_state: a config.json alone, left by a run that failed
     before its first step, is replaced) whose config (config.json) differs from `config` (both
-    resolved with `task`, the one `config` names) in anything but RESUMABLE_RUN_FIELDS, or run state without a
+    resolved with `task`, the one `config` names) in anything but RESUMABLE_FIELDS, or run state without a
     config.json, or a checkpoint past `config.run.steps` that the run would resume, or checkpoints that a run without
     checkpointing (run.checkpoint_every=0) would leave behind, or a run on a corpus that changed since
     (check_same_corpus). The saved config is read back first, so that a field added since it was written (with its
