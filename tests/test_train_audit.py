@@ -228,13 +228,14 @@ def test_longer_splits_of_documents_shorter_than_the_training_length_are_flagged
 
 def test_a_warmup_longer_than_the_run_is_flagged(caplog):
     """run.steps=50 with the default 100 warmup steps: the learning rate never reached optim.learning_rate (half of
-    it at the end), and nothing said so."""
+    it at the end), and nothing said so; a comparison says it once, not once an encoding."""
+    message = "optim.warmup_steps=100 >= run.steps=50: the learning rate never reaches optim.learning_rate"
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
-        experiments.validate_config(tiny("optim.warmup_steps=100", "run.steps=50"))
-    assert "optim.warmup_steps=100 >= run.steps=50: the learning rate never reaches optim.learning_rate" in caplog.text
+        experiments.warn_schedule([tiny("optim.warmup_steps=100", "run.steps=50", pe=pe) for pe in ("rope", "cope")])
+    assert caplog.text.count(message) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.experiments"):
-        experiments.validate_config(tiny("optim.warmup_steps=10", "run.steps=50"))
+        experiments.warn_schedule([tiny("optim.warmup_steps=10", "run.steps=50")])
     assert "warmup" not in caplog.text
 
 

@@ -61,6 +61,7 @@ def train_and_evaluate(
     if task is None:
         task, built = validate_config(config)
         model = built if model is None else model
+        warn_schedule([config])
     elif model is None:
         model = build_model(config.model, task.vocab_size, longest_length(task))
     check_tokens(task, config.optim.batch_size)
@@ -116,12 +117,18 @@ def validate_config(config: TrainConfig, task: Task | None = None) -> tuple[Task
                          f"{config.task.name!r} ({longest} tokens, training or evaluation), which pe="
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
     run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
-    if config.optim.warmup_steps >= config.run.steps:
-        log.warning("optim.warmup_steps=%d >= run.steps=%d: the learning rate never reaches optim.learning_rate",
-                    config.optim.warmup_steps, config.run.steps)
     model = build_model(config.model, task.vocab_size, longest)
     check_model_fits(model)
     return task, model
+
+
+def warn_schedule(configs: Sequence[TrainConfig]) -> None:
+    """Logs once for each distinct schedule among `configs` whose warmup is as long as the run (the learning rate
+    never reaches its peak)."""
+    for warmup, steps in sorted({(c.optim.warmup_steps, c.run.steps) for c in configs}):
+        if warmup >= steps:
+            log.warning("optim.warmup_steps=%d >= run.steps=%d: the learning rate never reaches optim.learning_rate",
+                        warmup, steps)
 
 
 def memory_bytes() -> int:
@@ -475,6 +482,7 @@ def compare_encodings(
             else:
                 check_same_corpus(run_dir, task)  # a finished run on another corpus is not reused either
             runs.append((run_config, run_dir, task, model, finished))
+    warn_schedule(configs)
     deadline = None if time_limit is None else time.time() + time_limit
     with locked_workdir(workdir, is_main=jax.process_index() == 0):
         return _compare(configs, seeds, workdir, runs, seeds_together=seeds_together, deadline=deadline)

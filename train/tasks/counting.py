@@ -203,12 +203,12 @@ class CountingTask:
                  "test": (cfg.n_test, 3, cfg.max_steps), "len_x2": (cfg.n_test, cfg.max_steps + 1, 2 * cfg.max_steps)}
         # At least STATEMENT_BYTES of text per statement, U[lo, hi] statements a program: past the host's memory the
         # generation would run for hours before failing.
-        text = sum(n * (lo + hi) // 2 * STATEMENT_BYTES for n, lo, hi in sizes.values())
-        if text > host_memory_bytes():
+        text, memory = sum(n * (lo + hi) // 2 * STATEMENT_BYTES for n, lo, hi in sizes.values()), host_memory_bytes()
+        if text > memory:
             raise ValueError(f"task.n_train={cfg.n_train}, task.n_valid={cfg.n_valid}, task.n_test={cfg.n_test} "
                              f"programs of up to task.max_steps={cfg.max_steps} statements are at least "
                              f"{text / 2**30:.3g} GiB of text, more than this host's memory "
-                             f"({host_memory_bytes() / 2**30:.3g} GiB): lower them")
+                             f"({memory / 2**30:.3g} GiB): lower them")
         return {split: generate_samples(n, nvars=cfg.nvars, min_steps=lo, max_steps=hi, max_value=cfg.max_value,
                                         seed=derive_seed(cfg.seed, "counting", split))
                 for split, (n, lo, hi) in sizes.items()}
