@@ -130,7 +130,8 @@ def sample_tokens(logits: jax.Array, rng: jax.Array | None, *, temperature: floa
         if top_p is not None:
             probs = jax.nn.softmax(values, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs  # 0 for the most likely: it is always kept
-            values = jnp.where(mass_before < jnp.asarray(top_p, jnp.float32), values, -jnp.inf)
+            top_p = jnp.asarray(top_p, jnp.float32)  # 1 keeps every token, though the sums round past it
+            values = jnp.where((mass_before < top_p) | (top_p >= 1.0), values, -jnp.inf)
         choice = jax.random.categorical(rng, values, axis=-1)  # [B] index into the k kept
         sampled = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)

@@ -243,3 +243,21 @@ def test_bad_options_raise_value_errors_naming_them(rope_lm, options, match):
     model, params = rope_lm
     with pytest.raises(ValueError, match=match):
         jaxpe.generate(model, params, prompt_for(0), **{"max_new_tokens": 2, **options})
+
+
+def test_top_p_one_keeps_every_token_though_the_sums_round(monkeypatch):
+    """top_p=1 is no nucleus cut: over 1000 tokens the float32 running sums of the sorted probabilities reach 1 before
+    the least likely tokens (31 of 4 x 1000 here), which a cut at `mass before < top_p` dropped."""
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 1000)) * 3, jnp.float32)
+    seen, draw = [], jax.random.categorical
+
+    def categorical(rng: jax.Array, values: jax.Array, axis: int) -> jax.Array:  # the logits the draw is made from
+        seen.append(values)
+        return draw(rng, values, axis=axis)
+
+    monkeypatch.setattr(jax.random, "categorical", categorical)
+    for top_p in (1.0, jnp.float32(1.0)):  # concrete, and as a traced value would be
+        sample_tokens(logits, jax.random.PRNGKey(0), temperature=1.0, top_p=top_p)
+        assert np.isfinite(np.asarray(seen.pop())).all()
+    sample_tokens(logits, jax.random.PRNGKey(0), temperature=1.0, top_p=0.9)  # a real cut still cuts
+    assert np.isneginf(np.asarray(seen.pop())).any()
