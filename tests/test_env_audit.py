@@ -37,7 +37,8 @@ commands = [
     (cli.train_main, ["--show-config", "--preset", preset, "--task", "lm", "--pe", "cope"]),
     (cli.train_main, ["--preset", preset, "--task", "lm", "--pe", "rope", "--workdir", "lm", f"task.source={corpus}"]),
     (cli.eval_main, ["--workdir", "lm"]),
-    (cli.compare_main, ["--preset", preset, "--task", "flipflop", "--pe", "rope", "--seeds", "0,1", "--workdir", "cmp"]),
+    (cli.compare_main, ["--preset", preset, "--task", "flipflop", "--pe", "rope", "--seeds", "0,1",
+                        "--workdir", "cmp"]),
     (curves.main, ["cmp", "--out", "curves"]),
 ]
 for main, argv in commands:
