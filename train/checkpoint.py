@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import shutil
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,14 @@ class Checkpoints:
         if keep < 1:
             raise ValueError(f"{keep=} must be >= 1")
         self.directory = pathlib.Path(directory).absolute()
+        try:
+            str(self.directory).encode("utf-8")
+        except UnicodeEncodeError:  # surrogates: bytes that the file system's encoding could not decode
+            raise ValueError(
+                f"checkpoint directory {str(self.directory)!r} is no text in the file system's encoding "
+                f"({sys.getfilesystemencoding()}): orbax's TensorStore, which writes the checkpoints, takes UTF-8 "
+                "paths only; run under a UTF-8 locale (PYTHONUTF8=1, or LC_ALL=C.UTF-8), or use a workdir whose "
+                "path is ASCII") from None
         self.best_metric = best_metric
         policy = ocp.checkpoint_managers.AnyPreservationPolicy(
             [

@@ -22,6 +22,7 @@ import argparse
 import errno
 import logging
 import pathlib
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -33,7 +34,7 @@ from jaxpe.train import _malloc, distributed, experiments
 from jaxpe.train.config import (MAX_SEED, TrainConfig, build_config, format_config, load_config, preset_names,
                                 resolve_task)
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached, TrainingInterrupted
-from jaxpe.train.tables import comparison_heading, results_markdown
+from jaxpe.train.tables import comparison_heading, results_markdown, show
 from jaxpe.train.tasks import TASK_NAMES
 from jaxpe.train.workdir import WorkdirBusyError
 
@@ -158,7 +159,7 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, pes: Seq
     if args.show_config:
         for config, text in zip(configs, shown):
             heading = f"model.pe={config.model.pe}: " if len(configs) > 1 else ""
-            print(f"# {heading}resolved config, one key=value override a line (precedence: see --help)\n{text}", end="")
+            show(f"# {heading}resolved config, one key=value override a line (precedence: see --help)\n{text}")
         parser.exit(0)
     if args.workdir is None:
         parser.error("the following arguments are required: --workdir")
@@ -293,7 +294,7 @@ def _print_outputs(workdir: str | pathlib.Path, names: Sequence[str]) -> None:
     present = [name for name in names if (workdir / name).exists()]
     line = f"outputs in {workdir}: {', '.join(present)}"
     if (workdir / "tb").is_dir() or any(workdir.glob("*/*/tb")):
-        line += f" (tensorboard --logdir {workdir})"
+        line += f" (tensorboard --logdir {shlex.quote(str(workdir))})"  # a command to paste: spaces quoted
     sys.stdout.flush()
     print(line, file=sys.stderr)
 
@@ -308,8 +309,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         [config] = _resolve(parser, args, [args.pe])
         _start(args)
         result = experiments.train_and_evaluate(config, args.workdir, time_limit=args.time_limit)
-        print(results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
-                               label_keys=("task", "pe", "seed")), end="")
+        show(results_markdown([result], metric=result["metric"], splits=list(result["splits"]),
+                              label_keys=("task", "pe", "seed")))
         _print_outputs(args.workdir, RUN_OUTPUTS)
         return 0
 
@@ -330,7 +331,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         _start(args)
         result = experiments.evaluate_checkpoint(args.workdir, step=args.step, progress=args.progress)
-        print(result["table"], end="")
+        show(result["table"])
         if result["unwritten"]:
             sys.stdout.flush()
             print(f"jaxpe-eval: {result['unwritten']}", file=sys.stderr)
@@ -358,8 +359,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
                                                    seeds_together=not args.separate_seeds, time_limit=args.time_limit)
-        print(f"\n{comparison_heading(comparison['task'], comparison['metric'], args.seeds)}\n")
-        print(comparison["table"], end="")
+        show(f"\n{comparison_heading(comparison['task'], comparison['metric'], args.seeds)}\n\n{comparison['table']}")
         _print_outputs(args.workdir, ("compare.json", "compare.md", "compare.png", *(f"{pe}/" for pe in args.pe)))
         return 0
 

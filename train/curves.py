@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxpe.train.plots import learning_curves, read_metrics
-from jaxpe.train.tables import PERCENT_METRICS, metric_label, metric_scale
+from jaxpe.train.tables import PERCENT_METRICS, metric_label, metric_scale, show
 from jaxpe.train.tasks import TASKS
 
 SPLIT = "valid"  # the split the plateau is read from (every task has one)
@@ -88,7 +88,7 @@ def run_metric(run: pathlib.Path) -> str:
     (jaxpe.train.tasks.TASKS). ValueError, naming the run, when config.json or its task name is missing or unknown."""
     path = run / "config.json"
     try:
-        name = json.loads(path.read_text())["task"]["name"]
+        name = json.loads(path.read_text(encoding="utf-8"))["task"]["name"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"run {str(run)!r}: its task, and so its metric, is unknown: {str(path)!r} names no "
                          f"task.name ({type(error).__name__}: {error})") from None
@@ -194,9 +194,9 @@ def collect(roots: str | pathlib.Path | Sequence[str | pathlib.Path], *, pes: Se
         curve["wall_seconds"] = wall_seconds(run)
         settings.setdefault(setting, {}).setdefault(pe, {})[seed] = curve
         if (run / "config.json").exists():
-            configs[name] = json.loads((run / "config.json").read_text())
+            configs[name] = json.loads((run / "config.json").read_text(encoding="utf-8"))
         if (run / "result.json").exists():
-            environments[name] = json.loads((run / "result.json").read_text()).get("environment")
+            environments[name] = json.loads((run / "result.json").read_text(encoding="utf-8")).get("environment")
     shared = set(metrics.values())
     return {"split": SPLIT, "metric": shared.pop() if len(shared) == 1 else None, "metrics": metrics,
             "settings": settings, "configs": configs, "environments": environments}
@@ -291,12 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
-        (out / "curves.md").write_text(summary(data, window))
+        (out / "curves.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        (out / "curves.md").write_text(summary(data, window), encoding="utf-8")
         learning_curves(data, path=out / "curves.png")
     except OSError as error:  # --out a file, or a folder that cannot be written
         parser.error(f"--out={args.out!r}: {error.strerror}: {error.filename}")
-    print(summary(data, window), end="")
+    show(summary(data, window))
     return 0
 
 

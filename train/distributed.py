@@ -106,7 +106,7 @@ def _tpu_hosts() -> int:
     path = os.environ.get("TPU_PROCESS_ADDRESSES_PATH")
     if path:
         try:
-            text = pathlib.Path(path).read_text()
+            text = pathlib.Path(path).read_text(encoding="utf-8")
         except OSError as error:
             raise ValueError(f"$TPU_PROCESS_ADDRESSES_PATH={path!r} cannot be read: {error.strerror}") from error
     else:

@@ -254,9 +254,9 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
         }
         if is_main:
             write_json(workdir / "result.json", result)
-            (workdir / "result.md").write_text(results_markdown([result], metric=task.metric,
-                                                                splits=list(member_final),
-                                                                label_keys=("task", "pe", "seed")))
+            table = results_markdown([result], metric=task.metric, splits=list(member_final),
+                                     label_keys=("task", "pe", "seed"))
+            (workdir / "result.md").write_text(table, encoding="utf-8")
             plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
         results.append(result)
     return results
@@ -302,7 +302,7 @@ def cpu_name(cpuinfo: str | pathlib.Path = "/proc/cpuinfo") -> str:
     CPU code for the host's instruction set, so the last bits of a CPU run's numbers, and with them a long run's
     trajectory, can differ between CPUs (a run resumed on another machine goes on as that machine computes)."""
     try:
-        info = pathlib.Path(cpuinfo).read_text().splitlines()
+        info = pathlib.Path(cpuinfo).read_text(encoding="utf-8").splitlines()
     except OSError:
         return platform.processor()
     name = next((line.partition(":")[2].strip() for line in info if line.startswith("model name")), "")
@@ -433,7 +433,7 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
     if jax.process_index() == 0:
         try:
             write_json(workdir / "eval.json", result)
-            (workdir / "eval.md").write_text(table)
+            (workdir / "eval.md").write_text(table, encoding="utf-8")
         except OSError as error:
             unwritten = f"could not write eval.json, eval.md in {workdir}: {error.strerror or error}"
     return {**result, "table": table, "unwritten": unwritten}
@@ -540,7 +540,7 @@ def write_comparison(directory: str | pathlib.Path, comparison: Mapping[str, Any
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / "compare.json", comparison)
     heading = comparison_heading(comparison["task"], comparison["metric"], comparison["seeds"])
-    (directory / "compare.md").write_text(f"# {heading}\n\n{comparison_markdown(comparison)}")
+    (directory / "compare.md").write_text(f"# {heading}\n\n{comparison_markdown(comparison)}", encoding="utf-8")
     plots.result_bars(comparison["rows"], metric=comparison["metric"], splits=comparison["splits"],
                       path=directory / "compare.png")
 
@@ -572,7 +572,7 @@ def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> 
     path = run_dir / "result.json"
     if not path.is_file():
         return None
-    result = json.loads(path.read_text())
+    result = json.loads(path.read_text(encoding="utf-8"))
     try:
         saved = from_dict(result["config"])
     except (KeyError, ValueError):

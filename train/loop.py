@@ -57,7 +57,8 @@ class MetricsLog:
     def __init__(self, workdir: pathlib.Path, *, resume_step: int, enabled: bool, tensorboard: bool):
         self.path, self.enabled = workdir / "metrics.jsonl", enabled
         if enabled and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if self._step(line) <= resume_step]
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            kept = [line for line in lines if self._step(line) <= resume_step]
             write_atomically(self.path, "".join(line + "\n" for line in kept))  # a kill here keeps every record
         self.writer = None
         if enabled and tensorboard:
@@ -75,7 +76,7 @@ class MetricsLog:
         """One record {"step": int, "split": str, metric: number, ...}."""
         if not self.enabled:
             return
-        with self.path.open("a") as f:
+        with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for name, value in record.items():

@@ -36,7 +36,8 @@ def _save(fig: Figure, path: str | pathlib.Path | None) -> Figure:
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file. A last line cut short (no newline, not JSON: a run killed as it wrote)
     is left out; any other line that is not a JSON object is a ValueError naming the file and the line."""
-    lines = pathlib.Path(path).read_text(errors="replace").split("\n")  # the last one "" after a whole line
+    text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")  # the last one "" after a whole line
     records = []
     for number, line in enumerate(lines, start=1):
         if line.strip():

@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Sequence
 
 from jaxpe.train.experiments import write_comparison
-from jaxpe.train.tables import comparison_table, load_comparison, merge_comparisons
+from jaxpe.train.tables import comparison_table, load_comparison, merge_comparisons, show
 
 
 def merge_into(directory: str | pathlib.Path, paths: Sequence[str | pathlib.Path]) -> None:
@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.merge_into:
             merge_into(args.merge_into, args.paths)
             return 0
-        print(comparison_table(args.paths, splits=[s for s in args.splits.split(",") if s],
-                               labels=[s for s in args.labels.split(",") if s]), end="")
+        show(comparison_table(args.paths, splits=[s for s in args.splits.split(",") if s],
+                              labels=[s for s in args.labels.split(",") if s]))
     except ValueError as error:
         parser.error(str(error))
     except OSError as error:  # --merge-into a directory that cannot be written

@@ -12,8 +12,9 @@ explain.
 from __future__ import annotations
 
 import pathlib
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -22,6 +23,18 @@ from jaxpe.train.tasks.base import json_object
 
 PERCENT_METRICS = ("token_error", "seq_error")  # error rates, shown in %; others (bits per byte) as they are
 INTERVAL = "95 % interval: seed spread + evaluation-set binomial error"  # the [low, high] after a mean (interval95)
+
+
+def show(text: str, stream: TextIO | None = None) -> None:
+    """Writes `text` as it is (no newline added) to `stream` (default: sys.stdout as it is now); where the stream's
+    encoding cannot hold a character (the tables' "—", "±", "·" under an ASCII locale), it is written as a backslash
+    escape instead of failing with UnicodeEncodeError."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        stream.write(text)  # a text stream encodes the whole text first: a failure writes none of it
+    except UnicodeEncodeError:
+        encoding = stream.encoding
+        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
 
 
 def metric_scale(metric: str) -> float:
@@ -122,7 +135,7 @@ def load_comparison(path: str | pathlib.Path) -> dict[str, Any]:
         path = path / "compare.json"
     if not path.is_file():
         raise ValueError(f"{str(path)!r} is not a compare.json (run jaxpe-compare first)")
-    comparison = json_object(path.read_text(errors="replace"), f"{str(path)!r}")
+    comparison = json_object(path.read_text(encoding="utf-8", errors="replace"), f"{str(path)!r}")
     missing = [key for key in COMPARISON_KEYS if key not in comparison]
     if missing:
         raise ValueError(f"{str(path)!r} is not a compare.json of jaxpe-compare: it has no {', '.join(missing)}")

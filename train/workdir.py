@@ -104,7 +104,7 @@ def locked_workdir(workdir: pathlib.Path, *, is_main: bool) -> Iterator[None]:
 def write_atomically(path: pathlib.Path, text: str) -> None:
     """Writes `text` to `path` atomically (a file beside it, then a rename): a kill leaves the old file or the new."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
 
@@ -160,7 +160,7 @@ def check_same_corpus(workdir: pathlib.Path, task: Task) -> None:
     corpus, path = getattr(task, "corpus", None), workdir / CORPUS_NAME
     if corpus is None or not path.is_file():
         return
-    saved = json_object(path.read_text(errors="replace"), f"{str(path)!r}")
+    saved = json_object(path.read_text(encoding="utf-8", errors="replace"), f"{str(path)!r}")
     if "hash" in saved:
         now, kind = corpus["fingerprint"], "names and contents"
     else:

@@ -162,13 +162,20 @@ def trim_batch(batch: Batch, length: int) -> Batch:
 CONTENT_HASH = "blake2b"  # corpus["hash"] of content_fingerprint (a corpus.json without one: names and sizes)
 
 
+def name_bytes(name: str) -> bytes:
+    """`name` (a document's, a file's) in UTF-8, with the bytes that a file name's surrogate escapes stand for (what
+    the file system's encoding could not decode: any non-ASCII byte under an ASCII locale) as those bytes: a file's
+    name gives the same bytes under a UTF-8 locale and an ASCII one."""
+    return name.encode("utf-8", "surrogateescape")
+
+
 def content_fingerprint(documents: Iterable[tuple[str, bytes]], salt: str = "") -> str:
     """The blake2b digest (32 bytes, 64 hex digits) of `salt` and each (name, content) of `documents` in order, every
     name and content preceded by its length: an edit that keeps a document's size changes it, and so does a rename,
-    a reordering, or bytes moved from one document to the next."""
-    digest = hashlib.blake2b(salt.encode(), digest_size=32)
+    a reordering, or bytes moved from one document to the next. Names and salt are hashed as `name_bytes`."""
+    digest = hashlib.blake2b(name_bytes(salt), digest_size=32)
     for name, content in documents:
-        for part in (name.encode(), content):
+        for part in (name_bytes(name), content):
             digest.update(len(part).to_bytes(8, "little"))
             digest.update(part)
     return digest.hexdigest()

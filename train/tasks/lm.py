@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, check_int, check_probability, check_step,
-                                   content_fingerprint, derive_seed, make_batch)
+                                   content_fingerprint, derive_seed, make_batch, name_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,8 @@ class LMConfig:
 
 
 def _hash_fraction(salt: str, name: str) -> float:
-    """A number in [0, 1) fixed by (salt, name)."""
-    return int.from_bytes(hashlib.sha256(f"{salt}/{name}".encode()).digest()[:8], "little") / 2.0**64
+    """A number in [0, 1) fixed by (salt, name) (its `name_bytes`: the same under a UTF-8 locale and an ASCII one)."""
+    return int.from_bytes(hashlib.sha256(name_bytes(f"{salt}/{name}")).digest()[:8], "little") / 2.0**64
 
 
 def split_of(name: str, valid_fraction: float, test_fraction: float) -> str:
@@ -298,7 +298,7 @@ def fingerprints(config: LMConfig, loaded: Documents | list[Document]) -> tuple[
     ordered = sorted(loaded) if isinstance(loaded, list) else [doc for split in SPLITS for doc in sorted(loaded[split])]
     salt = f"{config.source}\n" if _is_hf(config) else ""
     listing = "".join(f"{name}\t{len(content)}\n" for name, content in ordered)
-    return content_fingerprint(ordered, salt=salt), hashlib.sha256(f"{salt}{listing}".encode()).hexdigest()
+    return content_fingerprint(ordered, salt=salt), hashlib.sha256(name_bytes(f"{salt}{listing}")).hexdigest()
 
 
 def _is_hf(config: LMConfig) -> bool:
