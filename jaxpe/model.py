@@ -25,7 +25,7 @@ from jaxpe.validation import (check_array, check_bool, check_choice, check_fract
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 # What a rematerialised block keeps for the backward (`jax.checkpoint` policies): "none" runs no remat (every
 # intermediate is kept), "dots" keeps the products with the weights (projections, MLP) and recomputes the rest,
 # attention's [B, H, L, L] products included, "full" keeps only each block's input and recomputes the block.
@@ -63,8 +63,8 @@ class ModelConfig:
     pe: str = "rope"  # encoding name from the registry (jaxpe.PE_NAMES)
     pe_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()  # that encoding's config fields, e.g. {"npos": 64}
     layer_pe: tuple[str, ...] = ()  # encoding of each layer's attention, cycled, e.g. ("cope", "none"); () = pe in all
-    dtype: str = "float32"  # compute dtype ("float32" or "bfloat16")
-    param_dtype: str = "float32"  # dtype of the weights ("float32" or "bfloat16"); position tables stay float32
+    dtype: str = "float32"  # compute dtype ("float32", "bfloat16" or "float16"); logits and positions float32
+    param_dtype: str = "float32"  # dtype of the weights (as dtype); position tables stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
     window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
     causal: bool = True  # False: bidirectional attention in every layer (an encoder; no decoding)

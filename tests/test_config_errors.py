@@ -85,7 +85,7 @@ BAD_MODEL = {
     "pe_options": [({"npos": 1}, "npos=1"), ({"bogus": 1}, "'bogus'"), ([1, 2], "pe_options=[1, 2]"),
                    ({3: 1}, "pe_options=")],
     "layer_pe": [(("cope", "bogus"), "'bogus'"), (("learned", "cope"), "additive"), (("rope",), "must name pe")],
-    "dtype": ["float16", None], "param_dtype": ["int8"], "impl": ["fast", None, ["auto"]], "window": [0, 2.5, "4"],
+    "dtype": ["float64", None], "param_dtype": ["int8"], "impl": ["fast", None, ["auto"]], "window": [0, 2.5, "4"],
     "causal": [1, "no"], "remat": ["some", None],
 }
 MODEL_CASES = [(field, *(bad if isinstance(bad, tuple) else (bad, f"{field}={bad!r}")))

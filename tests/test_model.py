@@ -320,3 +320,21 @@ def test_generate_refuses_token_ids_outside_the_vocabulary(bad):
 def test_rotary_configs_refuse_a_non_positive_theta(name, theta):
     with pytest.raises(ValueError, match="theta=.* must be > 0 and finite"):
         jaxpe.pe_config(name, theta=theta)
+
+
+@pytest.mark.parametrize("pe", ["cope", "corope", "rope", "learned"])
+def test_a_float16_model_runs_trains_and_decodes_as_float32_does(pe):
+    """float16 compute (GPUs without bfloat16): logits float32 and within float16's rounding of the float32 model's,
+    gradients finite, greedy decoding equal to the full forward's argmax."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 24)), jnp.int32)
+    models = {dtype: jaxpe.TransformerLM(jaxpe.ModelConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4,
+                                                           max_len=64, pe=pe, dtype=dtype))
+              for dtype in ("float32", "float16")}
+    params = models["float32"].init(jax.random.PRNGKey(0), tokens)
+    logits = {dtype: model.apply(params, tokens) for dtype, model in models.items()}
+    assert logits["float16"].dtype == jnp.float32
+    np.testing.assert_allclose(logits["float16"], logits["float32"], atol=5e-3)
+    grads = jax.grad(lambda p: models["float16"].apply(p, tokens).mean())(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    generated = jaxpe.generate(models["float16"], params["params"], tokens[:, :8], max_new_tokens=1)
+    np.testing.assert_array_equal(generated[:, -1], jnp.argmax(models["float16"].apply(params, tokens[:, :8]), -1)[:, -1])

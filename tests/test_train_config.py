@@ -100,6 +100,14 @@ def test_overrides_are_set_together_and_checked_by_the_model_config():
         apply_dict(build_config(), {"model": {"num_layers": 0}})  # a preset's or a saved config's value too
 
 
+def test_training_refuses_float16_which_the_model_takes():
+    """jaxpe.ModelConfig computes in float16 (tests/test_model.py); training in it needs loss scaling, which jaxpe.train
+    does not do: refused, naming the fields, where bfloat16 trains."""
+    with pytest.raises(ValueError, match=r"^model\.dtype=float16, model\.param_dtype=float16: float16 training needs"):
+        build_config(overrides=["model.dtype=float16", "model.param_dtype=float16"])
+    assert build_config(overrides=["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+
+
 def test_task_option_errors_name_the_key_as_the_command_line_sets_it(tmp_path):
     """task.seed=abc is refused as task.seed='abc', by --show-config, by resolving and by building the task, and so
     is a task's refusal of its data (lm's max_bytes); make_task, the Python API, keeps the option's own name."""

@@ -159,6 +159,10 @@ class TrainConfig:
             raise ValueError("model.causal=False: every task trains next-token prediction, which bidirectional "
                              "attention would answer by reading the target; keep model.causal=true (encoder "
                              "layers are for models of your own)")
+        half = [f"model.{name}=float16" for name in ("dtype", "param_dtype") if getattr(self.model, name) == "float16"]
+        if half:
+            raise ValueError(f"{', '.join(half)}: float16 training needs loss scaling (its gradients underflow), "
+                             "which jaxpe.train does not do; use bfloat16 (float32 weights) or float32")
 
 
 def _packaged_presets() -> Traversable:
