@@ -364,6 +364,8 @@ def test_compare_says_how_many_finished_runs_it_reused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "INFO jaxpe.train.experiments: reused 1 finished run(s) with the same config: rope/seed0" in err
     assert f"outputs in {tmp_path}: compare.json" in err
+    assert cli.compare_main([*argv, "model.remat=full", "model.impl=blockwise"]) == 0  # the same maths, another way
+    assert "reused 1 finished run(s)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pe", ["learned", "rope"])

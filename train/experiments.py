@@ -34,9 +34,9 @@ from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
 from jaxpe.train.trainer import Trainer, run_mesh
-from jaxpe.train.workdir import (REUSABLE_RESULT_FIELDS, check_same_corpus, check_same_run, check_workdir,
-                                 check_workdir_kind, checkpoint_steps, config_differences, locked_workdir,
-                                 resolved_pair, write_corpus, write_json)
+from jaxpe.train.workdir import (RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus, check_same_run,
+                                 check_workdir, check_workdir_kind, checkpoint_steps, config_differences,
+                                 locked_workdir, resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -568,7 +568,8 @@ def _resumable_together(members: list[Any], run_dirs: Sequence[pathlib.Path]) ->
 
 def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
     """result.json of a run in run_dir that finished with `config` (its saved config read back equals it, both
-    resolved with `task`, but for REUSABLE_RESULT_FIELDS), else None."""
+    resolved with `task`, but for REUSABLE_RESULT_FIELDS and RESUMABLE_MODEL_FIELDS: how the same maths ran), else
+    None."""
     path = run_dir / "result.json"
     if not path.is_file():
         return None
@@ -578,5 +579,6 @@ def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> 
     except (KeyError, ValueError):
         return None
     saved, config = resolved_pair(saved, config, task)
-    kept = {name: getattr(config.run, name) for name in REUSABLE_RESULT_FIELDS}
-    return result if dataclasses.replace(saved, run=dataclasses.replace(saved.run, **kept)) == config else None
+    run = dataclasses.replace(saved.run, **{name: getattr(config.run, name) for name in REUSABLE_RESULT_FIELDS})
+    model = dataclasses.replace(saved.model, **{name: getattr(config.model, name) for name in RESUMABLE_MODEL_FIELDS})
+    return result if dataclasses.replace(saved, run=run, model=model) == config else None

@@ -42,7 +42,8 @@ RESUMABLE_MODEL_FIELDS = ("impl", "remat")
 RESUMABLE_FIELDS = (*(f"run.{name}" for name in RESUMABLE_RUN_FIELDS),
                     *(f"model.{name}" for name in RESUMABLE_MODEL_FIELDS))
 # The run fields a finished run's result.json does not depend on (the cadence of logs, evaluations during training and
-# checkpoints, the display, how many steps a dispatch): jaxpe-compare reuses a finished run that differs in these only.
+# checkpoints, the display, how many steps a dispatch): jaxpe-compare reuses a finished run that differs in these only
+# (and in RESUMABLE_MODEL_FIELDS).
 REUSABLE_RESULT_FIELDS = ("log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints", "eval_splits",
                           "progress", "tensorboard", "steps_per_dispatch", "compile_ahead")
 
