@@ -131,7 +131,7 @@ def sample_tokens(logits: jax.Array, rng: jax.Array | None, *, temperature: floa
             probs = jax.nn.softmax(values, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs  # 0 for the most likely: it is always kept
             # cut tokens at the lowest finite logit, not −inf: no infinite intermediate (a user's jax.debug_infs),
-            # and categorical's Gumbel noise (a few units) cannot lift them past a kept logit
+            # and categorical's Gumbel noise (under 20 in float32) cannot lift them past the most likely (0)
             values = jnp.where(mass_before < jnp.asarray(top_p, jnp.float32), values, jnp.finfo(values.dtype).min)
         choice = jax.random.categorical(rng, values, axis=-1)  # [B] index into the k kept
         sampled = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]

@@ -121,9 +121,8 @@ def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array,
     on it. No intermediate is infinite (a user's jax.debug_infs would stop there): masked logits are the row maximum
     before the exp, the lowest finite value in a row with no visible key, and their weights are then zeroed."""
     lowest = jnp.finfo(logits.dtype).min
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(mask[:, None], logits, lowest), axis=-1, keepdims=True,
-                                      initial=lowest))
     visible = jnp.broadcast_to(mask[:, None], logits.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(visible, logits, lowest), axis=-1, keepdims=True, initial=lowest))
     e = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
     return e, 1.0 / jnp.where(denom > 0, denom, 1.0)
