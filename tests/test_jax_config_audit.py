@@ -16,12 +16,15 @@ import pytest
 
 import jaxpe
 from jaxpe.decoding import sample_tokens
+from jaxpe.softmax_attention import masked_softmax_attention, qk_logits
 from jaxpe.train.evaluate import compute_metrics
 
 B, L, H, D = 2, 8, 2, 8
-# row 0 starts with two padding tokens: with bidirectional attention their queries see no key at all
+# row 0 starts with two padding tokens, keys its real tokens do not see
 PADDING = np.array([[False, False] + [True] * (L - 2), [True] * L])
 SEGMENTS = np.array([[0] * 3 + [1] * (L - 3), [0] * L])
+# causal, query 0 seeing no key: its output and derivatives are zeros (masked_softmax_attention)
+NO_KEY_FOR_QUERY_0 = np.tril(np.ones((1, L, L), bool)) & (np.arange(L) > 0)[None, :, None]
 
 
 @contextlib.contextmanager
@@ -50,6 +53,8 @@ DENSE: dict[str, Callable[..., jax.Array]] = {
         q, k, v, TABLE, impl="reference", causal=False, padding_mask=PADDING),
     "corope window": lambda q, k, v: jaxpe.corope_attention(q, k, v, impl="reference", window=2,
                                                             padding_mask=PADDING),
+    "softmax, a query seeing no key": lambda q, k, v: masked_softmax_attention(qk_logits(q, k), v,
+                                                                               NO_KEY_FOR_QUERY_0),
     "fox documents": lambda q, k, v: jaxpe.forgetting_attention(q, k, v, LOG_FGATE, impl="reference",
                                                                 segment_ids=SEGMENTS),
 }
