@@ -131,7 +131,9 @@ def sample_tokens(logits: jax.Array, rng: jax.Array | None, *, temperature: floa
             probs = jax.nn.softmax(values, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs  # 0 for the most likely: it is always kept
             top_p = jnp.asarray(top_p, jnp.float32)  # 1 keeps every token, though the sums round past it
-            values = jnp.where((mass_before < top_p) | (top_p >= 1.0), values, -jnp.inf)
+            # cut tokens at the lowest finite logit, not −inf: no infinite intermediate (a user's jax.debug_infs),
+            # and categorical's Gumbel noise (under 20 in float32) cannot lift them past the most likely (0)
+            values = jnp.where((mass_before < top_p) | (top_p >= 1.0), values, jnp.finfo(values.dtype).min)
         choice = jax.random.categorical(rng, values, axis=-1)  # [B] index into the k kept
         sampled = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
@@ -151,17 +153,22 @@ def _stop_ids(eos_id: int | Iterable[int] | None, vocab_size: int) -> tuple[int,
     return tuple(sorted(set(ids.ravel().tolist())))
 
 
-def _check_rng(rng: jax.Array | None) -> None:
-    """ValueError unless `rng` is None or a PRNG key: a typed key array of shape () or a raw uint32 key of the
-    default PRNG implementation's shape ([2] for threefry, [4] for rbg)."""
+def _typed_rng(rng: jax.Array | None) -> jax.Array | None:
+    """`rng` as a typed PRNG key array of shape () (None stays None): a typed key as it is, a raw uint32 key of the
+    default PRNG implementation's shape ([2] for threefry, [4] for rbg) wrapped with that implementation, read now;
+    ValueError for anything else. Raw keys go no further: jit's cache does not see jax_default_prng_impl, so a raw key
+    reaching `_generate` would be drawn from by the implementation of the call that compiled it."""
     if rng is None:
-        return
+        return None
     dtype, shape = getattr(rng, "dtype", None), jnp.shape(rng)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    raw = dtype == jnp.uint32 and shape == jax.eval_shape(jax.random.PRNGKey, 0).shape
-    if not (typed and shape == ()) and not raw:
-        raise ValueError(f"rng must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got "
-                         f"{type(rng).__name__} of shape {shape} and dtype {dtype}")
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        return rng
+    # a new function each call: eval_shape caches its trace per function, and that cache does not see
+    # jax_default_prng_impl either
+    if dtype == jnp.uint32 and shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
+        return jax.random.wrap_key_data(rng)
+    raise ValueError(f"rng must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got "
+                     f"{type(rng).__name__} of shape {shape} and dtype {dtype}")
 
 
 def _check_fits_position_table(model: TransformerLM, fed: int) -> None:
@@ -212,7 +219,7 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
     greedy = not _is_traced(temperature) and float(temperature) == 0.0
     if not greedy and rng is None:
         raise ValueError(f"temperature={temperature!r} may be > 0, which samples and needs an rng")
-    _check_rng(rng)
+    rng = _typed_rng(rng)
     vocab_size = model.config.vocab_size
     stop_ids = _stop_ids(eos_id, vocab_size)
     if not is_int(pad_id, 0) or pad_id >= vocab_size:

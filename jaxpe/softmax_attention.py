@@ -118,10 +118,12 @@ def qk_logits(q: jax.Array, k: jax.Array, *, gates: bool = False) -> jax.Array:
 def _exp_and_inverse_sum(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The softmax's unnormalised weights e [B, Hq, Lq, Lk] (0 where masked) and 1 / Σ_k e [B, Hq, Lq, 1] (1 for a
     row with no visible key, or no key at all). The row maximum is a constant to autodiff: the softmax does not depend
-    on it."""
-    logits = jnp.where(mask[:, None], logits, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
-    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    on it. No intermediate is infinite (a user's jax.debug_infs would stop there): masked logits are the row maximum
+    before the exp, the lowest finite value in a row with no visible key, and their weights are then zeroed."""
+    lowest = jnp.finfo(logits.dtype).min
+    visible = jnp.broadcast_to(mask[:, None], logits.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(visible, logits, lowest), axis=-1, keepdims=True, initial=lowest))
+    e = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
     return e, 1.0 / jnp.where(denom > 0, denom, 1.0)
 

@@ -258,6 +258,6 @@ def test_top_p_one_keeps_every_token_though_the_sums_round(monkeypatch):
     monkeypatch.setattr(jax.random, "categorical", categorical)
     for top_p in (1.0, jnp.float32(1.0)):  # concrete, and as a traced value would be
         sample_tokens(logits, jax.random.PRNGKey(0), temperature=1.0, top_p=top_p)
-        assert np.isfinite(np.asarray(seen.pop())).all()
+        assert (np.asarray(seen.pop()) > np.finfo(np.float32).min).all()  # none cut
     sample_tokens(logits, jax.random.PRNGKey(0), temperature=1.0, top_p=0.9)  # a real cut still cuts
-    assert np.isneginf(np.asarray(seen.pop())).any()
+    assert (np.asarray(seen.pop()) == np.finfo(np.float32).min).any()

@@ -37,7 +37,7 @@ def compute_metrics(logits: jax.Array, targets: jax.Array, weights: jax.Array) -
     row_used = jnp.sum(weights, axis=-1) > 0  # [B]
     return {
         "nll": jnp.sum(nll * weights),
-        "wrong": jnp.sum(wrong * weights),
+        "wrong": jnp.sum(jnp.where(wrong, weights, 0.0)),
         "weight": jnp.sum(weights),
         "seq_wrong": jnp.sum(jnp.any(wrong, axis=-1) & row_used, dtype=jnp.float32),
         "seqs": jnp.sum(row_used, dtype=jnp.float32),

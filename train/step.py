@@ -30,7 +30,7 @@ class TrainState(flax.struct.PyTreeNode):
     params: Any  # model parameters
     opt_state: Any  # optax state
     step: jax.Array  # int32 [], optimizer steps done (= the data position)
-    rng: jax.Array  # uint32 [2], dropout key; split inside every step
+    rng: jax.Array  # raw dropout key (uint32 [2] for threefry, [4] for rbg); split inside every step
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
