@@ -18,8 +18,11 @@ from jax import lax
 def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
     """The dtype the XLA paths (reference and blockwise) keep softmax statistics, CoPE's gates and positions and
     rotary angles in, for floating inputs `arrays`: float64 where one is float64 (x64 mode), else float32 (bfloat16
-    and float16 inputs included). The Pallas and Triton kernels compute in float32 whatever the inputs."""
-    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
+    and float16 inputs included). The Pallas and Triton kernels compute in float32 whatever the inputs. Promoted
+    under jax's standard rules, whatever a user's jax.numpy_dtype_promotion (its "strict" refuses bfloat16 with
+    float32)."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
 
 
 def bidirectional_refusal(impl: str) -> ValueError:

@@ -274,7 +274,8 @@ def _frequencies(head_dim: int, omega: jax.Array | None, config: _Config, dtype:
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, omega: jax.Array, config: _Config
              ) -> tuple[jax.Array, jax.Array]:
     """Grouped q (times sm_scale), k, v in `compute_dtype`, segment ids [B, Lp] or None, ω [Dh] -> o [B, Hkv, G, Lp, D],
-    lse [B, Hkv, G, Lp] (−inf, and o 0, for a row that sees no key: the first rows of a strict walk)."""
+    lse [B, Hkv, G, Lp] (MASK_VALUE, and o 0, for a row that sees no key: the first rows of a strict walk; finite, so
+    that a user's jax.debug_infs does not stop at it)."""
     b, num_kv, g, length, d = q.shape
     block = config.block
 
@@ -297,7 +298,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, om
         empty = l == 0.0  # no visible key so far (NaN inputs stay NaN)
         l_or_1 = jnp.where(empty, 1.0, l)
         o = lax.dynamic_update_slice_in_dim(o, acc / l_or_1[..., None], qb * block, axis=3)
-        row_lse = jnp.where(empty, -jnp.inf, m_new + jnp.log(l_or_1))
+        row_lse = jnp.where(empty, MASK_VALUE, m_new + jnp.log(l_or_1))
         lse = lax.dynamic_update_slice_in_dim(lse, row_lse, qb * block, axis=3)
         return o, lse, z_suffix + z.sum(-1), m_new, l, acc
 
@@ -317,7 +318,7 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, o
     b, num_kv, g, length, d = q.shape
     block = config.block
     row_term = jnp.sum(do * o, axis=-1) - dlse  # [B, Hkv, G, Lp]: Σ_j P dP per row, less the lse's cotangent
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # a row that sees no key has P = 0 whatever its lse
+    lse = jnp.where(lse == MASK_VALUE, 0.0, lse)  # a row that sees no key has P = 0 whatever its lse
 
     def visit(qb, kb, carry):
         dq, dk, dv, total, z_suffix, dd_suffix = carry  # total: Σ_j dΔ_ij per row [B, Hkv, Lp]

@@ -1,8 +1,8 @@
 """jaxpe under jax flags a user sets for their whole program: `jax.debug_infs` on the dense attention paths and the
 sampler (no infinite intermediate on ordinary inputs, such as rows that see no key), `jax_default_prng_impl`
 changed at runtime (generate draws a raw key with the implementation set at the call) and
-`jax_numpy_dtype_promotion="strict"` (the training metrics). Each flag is set by a context manager or restored in
-`finally`."""
+`jax_numpy_dtype_promotion="strict"` (the training metrics, and bfloat16 inputs to the contextual attentions). Each
+flag is set by a context manager or restored in `finally`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -57,6 +57,9 @@ DENSE: dict[str, Callable[..., jax.Array]] = {
                                                                                NO_KEY_FOR_QUERY_0),
     "fox documents": lambda q, k, v: jaxpe.forgetting_attention(q, k, v, LOG_FGATE, impl="reference",
                                                                 segment_ids=SEGMENTS),
+    # not dense: Co-RoPE's bidirectional blockwise walk ("auto" on CPU from L 8), whose strict half leaves its first
+    # row seeing no key
+    "corope bidirectional blockwise": lambda q, k, v: jaxpe.corope_attention(q, k, v, impl="blockwise", causal=False),
 }
 
 
@@ -113,6 +116,29 @@ def test_generate_draws_raw_keys_with_the_prng_impl_chosen_after_a_first_call():
             raw = jax.random.PRNGKey(5)
             assert raw.shape == (4,)
             np.testing.assert_array_equal(sample(raw), sample(jax.random.wrap_key_data(raw, impl=impl)))
+
+
+STRICT = {
+    "cope": lambda q, k, v: jaxpe.cope_attention(q, k, v, TABLE, impl="reference"),
+    "cope blockwise": lambda q, k, v: jaxpe.cope_attention(q, k, v, TABLE, impl="blockwise"),
+    "corope": lambda q, k, v: jaxpe.corope_attention(q, k, v, impl="reference"),
+    "corope blockwise": lambda q, k, v: jaxpe.corope_attention(q, k, v, impl="blockwise"),
+    "fox": lambda q, k, v: jaxpe.forgetting_attention(q, k, v, LOG_FGATE, impl="reference"),
+    "stick-breaking": lambda q, k, v: jaxpe.stickbreaking_attention(q, k, v, impl="reference"),
+}
+
+
+@pytest.mark.parametrize("name", list(STRICT))
+def test_bfloat16_attention_under_strict_dtype_promotion_matches_the_standard_call(name):
+    """The XLA paths' float32 statistics for bfloat16 inputs (jaxpe.base.compute_dtype) promoted bfloat16 with float32,
+    which jax_numpy_dtype_promotion="strict" refused (TypePromotionError) in every contextual attention."""
+    f, inputs = STRICT[name], [x.astype(jnp.bfloat16) for x in qkv()]
+    want, want_grads = value_and_grads(f, *inputs)
+    with jax.numpy_dtype_promotion("strict"):
+        got, got_grads = value_and_grads(f, *inputs)
+    np.testing.assert_array_equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_training_metrics_under_strict_dtype_promotion_match_the_standard_ones():
