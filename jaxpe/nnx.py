@@ -38,7 +38,7 @@ from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
 from jaxpe.registry import PEConfig, as_pe_config, position_tables, table_hint
 from jaxpe.sharding import unbox_params
-from jaxpe.validation import check_int, is_int
+from jaxpe.validation import check_bool, check_int, is_int
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
            "embedding", "generate"]
@@ -143,13 +143,16 @@ class LinenLayer(nnx.Module):
 
 
 class _DropoutLayer(LinenLayer):
-    """A LinenLayer with dropout, on unless `deterministic` (the attribute, or the call's override); `rngs` is its own
-    fork of the dropout stream."""
+    """A LinenLayer with dropout of rate `dropout_rate`, on unless `deterministic` (the attribute, or the call's
+    override); `rngs` is its own fork of the dropout stream, drawn from only when the rate is above 0 (as
+    `nnx.Dropout`)."""
 
-    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool,
+    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool, dropout_rate: float,
                  **sample_kwargs: Any) -> None:
+        check_bool("deterministic", deterministic)  # as the linen field: a non-bool would reach the first call
         super().__init__(module, *sample, rngs=rngs, **sample_kwargs)
         self.rngs = _dropout_stream(rngs)
+        self.dropout_rate = dropout_rate
         self.deterministic = deterministic
 
     def set_view(self, deterministic: bool | None = None) -> None:
@@ -161,8 +164,9 @@ class _DropoutLayer(LinenLayer):
         return self.deterministic if deterministic is None else deterministic
 
     def _dropout_key(self, deterministic: bool) -> jax.Array | None:
-        """None when `deterministic`, else the next key of the layer's dropout stream."""
-        if deterministic:
+        """None when `deterministic` or the rate is 0 (nothing to draw), else the next key of the layer's dropout
+        stream."""
+        if deterministic or self.dropout_rate == 0.0:
             return None
         if self.rngs is None:
             raise ValueError("dropout (deterministic=False) needs a 'dropout' or 'default' stream in the rngs given "
@@ -187,7 +191,7 @@ class TransformerLM(_DropoutLayer):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a jaxpe.ModelConfig, got config={config!r}")
         super().__init__(LinenTransformerLM(config), jnp.zeros((1, 1), jnp.int32), rngs=rngs,
-                         deterministic=deterministic)
+                         deterministic=deterministic, dropout_rate=config.dropout)
         self.config = config
 
     def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
@@ -200,10 +204,9 @@ class TransformerLM(_DropoutLayer):
                            padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
-        """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
+        """Zero the KV cache for `batch_size` sequences of up to `length` tokens: beyond config.max_len for the
+        encodings acting in attention, as `jaxpe.init_cache` (those adding a table of max_len rows refuse it)."""
         _check_cache_size(batch_size, length)
-        if length > self.config.max_len:
-            raise ValueError(f"{length=} exceeds max_len={self.config.max_len}")
         self._init_cache(jnp.zeros((batch_size, length), jnp.int32), decode=True)
 
 
@@ -230,7 +233,7 @@ class Attention(_DropoutLayer):
         self.d_model = int(d_model)
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)
-        super().__init__(module, x, rngs=rngs, deterministic=deterministic, **kwargs)
+        super().__init__(module, x, rngs=rngs, deterministic=deterministic, dropout_rate=module.dropout, **kwargs)
 
     def _sample(self, batch_size: int, length: int) -> tuple[jax.Array, dict[str, Any]]:
         pos_emb = None if self.shared_table_shape is None else jnp.zeros(self.shared_table_shape)
@@ -257,6 +260,7 @@ class AMSPE(LinenLayer):
 
     def __init__(self, d_model: int, max_len: int = 5000, coarse_scale: float = 10.0, amplitude: float = 1.0, *,
                  rngs: nnx.Rngs) -> None:
+        check_int("d_model", d_model, 1)  # before the sample input of that width
         module = LinenAMSPE(d_model=d_model, max_len=max_len, coarse_scale=coarse_scale, amplitude=amplitude)
         super().__init__(module, jnp.zeros((1, 1, d_model)), rngs=rngs)
 
@@ -310,6 +314,8 @@ class AttentionCore(LinenLayer):
 def embedding(pe: PEConfig | str, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:
     """The NNX module adding encoding `pe` (a config or a name) to token embeddings, or None when `pe` acts inside
     attention."""
+    check_int("d_model", d_model, 1)
+    check_int("max_len", max_len, 1)
     pe = as_pe_config(pe)
     module = pe.embedding(d_model=d_model, max_len=max_len)
     return None if module is None else PositionEmbedding(module, d_model=d_model, rngs=rngs)
