@@ -9,13 +9,13 @@ parameters (a jaxpe.train checkpoint) load with `load_linen_params`, boxed or no
 Dropout follows NNX: `deterministic` is an attribute (False at construction: training) that `model.eval()`,
 `model.train()` and `nnx.view(model, deterministic=...)` set and a call may override; masks draw from the layer's own
 fork of the `dropout` stream (its `default` stream when it has none) of the `rngs` given at construction, as
-`nnx.Dropout` keeps. A layer holds no reference to the caller's `rngs`, so Flax's scan-over-layers recipe works: build
-a stack with `nnx.split_rngs(splits=N)` over `nnx.vmap(in_axes=(0,), out_axes=0)` of a function making one layer
-(every parameter and dropout key gets a leading axis of N), run it with
-`nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)` over a function calling one; `transform_metadata=
-{nnx.PARTITION_NAME: None}` (or a mesh axis name) on both keeps the parameters' logical axis names in step with the
-stacked axis. Decoding follows
-`nnx.MultiHeadAttention`: `init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
+`nnx.Dropout` keeps, or from the `rngs` a call passes (an nnx.Rngs, nnx.RngStream or key, as `nnx.Dropout`
+takes). A layer holds no reference to the caller's `rngs`, so Flax's scan-over-layers recipe works: build a stack
+with `nnx.split_rngs(splits=N)` over `nnx.vmap(in_axes=(0,), out_axes=0)` of a function making one layer (every
+parameter and dropout key gets a leading axis of N), run it with `nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)`
+over a function calling one; `transform_metadata={nnx.PARTITION_NAME: None}` (or a mesh axis name) on both keeps the
+parameters' logical axis names in step with the stacked axis. Decoding follows `nnx.MultiHeadAttention`:
+`init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
 Needs flax >= 0.12.2 (older NNX does not run on jax >= 0.10); `nnx.view` works with these modules from flax 0.12.5.
 
 B batch, L length, Hq query heads, Hkv key/value heads, D head dim, V vocabulary.
@@ -69,10 +69,13 @@ def _paths(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+DropoutRngs = nnx.Rngs | nnx.RngStream | jax.Array | None  # where a call's dropout key comes from, as in nnx.Dropout
+
+
 def _dropout_stream(rngs: nnx.Rngs) -> nnx.RngStream | None:
-    """A fork of the `dropout` stream of `rngs` (its `default` stream when it has none), None when it has neither."""
+    """The `dropout` stream of `rngs` (its `default` stream when it has none), None when it has neither."""
     try:
-        return rngs["dropout"].fork()
+        return rngs["dropout"]
     except KeyError:
         return None
 
@@ -151,7 +154,8 @@ class _DropoutLayer(LinenLayer):
                  **sample_kwargs: Any) -> None:
         check_bool("deterministic", deterministic)  # as the linen field: a non-bool would reach the first call
         super().__init__(module, *sample, rngs=rngs, **sample_kwargs)
-        self.rngs = _dropout_stream(rngs)
+        stream = _dropout_stream(rngs)
+        self.rngs = None if stream is None else stream.fork()
         self.dropout_rate = dropout_rate
         self.deterministic = deterministic
 
@@ -163,15 +167,21 @@ class _DropoutLayer(LinenLayer):
     def _deterministic(self, deterministic: bool | None) -> bool:
         return self.deterministic if deterministic is None else deterministic
 
-    def _dropout_key(self, deterministic: bool) -> jax.Array | None:
-        """None when `deterministic` or the rate is 0 (nothing to draw), else the next key of the layer's dropout
-        stream."""
+    def _dropout_key(self, deterministic: bool, rngs: DropoutRngs = None) -> jax.Array | None:
+        """None when `deterministic` or the rate is 0 (nothing to draw), else the dropout key: as `nnx.Dropout`, from
+        the call's `rngs` when given (an nnx.Rngs' `dropout` stream, else its `default` one; an nnx.RngStream; or
+        a key), else the next of the layer's own stream."""
         if deterministic or self.dropout_rate == 0.0:
             return None
-        if self.rngs is None:
+        stream = self.rngs if rngs is None else _dropout_stream(rngs) if isinstance(rngs, nnx.Rngs) else rngs
+        if stream is None:
             raise ValueError("dropout (deterministic=False) needs a 'dropout' or 'default' stream in the rngs given "
-                             "at construction, e.g. nnx.Rngs(params=0, dropout=1)")
-        return self.rngs()
+                             "at construction, e.g. nnx.Rngs(params=0, dropout=1), or in the call's rngs")
+        if isinstance(stream, nnx.RngStream):
+            return stream()
+        if isinstance(stream, jax.Array):
+            return stream
+        raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG key, got rngs={rngs!r}")
 
 
 def _check_cache_size(batch_size: int, length: int) -> None:
@@ -196,12 +206,13 @@ class TransformerLM(_DropoutLayer):
 
     def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
                  positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 padding_mask: jax.Array | None = None) -> jax.Array:
-        """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM."""
+                 padding_mask: jax.Array | None = None, rngs: DropoutRngs = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM; `rngs` (an nnx.Rngs, nnx.RngStream
+        or key) draws this call's dropout masks instead of the model's own stream, as in `nnx.Dropout`."""
         deterministic = self._deterministic(deterministic)
         return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode,
-                           dropout_key=self._dropout_key(deterministic), positions=positions, segment_ids=segment_ids,
-                           padding_mask=padding_mask)
+                           dropout_key=self._dropout_key(deterministic, rngs), positions=positions,
+                           segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the KV cache for `batch_size` sequences of up to `length` tokens: beyond config.max_len for the
@@ -241,11 +252,13 @@ class Attention(_DropoutLayer):
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
-        """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention."""
+                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None,
+                 rngs: DropoutRngs = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention; `rngs` (an nnx.Rngs, nnx.RngStream or
+        key) draws this call's dropout mask instead of the layer's own stream, as in `nnx.Dropout`."""
         deterministic = self._deterministic(deterministic)
         return self._apply(x, deterministic=deterministic, decode=decode, cache=decode,
-                           dropout_key=self._dropout_key(deterministic), pos_emb=pos_emb, positions=positions,
+                           dropout_key=self._dropout_key(deterministic, rngs), pos_emb=pos_emb, positions=positions,
                            segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:

@@ -92,3 +92,26 @@ def test_orbax_restores_nnx_state_into_an_abstract_model(tmp_path):
     tokens = tokens_for(7)
     np.testing.assert_array_equal(restored(tokens), model(tokens))  # training mode: the same mask
     np.testing.assert_array_equal(restored(tokens, deterministic=True), model(tokens, deterministic=True))
+
+
+def test_a_call_takes_the_dropout_rngs_as_nnx_dropout():
+    """`rngs=` at the call (an nnx.Rngs, an nnx.RngStream or a key) draws the masks, as in nnx.Dropout and
+    nnx.MultiHeadAttention, for a model built without a dropout stream; under nnx.jit too."""
+    config = make_config("cope", dropout=0.5)
+    model = jaxpe.nnx.TransformerLM(config, rngs=nnx.Rngs(params=0))
+    tokens = tokens_for(8)
+    expected = lambda key: jaxpe.TransformerLM(config).apply(  # noqa: E731
+        {"params": model.linen_params()}, tokens, deterministic=False, rngs={"dropout": key})
+    key = jax.random.key(9)
+    np.testing.assert_array_equal(model(tokens, rngs=key), expected(key))
+    np.testing.assert_array_equal(model(tokens, rngs=nnx.Rngs(dropout=9)), expected(nnx.Rngs(dropout=9).dropout()))
+    stream = nnx.Rngs(3).default
+    np.testing.assert_array_equal(nnx.jit(lambda m, r: m(tokens, rngs=r))(model, stream),
+                                  expected(nnx.Rngs(3).default()))
+    assert int(stream.count[...]) == 1  # the caller's stream advanced
+    layer = jaxpe.nnx.Attention(D_MODEL, **HEADS, pe="rope", dropout=0.5, rngs=nnx.Rngs(params=0))
+    x = jax.random.normal(jax.random.PRNGKey(2), (B, L, D_MODEL))
+    np.testing.assert_array_equal(layer(x, rngs=key), jaxpe.Attention(**HEADS, pe="rope", dropout=0.5).apply(
+        {"params": layer.linen_params()}, x, deterministic=False, rngs={"dropout": key}))
+    with pytest.raises(TypeError, match="rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG key"):
+        layer(x, rngs=3)
