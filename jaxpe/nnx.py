@@ -80,6 +80,9 @@ def _dropout_stream(rngs: nnx.Rngs) -> nnx.RngStream | None:
         return None
 
 
+_NO_CACHE = "decode=True needs a cache: call init_cache(batch_size, length) first"
+
+
 class LinenLayer(nnx.Module):
     """An NNX module owning the variables of a linen module and applying it; the base of every layer here.
 
@@ -129,17 +132,23 @@ class LinenLayer(nnx.Module):
         self.cache = _variables(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("cache", {})),
                                 nnx.Cache)
 
-    def _apply(self, *args: Any, cache: bool = False, dropout_key: jax.Array | None = None, **kwargs: Any) -> Any:
-        """Call the linen module; `cache` reads and updates the cache (a decoding call), `dropout_key` draws the
-        dropout masks."""
+    def _apply(self, *args: Any, cache: bool = False, cache_optional: bool = False,
+               dropout_key: jax.Array | None = None, **kwargs: Any) -> Any:
+        """Call the linen module; `cache` reads and updates the cache (a decoding call), which `init_cache` must have
+        made unless `cache_optional` and the module keeps none; `dropout_key` draws the dropout masks."""
         variables = {"params": self.linen_params()}
         rngs = {} if dropout_key is None else {"dropout": dropout_key}
         if not cache:
             return self.linen.apply(variables, *args, rngs=rngs, **kwargs)
-        if self.cache is None:
-            raise ValueError("decode=True needs a cache: call init_cache(batch_size, length) first")
-        variables["cache"] = _values(self.cache)
+        if self.cache is None and not cache_optional:
+            raise ValueError(_NO_CACHE)
+        if self.cache is not None:
+            variables["cache"] = _values(self.cache)
         out, updated = self.linen.apply(variables, *args, rngs=rngs, mutable=["cache"], **kwargs)
+        if self.cache is None:
+            if updated.get("cache"):  # it keeps one, which this call would have made from its own inputs
+                raise ValueError(_NO_CACHE)
+            return out
         for var, value in zip(jax.tree.leaves(self.cache, is_leaf=_is_variable), jax.tree.leaves(updated["cache"])):
             var[...] = value
         return out
@@ -296,8 +305,8 @@ class AttentionCore(LinenLayer):
     """An encoding's attention core, built by `core`: (q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D], ctx) -> [B, Lq, Hq, D].
 
     Called as its linen twin (`jaxpe.attention_core.AttentionCore`), `ctx` a `jaxpe.attention_core.AttentionContext`;
-    encodings that cache while decoding (CoPE "sep_keys", the gate-network CoPE) need `init_cache` before a call with
-    `ctx.decode`.
+    encodings that cache while decoding (CoPE "sep_keys", the gate-network CoPE, FoX) need `init_cache` before a call
+    with `ctx.decode`, the others decode without one.
     """
 
     def __init__(self, module: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int,
@@ -316,7 +325,7 @@ class AttentionCore(LinenLayer):
         return q, kv, kv, ctx
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        return self._apply(q, k, v, ctx, cache=ctx.decode)
+        return self._apply(q, k, v, ctx, cache=ctx.decode, cache_optional=True)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the encoding's own decoding cache (if it has one) for `length` keys."""

@@ -115,3 +115,21 @@ def test_a_call_takes_the_dropout_rngs_as_nnx_dropout():
         {"params": layer.linen_params()}, x, deterministic=False, rngs={"dropout": key}))
     with pytest.raises(TypeError, match="rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG key"):
         layer(x, rngs=3)
+
+
+def test_a_core_without_a_decoding_cache_decodes_without_init_cache():
+    """As its docstring says and as linen: only the cores that cache (here CoPE "sep_keys") need init_cache first."""
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, L, 2, 8)) for i in (2, 3, 4))
+    q_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    ctx = jaxpe.AttentionContext(x=jax.random.normal(jax.random.PRNGKey(1), (B, L, D_MODEL)), q_pos=q_pos, k_pos=q_pos,
+                                 mask=jnp.arange(L)[None, None, :] <= q_pos[:, :, None], decode=True)
+    core = lambda pe: jaxpe.nnx.core(pe, num_heads=2, num_kv_heads=2, head_dim=8, d_model=D_MODEL,  # noqa: E731
+                                     max_len=16, rngs=nnx.Rngs(0))
+    rope = core("rope")
+    np.testing.assert_array_equal(rope(q, k, v, ctx), jaxpe.pe_config("rope").core(
+        head_dim=8, max_len=16, impl="auto").apply({"params": rope.linen_params()}, q, k, v, ctx))
+    assert rope.cache is None
+    sep_keys = core(jaxpe.pe_config("cope", gates="sep_keys"))
+    with pytest.raises(ValueError, match=r"call init_cache\(batch_size, length\) first"):
+        sep_keys(q, k, v, ctx)
+    assert sep_keys.cache is None
