@@ -171,6 +171,7 @@ class _DropoutLayer(LinenLayer):
     def set_view(self, deterministic: bool | None = None) -> None:
         """What `nnx.view(model, deterministic=...)` calls."""
         if deterministic is not None:
+            check_bool("deterministic", deterministic)
             self.deterministic = deterministic
 
     def _deterministic(self, deterministic: bool | None) -> bool:

@@ -38,6 +38,9 @@ def test_deterministic_must_be_a_bool_at_construction(layer, value):
     off while drawing keys)."""
     with pytest.raises(ValueError, match=rf"deterministic={value!r} must be a bool"):
         BUILDERS[layer](deterministic=value)
+    if value is not None and hasattr(nnx, "view"):  # flax >= 0.12.5
+        with pytest.raises(ValueError, match=rf"deterministic={value!r} must be a bool"):
+            nnx.view(BUILDERS[layer](), deterministic=value)
 
 
 def test_no_dropout_needs_no_dropout_stream():
