@@ -9,13 +9,13 @@ parameters (a jaxpe.train checkpoint) load with `load_linen_params`, boxed or no
 Dropout follows NNX: `deterministic` is an attribute (False at construction: training) that `model.eval()`,
 `model.train()` and `nnx.view(model, deterministic=...)` set and a call may override; masks draw from the layer's own
 fork of the `dropout` stream (its `default` stream when it has none) of the `rngs` given at construction, as
-`nnx.Dropout` keeps. A layer holds no reference to the caller's `rngs`, so Flax's scan-over-layers recipe works: build
-a stack with `nnx.split_rngs(splits=N)` over `nnx.vmap(in_axes=(0,), out_axes=0)` of a function making one layer
-(every parameter and dropout key gets a leading axis of N), run it with
-`nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)` over a function calling one; `transform_metadata=
-{nnx.PARTITION_NAME: None}` (or a mesh axis name) on both keeps the parameters' logical axis names in step with the
-stacked axis. Decoding follows
-`nnx.MultiHeadAttention`: `init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
+`nnx.Dropout` keeps, or from the `rngs` a call passes (an nnx.Rngs, nnx.RngStream or key, as `nnx.Dropout`
+takes). A layer holds no reference to the caller's `rngs`, so Flax's scan-over-layers recipe works: build a stack
+with `nnx.split_rngs(splits=N)` over `nnx.vmap(in_axes=(0,), out_axes=0)` of a function making one layer (every
+parameter and dropout key gets a leading axis of N), run it with `nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)`
+over a function calling one; `transform_metadata={nnx.PARTITION_NAME: None}` (or a mesh axis name) on both keeps the
+parameters' logical axis names in step with the stacked axis. Decoding follows `nnx.MultiHeadAttention`:
+`init_cache(batch_size, length)`, then each call with `decode=True` appends to the cache.
 Needs flax >= 0.12.2 (older NNX does not run on jax >= 0.10); `nnx.view` works with these modules from flax 0.12.5.
 
 B batch, L length, Hq query heads, Hkv key/value heads, D head dim, V vocabulary.
@@ -38,7 +38,7 @@ from jaxpe.model import ModelConfig
 from jaxpe.model import TransformerLM as LinenTransformerLM
 from jaxpe.registry import PEConfig, as_pe_config, position_tables, table_hint
 from jaxpe.sharding import unbox_params
-from jaxpe.validation import check_int, is_int
+from jaxpe.validation import check_bool, check_int, is_int
 
 __all__ = ["AMSPE", "Attention", "AttentionCore", "LinenLayer", "PositionEmbedding", "TransformerLM", "core",
            "embedding", "generate"]
@@ -69,12 +69,18 @@ def _paths(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+DropoutRngs = nnx.Rngs | nnx.RngStream | jax.Array | None  # where a call's dropout key comes from, as in nnx.Dropout
+
+
 def _dropout_stream(rngs: nnx.Rngs) -> nnx.RngStream | None:
-    """A fork of the `dropout` stream of `rngs` (its `default` stream when it has none), None when it has neither."""
+    """The `dropout` stream of `rngs` (its `default` stream when it has none), None when it has neither."""
     try:
-        return rngs["dropout"].fork()
+        return rngs["dropout"]
     except KeyError:
         return None
+
+
+_NO_CACHE = "decode=True needs a cache: call init_cache(batch_size, length) first"
 
 
 class LinenLayer(nnx.Module):
@@ -126,48 +132,66 @@ class LinenLayer(nnx.Module):
         self.cache = _variables(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("cache", {})),
                                 nnx.Cache)
 
-    def _apply(self, *args: Any, cache: bool = False, dropout_key: jax.Array | None = None, **kwargs: Any) -> Any:
-        """Call the linen module; `cache` reads and updates the cache (a decoding call), `dropout_key` draws the
-        dropout masks."""
+    def _apply(self, *args: Any, cache: bool = False, cache_optional: bool = False,
+               dropout_key: jax.Array | None = None, **kwargs: Any) -> Any:
+        """Call the linen module; `cache` reads and updates the cache (a decoding call), which `init_cache` must have
+        made unless `cache_optional` and the module keeps none; `dropout_key` draws the dropout masks."""
         variables = {"params": self.linen_params()}
         rngs = {} if dropout_key is None else {"dropout": dropout_key}
         if not cache:
             return self.linen.apply(variables, *args, rngs=rngs, **kwargs)
-        if self.cache is None:
-            raise ValueError("decode=True needs a cache: call init_cache(batch_size, length) first")
-        variables["cache"] = _values(self.cache)
+        if self.cache is None and not cache_optional:
+            raise ValueError(_NO_CACHE)
+        if self.cache is not None:
+            variables["cache"] = _values(self.cache)
         out, updated = self.linen.apply(variables, *args, rngs=rngs, mutable=["cache"], **kwargs)
+        if self.cache is None:
+            if updated.get("cache"):  # it keeps one, which this call would have made from its own inputs
+                raise ValueError(_NO_CACHE)
+            return out
         for var, value in zip(jax.tree.leaves(self.cache, is_leaf=_is_variable), jax.tree.leaves(updated["cache"])):
             var[...] = value
         return out
 
 
 class _DropoutLayer(LinenLayer):
-    """A LinenLayer with dropout, on unless `deterministic` (the attribute, or the call's override); `rngs` is its own
-    fork of the dropout stream."""
+    """A LinenLayer with dropout of rate `dropout_rate`, on unless `deterministic` (the attribute, or the call's
+    override); `rngs` is its own fork of the dropout stream, drawn from only when the rate is above 0 (as
+    `nnx.Dropout`)."""
 
-    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool,
+    def __init__(self, module: nn.Module, *sample: Any, rngs: nnx.Rngs, deterministic: bool, dropout_rate: float,
                  **sample_kwargs: Any) -> None:
+        check_bool("deterministic", deterministic)  # as the linen field: a non-bool would reach the first call
         super().__init__(module, *sample, rngs=rngs, **sample_kwargs)
-        self.rngs = _dropout_stream(rngs)
+        stream = _dropout_stream(rngs)
+        self.rngs = None if stream is None else stream.fork()
+        self.dropout_rate = dropout_rate
         self.deterministic = deterministic
 
     def set_view(self, deterministic: bool | None = None) -> None:
         """What `nnx.view(model, deterministic=...)` calls."""
         if deterministic is not None:
+            check_bool("deterministic", deterministic)
             self.deterministic = deterministic
 
     def _deterministic(self, deterministic: bool | None) -> bool:
         return self.deterministic if deterministic is None else deterministic
 
-    def _dropout_key(self, deterministic: bool) -> jax.Array | None:
-        """None when `deterministic`, else the next key of the layer's dropout stream."""
-        if deterministic:
+    def _dropout_key(self, deterministic: bool, rngs: DropoutRngs = None) -> jax.Array | None:
+        """None when `deterministic` or the rate is 0 (nothing to draw), else the dropout key: as `nnx.Dropout`, from
+        the call's `rngs` when given (an nnx.Rngs' `dropout` stream, else its `default` one; an nnx.RngStream; or
+        a key), else the next of the layer's own stream."""
+        if deterministic or self.dropout_rate == 0.0:
             return None
-        if self.rngs is None:
+        stream = self.rngs if rngs is None else _dropout_stream(rngs) if isinstance(rngs, nnx.Rngs) else rngs
+        if stream is None:
             raise ValueError("dropout (deterministic=False) needs a 'dropout' or 'default' stream in the rngs given "
-                             "at construction, e.g. nnx.Rngs(params=0, dropout=1)")
-        return self.rngs()
+                             "at construction, e.g. nnx.Rngs(params=0, dropout=1), or in the call's rngs")
+        if isinstance(stream, nnx.RngStream):
+            return stream()
+        if isinstance(stream, jax.Array):
+            return stream
+        raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG key, got rngs={rngs!r}")
 
 
 def _check_cache_size(batch_size: int, length: int) -> None:
@@ -187,23 +211,23 @@ class TransformerLM(_DropoutLayer):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a jaxpe.ModelConfig, got config={config!r}")
         super().__init__(LinenTransformerLM(config), jnp.zeros((1, 1), jnp.int32), rngs=rngs,
-                         deterministic=deterministic)
+                         deterministic=deterministic, dropout_rate=config.dropout)
         self.config = config
 
     def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
                  positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 padding_mask: jax.Array | None = None) -> jax.Array:
-        """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM."""
+                 padding_mask: jax.Array | None = None, rngs: DropoutRngs = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.TransformerLM; `rngs` (an nnx.Rngs, nnx.RngStream
+        or key) draws this call's dropout masks instead of the model's own stream, as in `nnx.Dropout`."""
         deterministic = self._deterministic(deterministic)
         return self._apply(tokens, deterministic=deterministic, decode=decode, cache=decode,
-                           dropout_key=self._dropout_key(deterministic), positions=positions, segment_ids=segment_ids,
-                           padding_mask=padding_mask)
+                           dropout_key=self._dropout_key(deterministic, rngs), positions=positions,
+                           segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
-        """Zero the KV cache for `batch_size` sequences of up to `length` tokens (at most config.max_len)."""
+        """Zero the KV cache for `batch_size` sequences of up to `length` tokens: beyond config.max_len for the
+        encodings acting in attention, as `jaxpe.init_cache` (those adding a table of max_len rows refuse it)."""
         _check_cache_size(batch_size, length)
-        if length > self.config.max_len:
-            raise ValueError(f"{length=} exceeds max_len={self.config.max_len}")
         self._init_cache(jnp.zeros((batch_size, length), jnp.int32), decode=True)
 
 
@@ -230,7 +254,7 @@ class Attention(_DropoutLayer):
         self.d_model = int(d_model)
         self.shared_table_shape = pe.shared_table_shape(head_dim=head_dim, num_heads=num_heads, max_len=max_len)
         x, kwargs = self._sample(1, 1)
-        super().__init__(module, x, rngs=rngs, deterministic=deterministic, **kwargs)
+        super().__init__(module, x, rngs=rngs, deterministic=deterministic, dropout_rate=module.dropout, **kwargs)
 
     def _sample(self, batch_size: int, length: int) -> tuple[jax.Array, dict[str, Any]]:
         pos_emb = None if self.shared_table_shape is None else jnp.zeros(self.shared_table_shape)
@@ -238,11 +262,13 @@ class Attention(_DropoutLayer):
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, decode: bool = False,
                  pos_emb: jax.Array | None = None, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None) -> jax.Array:
-        """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention."""
+                 segment_ids: jax.Array | None = None, padding_mask: jax.Array | None = None,
+                 rngs: DropoutRngs = None) -> jax.Array:
+        """positions, segment_ids, padding_mask [B, L] as in jaxpe.Attention; `rngs` (an nnx.Rngs, nnx.RngStream or
+        key) draws this call's dropout mask instead of the layer's own stream, as in `nnx.Dropout`."""
         deterministic = self._deterministic(deterministic)
         return self._apply(x, deterministic=deterministic, decode=decode, cache=decode,
-                           dropout_key=self._dropout_key(deterministic), pos_emb=pos_emb, positions=positions,
+                           dropout_key=self._dropout_key(deterministic, rngs), pos_emb=pos_emb, positions=positions,
                            segment_ids=segment_ids, padding_mask=padding_mask)
 
     def init_cache(self, batch_size: int, length: int) -> None:
@@ -257,6 +283,7 @@ class AMSPE(LinenLayer):
 
     def __init__(self, d_model: int, max_len: int = 5000, coarse_scale: float = 10.0, amplitude: float = 1.0, *,
                  rngs: nnx.Rngs) -> None:
+        check_int("d_model", d_model, 1)  # before the sample input of that width
         module = LinenAMSPE(d_model=d_model, max_len=max_len, coarse_scale=coarse_scale, amplitude=amplitude)
         super().__init__(module, jnp.zeros((1, 1, d_model)), rngs=rngs)
 
@@ -279,8 +306,8 @@ class AttentionCore(LinenLayer):
     """An encoding's attention core, built by `core`: (q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D], ctx) -> [B, Lq, Hq, D].
 
     Called as its linen twin (`jaxpe.attention_core.AttentionCore`), `ctx` a `jaxpe.attention_core.AttentionContext`;
-    encodings that cache while decoding (CoPE "sep_keys", the gate-network CoPE) need `init_cache` before a call with
-    `ctx.decode`.
+    encodings that cache while decoding (CoPE "sep_keys", the gate-network CoPE, FoX) need `init_cache` before a call
+    with `ctx.decode`, the others decode without one.
     """
 
     def __init__(self, module: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int,
@@ -299,7 +326,7 @@ class AttentionCore(LinenLayer):
         return q, kv, kv, ctx
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
-        return self._apply(q, k, v, ctx, cache=ctx.decode)
+        return self._apply(q, k, v, ctx, cache=ctx.decode, cache_optional=True)
 
     def init_cache(self, batch_size: int, length: int) -> None:
         """Zero the encoding's own decoding cache (if it has one) for `length` keys."""
@@ -310,6 +337,8 @@ class AttentionCore(LinenLayer):
 def embedding(pe: PEConfig | str, *, d_model: int, max_len: int, rngs: nnx.Rngs) -> PositionEmbedding | None:
     """The NNX module adding encoding `pe` (a config or a name) to token embeddings, or None when `pe` acts inside
     attention."""
+    check_int("d_model", d_model, 1)
+    check_int("max_len", max_len, 1)
     pe = as_pe_config(pe)
     module = pe.embedding(d_model=d_model, max_len=max_len)
     return None if module is None else PositionEmbedding(module, d_model=d_model, rngs=rngs)

@@ -104,8 +104,9 @@ def test_decode_needs_a_cache_of_a_valid_size():
         model(tokens_for(0), decode=True)
     with pytest.raises(ValueError, match="batch_size=0"):
         model.init_cache(0, 4)
-    with pytest.raises(ValueError, match="length=17 exceeds max_len=16"):
-        model.init_cache(B, 17)
+    learned = jaxpe.nnx.TransformerLM(make_config("learned"), rngs=nnx.Rngs(0))  # a table of max_len rows
+    with pytest.raises(ValueError, match="L=17 exceeds the position table's max_len=16"):
+        learned.init_cache(B, 17)
 
 
 @pytest.mark.parametrize("pe", ["rope", "cope", "corope", "learned"])
