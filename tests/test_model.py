@@ -337,4 +337,5 @@ def test_a_float16_model_runs_trains_and_decodes_as_float32_does(pe):
     grads = jax.grad(lambda p: models["float16"].apply(p, tokens).mean())(params)
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     generated = jaxpe.generate(models["float16"], params["params"], tokens[:, :8], max_new_tokens=1)
-    np.testing.assert_array_equal(generated[:, -1], jnp.argmax(models["float16"].apply(params, tokens[:, :8]), -1)[:, -1])
+    last = models["float16"].apply(params, tokens[:, :8])[:, -1]  # [B, V]
+    np.testing.assert_array_equal(generated[:, -1], jnp.argmax(last, -1))
