@@ -182,7 +182,7 @@ def test_param_dtype_is_apart_from_compute_dtype():
     assert all(dtype == jnp.bfloat16 for path, dtype in dtypes.items() if path not in tables)
     assert lm.apply({"params": params}, tokens(1, 6)).dtype == jnp.float32
     with pytest.raises(ValueError, match="param_dtype"):
-        jaxpe.ModelConfig(vocab_size=5, param_dtype="float16")
+        jaxpe.ModelConfig(vocab_size=5, param_dtype="float64")
 
 
 def test_every_parameter_has_logical_axis_names():
