@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml
 demo: .venv
 	$(BIN)/jaxpe-compare --task selective_copy --pe cope,rope,learned --seeds 0 --preset cpu-small --workdir runs/demo
 
+# --durations: the slowest tests at the end of every run, to keep CI's main leg within its minutes
 test: .venv
-	$(BIN)/python -m pytest -n 2 --dist worksteal -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=25
 
 # The built wheel in a fresh venv outside the repository, on $(PY), on Python 3.12 and on Python 3.13 (the newest jax
 # on both; on 3.13 also the native kernels in the interpreter of Triton 3.6, which a user's torch may pin).
