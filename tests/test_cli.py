@@ -286,8 +286,8 @@ def test_paper_preset_trains_counting_end_to_end(tmp_path, capsys):
     workdir = tmp_path / "paper"
     assert cli.train_main(["--preset", "paper", "--task", "counting", "--pe", "cope", "--workdir", str(workdir),
                            "run.steps=2", "run.log_every=1", "run.eval_every=0", "run.checkpoint_every=2",
-                           "optim.batch_size=8", "task.n_train=64", "task.n_valid=16", "task.n_test=16",
-                           "run.eval_batch_size=16", "run.progress=false", "run.num_devices=1",
+                           "optim.batch_size=4", "task.n_train=16", "task.n_valid=4", "task.n_test=4",
+                           "run.eval_batch_size=4", "run.progress=false", "run.num_devices=1",
                            "run.pad_to=block"]) == 0
     capsys.readouterr()
     config = json.loads((workdir / "config.json").read_text())
