@@ -101,6 +101,14 @@ class Checkpoints:
         shutil.move(str(self.directory / str(step)), str(target))
         self.manager.reload()
 
+    def delete_after(self, step: int) -> list[int]:
+        """Deletes the checkpoints past `step` (a run rewound there trains those steps again, and orbax refuses to
+        save a step that exists); returns their steps."""
+        later = [s for s in self.all_steps() if s > step]
+        for s in later:
+            self.manager.delete(s)
+        return later
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 

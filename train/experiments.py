@@ -268,7 +268,8 @@ def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Tas
 
     Each member's newest readable checkpoint is read (unreadable ones are quarantined and noted in its `problems`);
     when they stand at different steps (a save cut between members), every member is read again at the oldest of
-    them, and a member without a checkpoint there sends all back to the start."""
+    them, and a member without a checkpoint there sends all back to the start. A member's checkpoints past the step
+    all resume from are deleted: the members train those steps again and save them anew."""
     abstract = trainer.abstract_state()
     found = []
     for member, (config, ckpt) in enumerate(zip(configs, checkpoints, strict=True)):
@@ -278,6 +279,7 @@ def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Tas
             _check_checkpoint_config(meta, config, task, ckpt.directory, lambda: [c.close() for c in checkpoints])
         found.append(state)
     if any(state is None for state in found):
+        _rewind(checkpoints, 0)
         return None
     steps = [int(distributed.to_host(state.step)) for state in found]
     if len(set(steps)) > 1:
@@ -288,9 +290,20 @@ def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Tas
                 state, _, member_problems = ckpt.restore_latest(abstract, max_step=common)
                 problems[member] += member_problems
                 if state is None or int(distributed.to_host(state.step)) != common:
+                    _rewind(checkpoints, 0)
                     return None
                 found[member] = state
+        _rewind(checkpoints, common)
     return trainer.stack(found)
+
+
+def _rewind(checkpoints: Sequence[Checkpoints], step: int) -> None:
+    """Deletes each member's checkpoints past `step`, where the members resume (0: from the start), logging them."""
+    for ckpt in checkpoints:
+        deleted = ckpt.delete_after(step)
+        if deleted:
+            log.warning("deleted the checkpoints at steps %s in %s: the members resume together from step %d",
+                        deleted, ckpt.directory, step)
 
 
 # The vector extensions that decide which code XLA's CPU backend emits (from the host's /proc/cpuinfo flags).
