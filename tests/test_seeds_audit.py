@@ -6,25 +6,68 @@ members agree with them to test_seeds_together's tolerance (RTOL).
 """
 from __future__ import annotations
 
+import json
+import pathlib
 import shutil
+
+import jax
+import pytest
 
 from test_seeds_together import assert_same_runs, counting
 from jaxpe.train import experiments
+from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.loop import NonFiniteLossError
+
+# Two seeds, a checkpoint every 2 of 4 steps, 2 steps a dispatch: the runs the tests below cut and resume.
+CUTTABLE = ("run.steps=4", "run.log_every=2", "run.checkpoint_every=2", "run.steps_per_dispatch=2",
+            "run.async_checkpoints=false")
 
 
-def test_members_rewound_to_a_common_checkpoint_save_the_later_steps_again(tmp_path):
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict]]:
+    """The uninterrupted comparison of CUTTABLE's seeds 0 and 1 (its workdir and runs), the tests' reference."""
+    workdir = tmp_path_factory.mktemp("whole")
+    return workdir, experiments.compare_encodings([counting(*CUTTABLE)], [0, 1], workdir)["runs"]
+
+
+def cut_copy(whole: tuple[pathlib.Path, list[dict]], workdir: pathlib.Path) -> list[pathlib.Path]:
+    """A copy of the whole comparison in `workdir` with the runs unfinished (result.json deleted); its run dirs."""
+    shutil.copytree(whole[0], workdir)
+    run_dirs = [workdir / "cope" / f"seed{s}" for s in (0, 1)]
+    for run_dir in run_dirs:
+        (run_dir / "result.json").unlink()
+    return run_dirs
+
+
+def test_members_rewound_to_a_common_checkpoint_save_the_later_steps_again(whole, tmp_path):
     """A member whose newest checkpoint is lost sends the others back to their common step; their own later
     checkpoints are deleted, not left to collide with the step saved again (orbax refused it:
     StepAlreadyExistsError, on every rerun), and the runs end as the uninterrupted ones."""
-    config = counting("run.steps=4", "run.log_every=2", "run.checkpoint_every=2", "run.steps_per_dispatch=2",
-                      "run.async_checkpoints=false")
-    whole = experiments.compare_encodings([config], [0, 1], tmp_path / "whole")["runs"]
-    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
-    cut = [tmp_path / "cut" / "cope" / f"seed{s}" for s in (0, 1)]
-    for run_dir in cut:
-        (run_dir / "result.json").unlink()
+    cut = cut_copy(whole, tmp_path / "cut")
     shutil.rmtree(cut[1] / "checkpoints" / "4")  # seed 1's last save was cut: both resume from step 2
-    resumed = experiments.compare_encodings([config], [0, 1], tmp_path / "cut")["runs"]
+    resumed = experiments.compare_encodings([counting(*CUTTABLE)], [0, 1], tmp_path / "cut")["runs"]
     assert [r["resumed_from"] for r in resumed] == [2, 2]
     assert [experiments.latest_checkpoint_step(d) for d in cut] == [4, 4]
-    assert_same_runs(resumed, whole, (cut, [tmp_path / "whole" / "cope" / f"seed{s}" for s in (0, 1)]))
+    assert_same_runs(resumed, whole[1], (cut, [whole[0] / "cope" / f"seed{s}" for s in (0, 1)]))
+
+
+def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_separate_runs(whole, tmp_path):
+    """Seed 1 resumes from a checkpoint of NaN parameters: its loss is NaN at once. Trained alone (--separate-seeds)
+    seed 0 still finishes; stacked, seed 0 stopped with it, on every rerun, and its result was never written. Now
+    the error names seed 1 alone, after seed 0 has trained on and ended as the uninterrupted run."""
+    config, cut = counting(*CUTTABLE), cut_copy(whole, tmp_path / "cut")
+    for run_dir in cut:
+        shutil.rmtree(run_dir / "checkpoints" / "4")
+    run = experiments.restore_run(cut[1], step=2)
+    checkpoints = Checkpoints(cut[1] / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
+    _, meta = checkpoints.restore(2, run.trainer.abstract_state())
+    checkpoints.delete_after(1)
+    checkpoints.save(2, run.state.replace(params=jax.tree.map(lambda x: x * float("nan"), run.state.params)), meta)
+    checkpoints.close()
+    with pytest.raises(NonFiniteLossError, match=r"by step 4 \(seed 1;") as error:
+        experiments.compare_encodings([config], [0, 1], tmp_path / "cut")
+    finished = json.loads((cut[0] / "result.json").read_text())
+    assert finished["resumed_from"] == 2
+    assert_same_runs([finished], whole[1][:1], ([cut[0]], [whole[0] / "cope" / "seed0"]))
+    assert not (cut[1] / "result.json").exists() and experiments.latest_checkpoint_step(cut[1]) == 2
+    assert error.value.seeds == (1,)

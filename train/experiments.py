@@ -28,7 +28,8 @@ from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TaskConfig, TrainConfig, build_model, build_task, from_dict, load_config,
                                 longest_length, resolve_config, to_dict)
-from jaxpe.train.loop import Checkpointing, Evaluation, MetricsLog, TrainLog, progress_bar, train_loop
+from jaxpe.train.loop import (Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TrainLog, progress_bar,
+                              train_loop)
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
@@ -75,17 +76,35 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     vmapped through one jitted step, jaxpe.train.trainer), each written to its own workdir as train_and_evaluate
     writes a run: the same files, and results equal to separate runs' up to float rounding. One config trains
     alone. task and model: as train_and_evaluate's, built for configs[0]; each config is saved resolved with the
-    task (config.resolve_config)."""
+    task (config.resolve_config). A member whose loss becomes NaN/inf stops the program: the others then train on
+    without it from their checkpoints, so that they end as their separate runs do, and the NonFiniteLossError is
+    raised after."""
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
     if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=configs[0].run) != configs[0]
                                             for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
-    configs = [resolve_config(c, task) for c in configs]  # saved as the run resolved it (config.json, checkpoints)
+    given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
     workdirs = [pathlib.Path(w).absolute() for w in workdirs]
-    is_main = jax.process_index() == 0
     deadline = None if time_limit is None else time.time() + time_limit
+    try:
+        return _train_seeds_locked(configs, workdirs, task, model, deadline)
+    except NonFiniteLossError as error:
+        finite = [i for i, config in enumerate(configs) if config.run.seed not in error.seeds]
+        if not error.seeds or not finite or len(finite) == len(configs):
+            raise
+        log.warning("seed(s) %s: loss or gradient NaN/inf; training seed(s) %s on without them",
+                    ", ".join(map(str, error.seeds)), ", ".join(str(configs[i].run.seed) for i in finite))
+        train_seeds([given[i] for i in finite], [workdirs[i] for i in finite], task=task, model=model,
+                    time_limit=None if deadline is None else max(deadline - time.time(), 0.0))
+        raise
+
+
+def _train_seeds_locked(configs: Sequence[TrainConfig], workdirs: Sequence[pathlib.Path], task: Task, model: Any,
+                        deadline: float | None) -> list[dict[str, Any]]:
+    """train_seeds of configs resolved with the task, under each workdir's lock."""
+    seeds, is_main = [c.run.seed for c in configs], jax.process_index() == 0
     for config, workdir in zip(configs, workdirs):
         check_same_run(workdir, config, task)
     with contextlib.ExitStack() as locks:
