@@ -17,6 +17,7 @@ from test_seeds_together import assert_same_runs, counting
 from jaxpe.train import experiments
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.trainer import Trainer
 
 # Two seeds, a checkpoint every 2 of 4 steps, 2 steps a dispatch: the runs the tests below cut and resume.
 CUTTABLE = ("run.steps=4", "run.log_every=2", "run.checkpoint_every=2", "run.steps_per_dispatch=2",
@@ -71,3 +72,34 @@ def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_se
     assert_same_runs([finished], whole[1][:1], ([cut[0]], [whole[0] / "cope" / "seed0"]))
     assert not (cut[1] / "result.json").exists() and experiments.latest_checkpoint_step(cut[1]) == 2
     assert error.value.seeds == (1,)
+
+
+@pytest.mark.parametrize("time_limit, error, message", [
+    ("5", TypeError, "time_limit='5' must be a number of seconds"),
+    (float("nan"), ValueError, "time_limit=nan must be >= 0 seconds"),
+    (-1.0, ValueError, "time_limit=-1.0 must be >= 0 seconds"),
+])
+def test_a_time_limit_that_is_no_number_of_seconds_is_refused_before_anything_is_written(time_limit, error, message,
+                                                                                         tmp_path):
+    """NaN was no limit at all, a negative one stopped at the first dispatch, a string failed deep inside the loop
+    (unsupported operand type(s) for +)."""
+    config = counting("run.steps=2")
+    with pytest.raises(error, match=message):
+        experiments.compare_encodings([config], [0, 1], tmp_path / "cmp", time_limit=time_limit)
+    with pytest.raises(error, match=message):
+        experiments.train_and_evaluate(config, tmp_path / "run", time_limit=time_limit)
+    assert not (tmp_path / "cmp").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("seeds, error, message", [
+    ((0, 1.5), TypeError, r"seeds=\(0, 1.5\) must be ints"),  # was truncated to seed 1 (int32)
+    ((0, True), TypeError, r"seeds=\(0, True\) must be ints"),
+    ((-1, 0), ValueError, r"seeds=\(-1, 0\) must each be in \[0, 2147483647\]"),  # run.seed=-1 is refused
+    ((0, 2**31), ValueError, r"must each be in \[0, 2147483647\]"),  # would wrap around as int32
+])
+def test_trainer_seeds_are_run_seeds(seeds, error, message):
+    """Trainer(seeds=...) takes what run.seed takes: ints in [0, MAX_SEED]."""
+    config = counting()
+    task, model = experiments.validate_config(config)
+    with pytest.raises(error, match=message):
+        Trainer(model=model, config=config, seq_len=task.seq_len, seeds=seeds)

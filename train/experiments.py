@@ -14,6 +14,7 @@ import datetime
 import json
 import logging
 import math
+import numbers
 import pathlib
 import platform
 import time
@@ -79,6 +80,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     task (config.resolve_config). A member whose loss becomes NaN/inf stops the program: the others then train on
     without it from their checkpoints, so that they end as their separate runs do, and the NonFiniteLossError is
     raised after."""
+    check_time_limit(time_limit)
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
@@ -117,6 +119,17 @@ def _train_seeds_locked(configs: Sequence[TrainConfig], workdirs: Sequence[pathl
         trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
                           seeds=None if len(configs) == 1 else tuple(seeds))
         return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
+
+
+def check_time_limit(time_limit: float | None) -> None:
+    """A TypeError unless `time_limit` is None (no limit) or a number of seconds; a ValueError when it is NaN or
+    negative (0 stops at the end of the first dispatch)."""
+    if time_limit is None:
+        return
+    if isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real):
+        raise TypeError(f"time_limit={time_limit!r} must be a number of seconds, or None for no limit")
+    if not time_limit >= 0:
+        raise ValueError(f"time_limit={time_limit!r} must be >= 0 seconds, or None for no limit")
 
 
 def validate_config(config: TrainConfig, task: Task | None = None) -> tuple[Task, TransformerLM]:
@@ -486,6 +499,7 @@ def compare_encodings(
     time_limit: seconds after which training stops at the end of a dispatch, checkpoints and raises
     TimeLimitReached (run it again to go on); None: no limit.
     """
+    check_time_limit(time_limit)
     if not configs or not seeds:
         raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
     if any(c.task != configs[0].task for c in configs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.train import distributed, evaluate
-from jaxpe.train.config import TrainConfig
+from jaxpe.train.config import MAX_SEED, TrainConfig
 from jaxpe.train.step import Batch, Metrics, StepFn, TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.tasks.base import bucket_length, planned_lengths, scored_lengths, trim_batch
 
@@ -111,6 +112,10 @@ class Trainer:
         else:
             if not self.seeds:
                 raise ValueError(f"seeds={self.seeds!r} must name at least one seed (or be None)")
+            if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in self.seeds):
+                raise TypeError(f"seeds={self.seeds!r} must be ints (run.seed values)")
+            if any(not 0 <= s <= MAX_SEED for s in self.seeds):
+                raise ValueError(f"seeds={self.seeds!r} must each be in [0, {MAX_SEED}], as run.seed is")
             seeds = jnp.asarray(self.seeds, jnp.int32)  # [S]
             init = functools.partial(jax.vmap(init_one), seeds)
             step, eval_step = jax.vmap(step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
