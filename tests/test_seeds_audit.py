@@ -13,8 +13,9 @@ import shutil
 import jax
 import pytest
 
-from test_seeds_together import assert_same_runs, counting
+from test_seeds_together import COUNTING, assert_same_runs, counting
 from jaxpe.train import experiments
+from jaxpe.train.cli import compare_main
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.loop import NonFiniteLossError
 from jaxpe.train.trainer import Trainer
@@ -103,3 +104,13 @@ def test_trainer_seeds_are_run_seeds(seeds, error, message):
     task, model = experiments.validate_config(config)
     with pytest.raises(error, match=message):
         Trainer(model=model, config=config, seq_len=task.seq_len, seeds=seeds)
+
+
+def test_compare_refuses_a_run_seed_override_it_would_drop(tmp_path, capsys):
+    """jaxpe-compare sets every run's run.seed from --seeds: `run.seed=5` trained seed 0 (the default --seeds)."""
+    with pytest.raises(SystemExit) as usage:
+        compare_main(["--task", "counting", "--pe", "none", "--workdir", str(tmp_path / "cmp"), *COUNTING, "run.seed=5",
+                      "model.d_model=16", "model.num_layers=1", "run.steps=1", "run.progress=false"])
+    assert usage.value.code == 2
+    assert "'run.seed=5': jaxpe-compare trains the seeds of --seeds" in capsys.readouterr().err
+    assert not (tmp_path / "cmp").exists()

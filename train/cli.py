@@ -356,6 +356,10 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         configs = _resolve(parser, args, args.pe)
+        seed_overrides = [o for o in args.overrides if o.partition("=")[0].strip() == "run.seed"]
+        if seed_overrides:  # compare_encodings sets run.seed from --seeds: the override would be dropped unseen
+            parser.error(f"{seed_overrides[-1]!r}: jaxpe-compare trains the seeds of --seeds (each run's run.seed); "
+                         f"give --seeds {seed_overrides[-1].partition('=')[2].strip() or 'N'} instead")
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
                                                    seeds_together=not args.separate_seeds, time_limit=args.time_limit)
