@@ -7,13 +7,14 @@ members agree with them to test_seeds_together's tolerance (RTOL).
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import shutil
 
 import jax
 import pytest
 
-from test_seeds_together import COUNTING, assert_same_runs, counting
+from test_seeds_together import COUNTING, assert_same_runs, counting, seeded
 from jaxpe.train import experiments
 from jaxpe.train.cli import compare_main
 from jaxpe.train.checkpoint import Checkpoints
@@ -114,3 +115,20 @@ def test_compare_refuses_a_run_seed_override_it_would_drop(tmp_path, capsys):
     assert usage.value.code == 2
     assert "'run.seed=5': jaxpe-compare trains the seeds of --seeds" in capsys.readouterr().err
     assert not (tmp_path / "cmp").exists()
+
+
+def test_seeds_past_the_memory_train_in_programs_that_fit(whole, tmp_path, monkeypatch, caplog):
+    """Where one run's parameters and optimizer state fit in memory but the stacked seeds' do not, jaxpe-compare
+    trains them in programs of as many as fit (each run as the uninterrupted comparison's), and train_seeds refuses
+    to stack more, before anything is written: stacked, they would abort XLA or exhaust the host."""
+    config = counting(*CUTTABLE)
+    task, model = experiments.validate_config(config)
+    monkeypatch.setattr(experiments, "memory_bytes", lambda: experiments.state_size(model)[1] * 3 // 2)
+    with pytest.raises(ValueError, match=r"seeds \[0, 1\]: 2 runs stacked hold .* train at most 1 together"):
+        experiments.train_seeds([config, seeded(config, 1)], [tmp_path / "a", tmp_path / "b"], task=task, model=model)
+    assert not (tmp_path / "a").exists()
+    with caplog.at_level(logging.INFO, logger="jaxpe"):
+        runs = experiments.compare_encodings([config], [0, 1], tmp_path / "cmp")["runs"]
+    assert "training cope seed(s) 0\n" in caplog.text + "\n" and "training cope seed(s) 1\n" in caplog.text + "\n"
+    assert_same_runs(runs, whole[1], ([tmp_path / "cmp" / "cope" / f"seed{s}" for s in (0, 1)],
+                                      [whole[0] / "cope" / f"seed{s}" for s in (0, 1)]))

@@ -87,6 +87,12 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=configs[0].run) != configs[0]
                                             for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
+    most = stackable(model)
+    if most is not None and len(configs) > most:
+        state = state_size(model)[1]
+        raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {len(configs) * state / 2**30:.3g} GiB of "
+                         f"parameters and optimizer state, more than the {memory_bytes() / 2**30:.3g} GiB of memory "
+                         f"here; train at most {most} together")
     given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
     workdirs = [pathlib.Path(w).absolute() for w in workdirs]
     deadline = None if time_limit is None else time.time() + time_limit
@@ -202,6 +208,15 @@ def check_model_fits(model: TransformerLM) -> None:
         raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
                          f"more than the {memory / 2**30:.3g} GiB of memory here; lower model.d_model, "
                          "model.num_layers, model.mlp_dim or model.max_len")
+
+
+def stackable(model: Any) -> int | None:
+    """How many runs of `model` fit in memory stacked as one program: memory_bytes() over one run's parameters and
+    Adam's moments (state_size), at least 1. None: no bound known (a model other than a TransformerLM, or a
+    multi-process run, whose state spreads over other hosts' memory too: check_model_fits)."""
+    if jax.process_count() > 1 or not isinstance(model, TransformerLM):
+        return None
+    return max(1, memory_bytes() // state_size(model)[1])
 
 
 def check_tokens(task: Task, batch_size: int) -> None:
@@ -550,9 +565,10 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         else:
             groups.setdefault((run_config.model.pe, None if seeds_together else run_config.run.seed), []).append(
                 (run_config, run_dir, task, model))
-    if seeds_together:
+    if seeds_together:  # as they resume, in programs of as many as fit in memory
         groups = {(key[0], i): part for key, group in groups.items()
-                  for i, part in enumerate(_resumable_together(group, [g[1] for g in group]))}
+                  for i, part in enumerate(_fitting(_resumable_together(group, [g[1] for g in group]),
+                                                    stackable(group[0][3])))}
     for group in groups.values():
         group_configs, run_dirs = [g[0] for g in group], [g[1] for g in group]
         task, model = group[0][2], group[0][3]
@@ -610,6 +626,13 @@ def _resumable_together(members: list[Any], run_dirs: Sequence[pathlib.Path]) ->
     for member, step in zip(members, newest, strict=True):
         groups.setdefault(step, []).append(member)
     return list(groups.values())
+
+
+def _fitting(groups: list[list[Any]], most: int | None) -> list[list[Any]]:
+    """`groups` cut into groups of at most `most` members (None: as they are)."""
+    if most is None:
+        return groups
+    return [group[i:i + most] for group in groups for i in range(0, len(group), most)]
 
 
 def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
