@@ -18,11 +18,12 @@ from test_seeds_together import COUNTING, assert_same_runs, counting, seeded
 from jaxpe.train import experiments
 from jaxpe.train.cli import compare_main
 from jaxpe.train.checkpoint import Checkpoints
-from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached
 from jaxpe.train.trainer import Trainer
+from jaxpe.train.workdir import NONFINITE_NAME
 
-# Two seeds, a checkpoint every 2 of 4 steps, 2 steps a dispatch: the runs the tests below cut and resume.
-CUTTABLE = ("run.steps=4", "run.log_every=2", "run.checkpoint_every=2", "run.steps_per_dispatch=2",
+# Two seeds, a checkpoint every 2 of 6 steps, 2 steps a dispatch: the runs the tests below cut and resume.
+CUTTABLE = ("run.steps=6", "run.log_every=2", "run.checkpoint_every=2", "run.keep=3", "run.steps_per_dispatch=2",
             "run.async_checkpoints=false")
 
 
@@ -47,33 +48,40 @@ def test_members_rewound_to_a_common_checkpoint_save_the_later_steps_again(whole
     checkpoints are deleted, not left to collide with the step saved again (orbax refused it:
     StepAlreadyExistsError, on every rerun), and the runs end as the uninterrupted ones."""
     cut = cut_copy(whole, tmp_path / "cut")
-    shutil.rmtree(cut[1] / "checkpoints" / "4")  # seed 1's last save was cut: both resume from step 2
+    shutil.rmtree(cut[1] / "checkpoints" / "6")  # seed 1's last save was cut: both resume from step 4
     resumed = experiments.compare_encodings([counting(*CUTTABLE)], [0, 1], tmp_path / "cut")["runs"]
-    assert [r["resumed_from"] for r in resumed] == [2, 2]
-    assert [experiments.latest_checkpoint_step(d) for d in cut] == [4, 4]
+    assert [r["resumed_from"] for r in resumed] == [4, 4]
+    assert [experiments.latest_checkpoint_step(d) for d in cut] == [6, 6]
     assert_same_runs(resumed, whole[1], (cut, [whole[0] / "cope" / f"seed{s}" for s in (0, 1)]))
 
 
 def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_separate_runs(whole, tmp_path):
     """Seed 1 resumes from a checkpoint of NaN parameters: its loss is NaN at once. Trained alone (--separate-seeds)
     seed 0 still finishes; stacked, seed 0 stopped with it, on every rerun, and its result was never written. Now
-    the error names seed 1 alone, after seed 0 has trained on and ended as the uninterrupted run."""
+    seed 0 trains on without it (here cut by the time limit), and a rerun trains seed 1 apart, after seed 0, so that
+    seed 0 goes on from where it stood, not from seed 1's step (under a time limit it never got past it), and ends
+    as the uninterrupted run; the error names seed 1."""
     config, cut = counting(*CUTTABLE), cut_copy(whole, tmp_path / "cut")
     for run_dir in cut:
-        shutil.rmtree(run_dir / "checkpoints" / "4")
+        for step in (4, 6):
+            shutil.rmtree(run_dir / "checkpoints" / str(step))
     run = experiments.restore_run(cut[1], step=2)
     checkpoints = Checkpoints(cut[1] / "checkpoints", keep=config.run.keep, best_metric="unused", async_save=False)
     _, meta = checkpoints.restore(2, run.trainer.abstract_state())
     checkpoints.delete_after(1)
     checkpoints.save(2, run.state.replace(params=jax.tree.map(lambda x: x * float("nan"), run.state.params)), meta)
     checkpoints.close()
+    with pytest.raises(TimeLimitReached):  # seed 1 NaN by step 4; seed 0 on from step 2, cut at step 4
+        experiments.compare_encodings([config], [0, 1], tmp_path / "cut", time_limit=1e-9)
+    assert [experiments.latest_checkpoint_step(d) for d in cut] == [4, 2]
     with pytest.raises(NonFiniteLossError, match=r"by step 4 \(seed 1;") as error:
-        experiments.compare_encodings([config], [0, 1], tmp_path / "cut")
+        experiments.compare_encodings([config], [0, 1], tmp_path / "cut", time_limit=1e-9)
     finished = json.loads((cut[0] / "result.json").read_text())
-    assert finished["resumed_from"] == 2
+    assert finished["resumed_from"] == 4
     assert_same_runs([finished], whole[1][:1], ([cut[0]], [whole[0] / "cope" / "seed0"]))
     assert not (cut[1] / "result.json").exists() and experiments.latest_checkpoint_step(cut[1]) == 2
     assert error.value.seeds == (1,)
+    assert (cut[1] / NONFINITE_NAME).is_file() and not (cut[0] / NONFINITE_NAME).exists()
 
 
 @pytest.mark.parametrize("time_limit, error, message", [

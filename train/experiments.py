@@ -36,9 +36,9 @@ from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
 from jaxpe.train.trainer import Trainer, run_mesh
-from jaxpe.train.workdir import (RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus, check_same_run,
-                                 check_workdir, check_workdir_kind, checkpoint_steps, config_differences,
-                                 locked_workdir, resolved_pair, write_corpus, write_json)
+from jaxpe.train.workdir import (NONFINITE_NAME, RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus,
+                                 check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
+                                 config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     alone. task and model: as train_and_evaluate's, built for configs[0]; each config is saved resolved with the
     task (config.resolve_config). A member whose loss becomes NaN/inf stops the program: the others then train on
     without it from their checkpoints, so that they end as their separate runs do, and the NonFiniteLossError is
-    raised after."""
+    raised after; the failed run's workdir keeps a note of it (NONFINITE_NAME, until it finishes), so that
+    compare_encodings trains it apart, after the others."""
     check_time_limit(time_limit)
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
@@ -99,6 +100,10 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     try:
         return _train_seeds_locked(configs, workdirs, task, model, deadline)
     except NonFiniteLossError as error:
+        if jax.process_index() == 0:
+            for config, workdir in zip(configs, workdirs):
+                if config.run.seed in error.seeds:
+                    write_json(workdir / NONFINITE_NAME, {"seed": config.run.seed, "error": str(error)})
         finite = [i for i, config in enumerate(configs) if config.run.seed not in error.seeds]
         if not error.seeds or not finite or len(finite) == len(configs):
             raise
@@ -305,6 +310,7 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
                                      label_keys=("task", "pe", "seed"))
             (workdir / "result.md").write_text(table, encoding="utf-8")
             plots.run_summary(workdir / "metrics.jsonl", result, workdir / "result.png")
+            (workdir / NONFINITE_NAME).unlink(missing_ok=True)
         results.append(result)
     return results
 
@@ -569,7 +575,8 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         groups = {(key[0], i): part for key, group in groups.items()
                   for i, part in enumerate(_fitting(_resumable_together(group, [g[1] for g in group]),
                                                     stackable(group[0][3])))}
-    for group in groups.values():
+    # runs stopped by a NaN/inf loss before go last: their failure again stops the comparison after the others
+    for group in sorted(groups.values(), key=lambda group: any((g[1] / NONFINITE_NAME).is_file() for g in group)):
         group_configs, run_dirs = [g[0] for g in group], [g[1] for g in group]
         task, model = group[0][2], group[0][3]
         log.info("training %s seed(s) %s%s", group_configs[0].model.pe, ", ".join(str(c.run.seed) for c in
@@ -617,7 +624,14 @@ def _resumable_together(members: list[Any], run_dirs: Sequence[pathlib.Path]) ->
     """The seeds of one encoding (`members`, one per run_dir) as the programs they resume in: all in one where they
     start afresh or every one holds a checkpoint at the oldest of their newest steps (a save cut between members:
     `_restore_members` resumes all there, so the run ends as an uninterrupted one), else grouped by newest step
-    (seeds added to a cut comparison keep their progress; stacked otherwise, their last bits may differ)."""
+    (seeds added to a cut comparison keep their progress; stacked otherwise, their last bits may differ). A seed
+    whose loss became NaN/inf before (its workdir's NONFINITE_NAME) trains apart, last: the others neither go back to
+    its step nor stop with it again (under a time limit they would never get past it)."""
+    apart = [[member] for member, run_dir in zip(members, run_dirs) if (run_dir / NONFINITE_NAME).is_file()]
+    if apart:
+        rest = [(member, run_dir) for member, run_dir in zip(members, run_dirs)
+                if not (run_dir / NONFINITE_NAME).is_file()]
+        return (_resumable_together([m for m, _ in rest], [d for _, d in rest]) if rest else []) + apart
     steps = [set(checkpoint_steps(run_dir)) for run_dir in run_dirs]
     newest = [max(s, default=None) for s in steps]
     if None not in newest and all(min(newest) in s for s in steps) or set(newest) == {None}:

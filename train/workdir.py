@@ -50,6 +50,7 @@ REUSABLE_RESULT_FIELDS = ("log_every", "eval_every", "checkpoint_every", "keep",
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
 CORPUS_NAME = "corpus.json"  # the run's Task.corpus, for tasks that have one (write_corpus, check_same_corpus)
+NONFINITE_NAME = "nonfinite.json"  # a run stopped by a NaN/inf loss, until it finishes: its error, and its seed
 
 
 class WorkdirBusyError(RuntimeError):
