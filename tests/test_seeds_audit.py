@@ -140,3 +140,14 @@ def test_seeds_past_the_memory_train_in_programs_that_fit(whole, tmp_path, monke
     assert "training cope seed(s) 0\n" in caplog.text + "\n" and "training cope seed(s) 1\n" in caplog.text + "\n"
     assert_same_runs(runs, whole[1], ([tmp_path / "cmp" / "cope" / f"seed{s}" for s in (0, 1)],
                                       [whole[0] / "cope" / f"seed{s}" for s in (0, 1)]))
+
+
+def test_train_seeds_refuses_configs_that_differ_in_another_run_field(tmp_path):
+    """Each member trains with the first config's run settings: a second config of another run.steps (or any run
+    field but the seed) trained 2 steps and was saved as a run of 4."""
+    config = counting("run.steps=2")
+    task, model = experiments.validate_config(config)
+    other = seeded(counting("run.steps=4"), 1)
+    with pytest.raises(ValueError, match=r"configs must differ in run.seed only, each seed once; got seeds \[0, 1\]"):
+        experiments.train_seeds([config, other], [tmp_path / "a", tmp_path / "b"], task=task, model=model)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -85,8 +85,8 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
-    if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=configs[0].run) != configs[0]
-                                            for c in configs):
+    if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=dataclasses.replace(c.run, seed=seeds[0]))
+                                            != configs[0] for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
     most = stackable(model)
     if most is not None and len(configs) > most:
