@@ -15,9 +15,10 @@ import jax
 import pytest
 
 from test_seeds_together import COUNTING, assert_same_runs, counting, seeded
+from tiny_config import TINY
 from jaxpe.train import experiments
-from jaxpe.train.cli import compare_main
 from jaxpe.train.checkpoint import Checkpoints
+from jaxpe.train.cli import compare_main
 from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached
 from jaxpe.train.trainer import Trainer
 from jaxpe.train.workdir import NONFINITE_NAME
@@ -151,3 +152,15 @@ def test_train_seeds_refuses_configs_that_differ_in_another_run_field(tmp_path):
     with pytest.raises(ValueError, match=r"configs must differ in run.seed only, each seed once; got seeds \[0, 1\]"):
         experiments.train_seeds([config, other], [tmp_path / "a", tmp_path / "b"], task=task, model=model)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_comparison_past_its_time_limit_begins_no_further_run(tmp_path, capsys):
+    """An encoding whose runs end past the time limit ends the call (exit 3): the next encoding's runs began anyway,
+    compiled and trained whole where a run is one dispatch long, however far past the limit."""
+    tiny = [o for o in TINY if not o.startswith(("task.", "model.max_len", "run.eval_batch_size"))]
+    argv = ["--task", "counting", "--pe", "none,rope", "--seeds", "0", "--workdir", str(tmp_path), *tiny, *COUNTING,
+            "optim.batch_size=8", "run.steps=2", "run.log_every=2", "run.steps_per_dispatch=2"]
+    assert compare_main([*argv, "--time-limit", "1e-9"]) == 3
+    assert "time limit reached: stopped at step 2 with a checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "none" / "seed0" / "result.json").is_file()
+    assert not (tmp_path / "rope" / "seed0").exists()

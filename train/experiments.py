@@ -29,8 +29,8 @@ from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TaskConfig, TrainConfig, build_model, build_task, from_dict, load_config,
                                 longest_length, resolve_config, to_dict)
-from jaxpe.train.loop import (Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TrainLog, progress_bar,
-                              train_loop)
+from jaxpe.train.loop import (Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TimeLimitReached, TrainLog,
+                              progress_bar, train_loop)
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
@@ -518,7 +518,7 @@ def compare_encodings(
     seeds_together: an encoding's unfinished seeds that stand at the same checkpoint train as one program
     (train_seeds); False: one after another.
     time_limit: seconds after which training stops at the end of a dispatch, checkpoints and raises
-    TimeLimitReached (run it again to go on); None: no limit.
+    TimeLimitReached (run it again to go on); runs not begun by then wait for the next call; None: no limit.
     """
     check_time_limit(time_limit)
     if not configs or not seeds:
@@ -576,9 +576,12 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
                   for i, part in enumerate(_fitting(_resumable_together(group, [g[1] for g in group]),
                                                     stackable(group[0][3])))}
     # runs stopped by a NaN/inf loss before go last: their failure again stops the comparison after the others
+    finished_step = None  # the last step of the runs trained last
     for group in sorted(groups.values(), key=lambda group: any((g[1] / NONFINITE_NAME).is_file() for g in group)):
         group_configs, run_dirs = [g[0] for g in group], [g[1] for g in group]
         task, model = group[0][2], group[0][3]
+        if finished_step is not None and deadline is not None and time.time() > deadline:
+            raise TimeLimitReached(finished_step, True)  # runs trained past the limit end the call, as a dispatch does
         log.info("training %s seed(s) %s%s", group_configs[0].model.pe, ", ".join(str(c.run.seed) for c in
                  group_configs), " as one program" if len(group) > 1 else "")
         left = None if deadline is None else max(deadline - time.time(), 0.0)
@@ -586,6 +589,7 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
         for run_dir, result in zip(run_dirs, train_seeds(group_configs, run_dirs, task=task, model=model,
                                                          time_limit=left)):
             results[run_dir] = result
+        finished_step = group_configs[0].run.steps
     results = [results[run_dir] for _, run_dir, _, _, _ in runs]
     metric = results[0]["metric"]
     splits = list(runs[0][2].eval_splits())  # the task's order (result.json sorts its keys)
