@@ -14,7 +14,7 @@ import shutil
 import jax
 import pytest
 
-from test_seeds_together import COUNTING, assert_same_runs, counting, seeded
+from test_seeds_together import COUNTING, RTOL, assert_same_runs, counting, seeded
 from tiny_config import TINY
 from jaxpe.train import experiments
 from jaxpe.train.checkpoint import Checkpoints
@@ -42,6 +42,26 @@ def cut_copy(whole: tuple[pathlib.Path, list[dict]], workdir: pathlib.Path) -> l
     for run_dir in run_dirs:
         (run_dir / "result.json").unlink()
     return run_dirs
+
+
+def test_seeds_out_of_order_with_dropout_and_evaluations_match_their_separate_runs(tmp_path):
+    """Seeds given out of order (2, 0), dropout (each member draws its own run's masks) and evaluations during
+    training, 3 steps a dispatch: each run's results and every train and evaluation record equal its separate
+    run's (one step a dispatch) within RTOL, and the two seeds' models differ."""
+    base = counting("run.steps=4", "run.log_every=2", "run.eval_every=2", "model.dropout=0.2")
+    separate = [experiments.train_and_evaluate(seeded(base, s), tmp_path / "alone" / str(s)) for s in (2, 0)]
+    stacked = counting("run.steps=4", "run.log_every=2", "run.eval_every=2", "model.dropout=0.2",
+                       "run.steps_per_dispatch=3")
+    together = experiments.compare_encodings([stacked], [2, 0], tmp_path / "cmp")["runs"]
+    ours = [tmp_path / "cmp" / "cope" / f"seed{s}" for s in (2, 0)]
+    theirs = [tmp_path / "alone" / str(s) for s in (2, 0)]
+    assert_same_runs(together, separate, (ours, theirs))
+    for mine, alone in zip(ours, theirs, strict=True):
+        evals = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if r["split"] != "train"]
+                 for d in (mine, alone)]
+        assert [(r["step"], r["split"]) for r in evals[0]] == [(r["step"], r["split"]) for r in evals[1]]
+        assert [r["loss"] for r in evals[0]] == pytest.approx([r["loss"] for r in evals[1]], rel=RTOL)
+    assert together[0]["splits"]["valid"]["loss"] != together[1]["splits"]["valid"]["loss"]
 
 
 def test_members_rewound_to_a_common_checkpoint_save_the_later_steps_again(whole, tmp_path):
