@@ -81,7 +81,7 @@ def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_se
     seed 0 still finishes; stacked, seed 0 stopped with it, on every rerun, and its result was never written. Now
     seed 0 trains on without it (here cut by the time limit), and a rerun trains seed 1 apart, after seed 0, so that
     seed 0 goes on from where it stood, not from seed 1's step (under a time limit it never got past it), and ends
-    as the uninterrupted run; the error names seed 1."""
+    as the uninterrupted run; the next rerun names seed 1 in its error."""
     config, cut = counting(*CUTTABLE), cut_copy(whole, tmp_path / "cut")
     for run_dir in cut:
         for step in (4, 6):
@@ -95,11 +95,13 @@ def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_se
     with pytest.raises(TimeLimitReached):  # seed 1 NaN by step 4; seed 0 on from step 2, cut at step 4
         experiments.compare_encodings([config], [0, 1], tmp_path / "cut", time_limit=1e-9)
     assert [experiments.latest_checkpoint_step(d) for d in cut] == [4, 2]
-    with pytest.raises(NonFiniteLossError, match=r"by step 4 \(seed 1;") as error:
+    with pytest.raises(TimeLimitReached):  # seed 0 on from step 4 to the end; seed 1, past the limit, not begun
         experiments.compare_encodings([config], [0, 1], tmp_path / "cut", time_limit=1e-9)
     finished = json.loads((cut[0] / "result.json").read_text())
     assert finished["resumed_from"] == 4
     assert_same_runs([finished], whole[1][:1], ([cut[0]], [whole[0] / "cope" / "seed0"]))
+    with pytest.raises(NonFiniteLossError, match=r"by step 4 \(seed 1;") as error:
+        experiments.compare_encodings([config], [0, 1], tmp_path / "cut")
     assert not (cut[1] / "result.json").exists() and experiments.latest_checkpoint_step(cut[1]) == 2
     assert error.value.seeds == (1,)
     assert (cut[1] / NONFINITE_NAME).is_file() and not (cut[0] / NONFINITE_NAME).exists()
