@@ -23,16 +23,19 @@ from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached
 from jaxpe.train.trainer import Trainer
 from jaxpe.train.workdir import NONFINITE_NAME
 
-# Two seeds, a checkpoint every 2 of 6 steps, 2 steps a dispatch: the runs the tests below cut and resume.
-CUTTABLE = ("run.steps=6", "run.log_every=2", "run.checkpoint_every=2", "run.keep=3", "run.steps_per_dispatch=2",
-            "run.async_checkpoints=false")
+# Two seeds, dropout, a checkpoint and an evaluation every 2 of 6 steps, 2 steps a dispatch: the runs the tests
+# below compare, cut and resume.
+CUTTABLE = ("run.steps=6", "run.log_every=2", "run.checkpoint_every=2", "run.eval_every=2", "run.keep=3",
+            "run.steps_per_dispatch=2", "run.async_checkpoints=false", "model.dropout=0.2")
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict]]:
-    """The uninterrupted comparison of CUTTABLE's seeds 0 and 1 (its workdir and runs), the tests' reference."""
+    """The uninterrupted comparison of CUTTABLE's seeds, given as 1, 0 (its workdir, and its runs in seed order):
+    the tests' reference."""
     workdir = tmp_path_factory.mktemp("whole")
-    return workdir, experiments.compare_encodings([counting(*CUTTABLE)], [0, 1], workdir)["runs"]
+    runs = experiments.compare_encodings([counting(*CUTTABLE)], [1, 0], workdir)["runs"]
+    return workdir, sorted(runs, key=lambda run: run["seed"])
 
 
 def cut_copy(whole: tuple[pathlib.Path, list[dict]], workdir: pathlib.Path) -> list[pathlib.Path]:
@@ -44,24 +47,20 @@ def cut_copy(whole: tuple[pathlib.Path, list[dict]], workdir: pathlib.Path) -> l
     return run_dirs
 
 
-def test_seeds_out_of_order_with_dropout_and_evaluations_match_their_separate_runs(tmp_path):
-    """Seeds given out of order (2, 0), dropout (each member draws its own run's masks) and evaluations during
-    training, 3 steps a dispatch: each run's results and every train and evaluation record equal its separate
+def test_seeds_out_of_order_with_dropout_and_evaluations_match_their_separate_runs(whole, tmp_path):
+    """Seeds given out of order (1, 0), dropout (each member draws its own run's masks) and evaluations during
+    training, 2 steps a dispatch: each run's results and every train and evaluation record equal its separate
     run's (one step a dispatch) within RTOL, and the two seeds' models differ."""
-    base = counting("run.steps=4", "run.log_every=2", "run.eval_every=2", "model.dropout=0.2")
-    separate = [experiments.train_and_evaluate(seeded(base, s), tmp_path / "alone" / str(s)) for s in (2, 0)]
-    stacked = counting("run.steps=4", "run.log_every=2", "run.eval_every=2", "model.dropout=0.2",
-                       "run.steps_per_dispatch=3")
-    together = experiments.compare_encodings([stacked], [2, 0], tmp_path / "cmp")["runs"]
-    ours = [tmp_path / "cmp" / "cope" / f"seed{s}" for s in (2, 0)]
-    theirs = [tmp_path / "alone" / str(s) for s in (2, 0)]
-    assert_same_runs(together, separate, (ours, theirs))
-    for mine, alone in zip(ours, theirs, strict=True):
+    alone = counting(*CUTTABLE, "run.steps_per_dispatch=1", "run.checkpoint_every=0")
+    separate = [experiments.train_and_evaluate(seeded(alone, s), tmp_path / str(s)) for s in (0, 1)]
+    ours, theirs = [whole[0] / "cope" / f"seed{s}" for s in (0, 1)], [tmp_path / str(s) for s in (0, 1)]
+    assert_same_runs(whole[1], separate, (ours, theirs))
+    for mine, its in zip(ours, theirs, strict=True):
         evals = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if r["split"] != "train"]
-                 for d in (mine, alone)]
+                 for d in (mine, its)]
         assert [(r["step"], r["split"]) for r in evals[0]] == [(r["step"], r["split"]) for r in evals[1]]
         assert [r["loss"] for r in evals[0]] == pytest.approx([r["loss"] for r in evals[1]], rel=RTOL)
-    assert together[0]["splits"]["valid"]["loss"] != together[1]["splits"]["valid"]["loss"]
+    assert whole[1][0]["splits"]["valid"]["loss"] != whole[1][1]["splits"]["valid"]["loss"]
 
 
 def test_members_rewound_to_a_common_checkpoint_save_the_later_steps_again(whole, tmp_path):
