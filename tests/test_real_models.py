@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxpe
+from tiny_config import xla_flags
 
 CONTEXTUAL = ("cope", "corope")  # the encodings with blockwise and fused implementations
 INDEX_BASED = ("learned", "sinusoidal", "amspe", "rope", "alibi", "relative")
@@ -225,7 +226,7 @@ SHARDED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_tensor_parallel_over_heads_equals_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("ok") == 4

@@ -13,7 +13,7 @@ from jaxpe.train.cli import eval_main
 from jaxpe.train.config import build_config, build_task, resolve_config, to_dict
 from jaxpe.train.experiments import _finished_result, restore_run, train_and_evaluate
 from jaxpe.train.workdir import check_same_run
-from tiny_config import ROOT, cli_env, tiny
+from tiny_config import ROOT, cli_env, tiny, xla_flags
 
 DOCS = ROOT / "docs" / "training.md"
 
@@ -41,7 +41,7 @@ def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
     prompt = np.frombuffer(b"def main(", np.uint8).astype(np.int32)[None]
     expected = np.asarray(run.model.apply({"params": run.state.params}, prompt))
     check = 'np.save("logits.npy", np.asarray(logits)); print(jax.device_count(), run.config.run.num_devices)'
-    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = cli_env(XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", f"import jax\n{docs_block()}\n{check}"], env=env,
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

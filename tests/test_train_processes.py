@@ -12,7 +12,7 @@ import pytest
 
 from jaxpe.train.experiments import train_and_evaluate
 
-from tiny_config import cli_command, cli_env, tiny, wait_for
+from tiny_config import cli_command, cli_env, tiny, wait_for, xla_flags
 
 
 def records(workdir: pathlib.Path, split: str) -> list[dict]:
@@ -58,7 +58,7 @@ def launch_two_processes(workdir: pathlib.Path, steps: list[str]) -> list[str]:
     processes = [
         subprocess.Popen(
             cli_command(workdir, *steps, "run.num_devices=0"),
-            env=cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAXPE_COORDINATOR=coordinator,
+            env=cli_env(XLA_FLAGS=xla_flags(1), JAXPE_COORDINATOR=coordinator,
                     JAXPE_NUM_PROCESSES="2", JAXPE_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

@@ -18,6 +18,7 @@ TINY = [
     "run.progress=false", "run.num_devices=1",
 ]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CLI = "import sys; from jaxpe.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))"
 
 
@@ -35,6 +36,13 @@ def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
 def cli_env(**extra: str) -> dict[str, str]:
     """This process's environment, the checkout importable, `extra` set."""
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def xla_flags(devices: int) -> str:
+    """This process's XLA_FLAGS (the suite's compile-fast settings, conftest.py) with `devices` host devices: a
+    subprocess given only the device count compiles at XLA's defaults, several times slower."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
 
 
 def wait_for(condition: Callable[[], bool], process: subprocess.Popen, what: str, timeout: float = 600) -> None:
