@@ -47,7 +47,7 @@ from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padding, masked_softmax_attention,
                                     qk_logits, resolve_sm_scale, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
-from jaxpe.validation import (check_array, check_attention_mask, check_bool, check_choice,
+from jaxpe.validation import (as_bool, check_array, check_attention_mask, check_bool, check_choice,
                               check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask,
                               check_pos_emb, check_positive_number, check_qkv, check_queries_last,
                               check_sm_scale, open_attention)
@@ -91,6 +91,7 @@ def cope_positions(q: jax.Array, k: jax.Array, *, npos: int, sm_scale: float | j
     key when causal=False (positions then count gates both ways, see the module docstring); talking_heads [Hq, Hq]
     mixes the gate logits across heads before the sigmoid (x-transformers).
     """
+    causal = as_bool("causal", causal)
     _check_position_inputs(q, k, gate_k, npos=npos, talking_heads=talking_heads, mask=mask, causal=causal,
                            sm_scale=sm_scale)
     sm_scale = resolve_sm_scale(sm_scale, q)
@@ -290,6 +291,7 @@ def cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
     across an integer and so pick the other one-sided slope of the interpolation).
     A symbolic length (jax.export) runs "reference" in one block, or "blockwise".
     """
+    causal = as_bool("causal", causal)
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
     _, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)

@@ -39,7 +39,7 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (fold_padding, masked_softmax_attention, qk_logits, resolve_sm_scale,
                                      reverse_cumsum, visibility_mask, warn_dense_logits)
-from jaxpe.validation import (check_attention_mask, check_bool, check_corope_inputs, check_even_head_dim,
+from jaxpe.validation import (as_bool, check_attention_mask, check_corope_inputs, check_even_head_dim,
                               check_padding_mask, check_positive_number, check_qkv, check_queries_last,
                               check_sm_scale, open_attention)
 
@@ -57,7 +57,7 @@ def corope_mileage(q: jax.Array, k: jax.Array, *, sm_scale: float | jax.Array | 
     check_sm_scale(sm_scale)
     check_attention_mask(mask, q.shape[0], q.shape[1], k.shape[1])
     check_queries_last(q, k, mask)
-    check_bool("causal", causal)
+    causal = as_bool("causal", causal)
     if not causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal=False is self-attention: q and k must have the same length, got Lq={q.shape[1]}, "
                          f"Lk={k.shape[1]}")
@@ -160,6 +160,7 @@ def corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float =
     else "pallas", when lowered for CUDA; never "pallas" where jax-triton is installed); "auto" runs "blockwise" for
     inputs that fused path refuses.
     """
+    causal = as_bool("causal", causal)
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
     check_inv_freq(inv_freq, q.shape[3])

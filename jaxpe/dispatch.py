@@ -9,6 +9,8 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal
@@ -82,7 +84,14 @@ def run_path(operation: str, impl: str, call: Any, compiled: bool = False) -> An
 def refusal(operation: str, impl: str, call: Any) -> Exception | None:
     """The error path `impl` of `operation` raises for this call (REFUSALS), None where it takes it."""
     name = REFUSALS.get((operation, impl))
-    return None if name is None else _load(name)(call)
+    return None if name is None else _load(name)(_as_jax_arrays(call))
+
+
+def _as_jax_arrays(call: Any) -> Any:
+    """The call (a NamedTuple) with its NumPy arrays as the jax arrays jax computes with: a NumPy float64 array is
+    float32 without jax_enable_x64, as the XLA paths take it, so that the fused paths, which check their dtype
+    before any jax operation, see the same (they refused it as float64)."""
+    return type(call)(*(jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in call))
 
 
 def native_triton_refusal(call: Any) -> Exception | None:
@@ -93,7 +102,9 @@ def native_triton_refusal(call: Any) -> Exception | None:
 
 
 def run_chosen(operation: str, choice: Choice, call: Any) -> Any:
-    """`run_for_platform` over the table: the chosen path of `operation` for each platform the call is lowered for."""
+    """`run_for_platform` over the table: the chosen path of `operation` for each platform the call is lowered for, on
+    the call's NumPy arrays as jax arrays (`_as_jax_arrays`)."""
+    call = _as_jax_arrays(call)
     return run_for_platform(choice, lambda impl, compiled: run_path(operation, impl, call, compiled))
 
 

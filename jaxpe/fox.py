@@ -36,7 +36,7 @@ from jaxpe.kv_cache import update_cache
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import masked_softmax_attention, qk_logits, resolve_sm_scale, visibility_mask
-from jaxpe.validation import check_array, check_qkv, check_sm_scale, check_wide_float, open_attention
+from jaxpe.validation import as_bool, check_array, check_qkv, check_sm_scale, check_wide_float, open_attention
 
 
 def check_log_fgate(log_fgate: jax.Array, q: jax.Array) -> None:
@@ -100,6 +100,7 @@ def forgetting_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: ja
         raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
     check_log_fgate(log_fgate, q)
     check_sm_scale(sm_scale)
+    causal = as_bool("causal", causal)
     empty, segment_ids, window = open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
     impl = resolve_unfused_impl(impl, q.shape[1], encoding="fox", batch_heads=q.shape[0] * q.shape[2], causal=causal)
     if empty:

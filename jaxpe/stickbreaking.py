@@ -34,7 +34,7 @@ from jaxpe.kernels.stickbreaking_blockwise import stickbreaking_attention_blockw
 from jaxpe.registry import PEConfig, register
 from jaxpe.sharding import partitioned
 from jaxpe.softmax_attention import qk_logits, repeat_kv, resolve_sm_scale, visibility_mask
-from jaxpe.validation import check_bool, check_qkv, check_sm_scale, open_attention
+from jaxpe.validation import as_bool, check_bool, check_qkv, check_sm_scale, open_attention
 
 
 def stickbreaking_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array,
@@ -73,8 +73,8 @@ def stickbreaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scal
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must have the same length, got Lq={q.shape[1]}, Lk={k.shape[1]}")
     check_sm_scale(sm_scale)
-    check_bool("attend_current", attend_current)
-    check_bool("return_remainder", return_remainder)
+    attend_current = as_bool("attend_current", attend_current)
+    return_remainder = as_bool("return_remainder", return_remainder)
     empty, segment_ids, window = open_attention(q, causal=True, segment_ids=segment_ids, window=window)
     impl = resolve_unfused_impl(impl, q.shape[1], encoding="stickbreaking", batch_heads=q.shape[0] * q.shape[2])
     if empty:

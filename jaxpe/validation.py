@@ -16,7 +16,7 @@ from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask
                         check_pos_emb, check_positive, check_qkv, check_rank, check_segment_ids, check_sm_scale,
                         check_wide_float, check_window, is_int, open_attention)
 
-__all__ = ["FUSED_IMPLS", "IMPLS", "check_array", "check_attention_mask", "check_bool", "check_choice",
+__all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
            "check_float_dtype", "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int",
            "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv",
@@ -40,6 +40,14 @@ def check_bool(name: str, value: Any) -> None:
     """Raise ValueError unless `value` is a bool (not 0/1, not a string)."""
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be a bool")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """`value` as a Python bool where it is a bool or NumPy's bool (a flag taken from a NumPy grid or array), as a
+    size may be a NumPy integer; ValueError otherwise (not 0/1, not a string, not a jax array, which may be traced)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    return bool(value)
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:
