@@ -108,6 +108,11 @@ def check_even_head_dim(d: int) -> None:
         raise ValueError(f"head dim D={d} must be even and >= 2 for rotary encodings")
 
 
+def computed_dtype(x: jax.Array | np.ndarray) -> np.dtype:
+    """The dtype jax computes `x` in: a NumPy float64 array is float32 without jax_enable_x64."""
+    return jax.dtypes.canonicalize_dtype(x.dtype)
+
+
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int]:
     """Validate q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; return (Hkv, G = Hq // Hkv)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -117,7 +122,7 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int]:
         raise ValueError(f"k and v must have the same shape, got k.shape={k.shape}, v.shape={v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must share batch and head dim, got q.shape={q.shape}, k.shape={k.shape}")
-    if not (q.dtype == k.dtype == v.dtype):
+    if not (computed_dtype(q) == computed_dtype(k) == computed_dtype(v)):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
     hq, hkv = q.shape[2], k.shape[2]
     if hq < 1 or hkv < 1 or q.shape[3] < 1:
@@ -145,11 +150,13 @@ def check_pos_emb(pos_emb: jax.Array, num_heads: int, head_dim: int) -> None:
 
 
 def check_gate_k(gate_k: jax.Array, k: jax.Array) -> None:
-    """Separate gate keys have k's shape and dtype."""
+    """Separate gate keys have k's shape (ValueError) and dtype (TypeError)."""
     check_array("gate_k", gate_k, "B L Hkv D")
-    if gate_k.shape != k.shape or gate_k.dtype != k.dtype:
-        raise ValueError(f"gate_k must match k, got gate_k.shape={tuple(gate_k.shape)} dtype={gate_k.dtype}, "
-                         f"k.shape={tuple(k.shape)} dtype={k.dtype}")
+    if gate_k.shape != k.shape:
+        raise ValueError(f"gate_k must match k's shape, got gate_k.shape={tuple(gate_k.shape)}, "
+                         f"k.shape={tuple(k.shape)}")
+    if computed_dtype(gate_k) != computed_dtype(k):
+        raise TypeError(f"gate_k must match k's dtype, got gate_k.dtype={gate_k.dtype}, k.dtype={k.dtype}")
 
 
 def check_cope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,

@@ -610,8 +610,10 @@ def test_cope_pos_emb_and_gate_k_errors():
         jaxpe.cope_attention(q, q, q, jnp.ones((3, 5, 4)), impl="reference")
     with pytest.raises(TypeError, match="pos_emb must be a floating-point array"):
         jaxpe.cope_attention(q, q, q, jnp.ones((5, 4), jnp.int32), impl="reference")
-    with pytest.raises(ValueError, match="gate_k must match k"):
+    with pytest.raises(ValueError, match=r"gate_k must match k's shape, got gate_k.shape=\(1, 4, 1, 4\)"):
         jaxpe.cope_attention(q, q, q, jnp.ones((5, 4)), gate_k=jnp.ones((1, 4, 1, 4)), impl="reference")
+    with pytest.raises(TypeError, match="gate_k must match k's dtype, got gate_k.dtype=bfloat16"):
+        jaxpe.cope_attention(q, q, q, jnp.ones((5, 4)), gate_k=q.astype(jnp.bfloat16), impl="reference")
 
 
 def test_rope_input_errors():

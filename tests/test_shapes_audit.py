@@ -169,16 +169,13 @@ def test_numpy_float64_inputs_are_float32_in_the_fused_paths(op, impl):
     np.testing.assert_allclose(out, _numpy(op, arrays), atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="jaxpe/base.py check_qkv compares q.dtype == k.dtype == v.dtype as given, so "
-                                       "a NumPy float64 k, v (float32 to jax without jax_enable_x64) beside a float32 "
-                                       "q is refused as a dtype mismatch; the fix compares the dtypes jax computes in "
-                                       "(jax.dtypes.canonicalize_dtype)")
-def test_numpy_float64_keys_beside_float32_queries_are_float32():
-    """q a float32 jax array, k and v NumPy float64 arrays (the default of np.random): without jax_enable_x64 all three
-    are float32 to jax, and attention computes the restatement in float32."""
+@pytest.mark.parametrize("op, impl", [("cope", "pallas"), ("corope", "blockwise"), ("fox", "pallas"),
+                                      ("stickbreaking", "reference")])
+def test_numpy_float64_keys_beside_float32_queries_are_float32(op, impl):
+    """q a float32 jax array, k, v (and CoPE's table, FoX's gates) NumPy float64 arrays (the default of np.random):
+    without jax_enable_x64 all are float32 to jax, and attention computes the restatement in float32."""
     assert not jax.config.jax_enable_x64
-    arrays = _inputs("stickbreaking", 1, 5, 3, 1, 8)
-    out = jaxpe.stickbreaking_attention(jnp.asarray(arrays["q"], jnp.float32), arrays["k"], arrays["v"],
-                                        impl="reference")
+    arrays = _inputs(op, 1, 5, 3, 1, 8)
+    out = _jaxpe(op, impl)(jnp.asarray(arrays["q"], jnp.float32), arrays["k"], arrays["v"], arrays.get("extra"))
     assert out.dtype == jnp.float32
-    np.testing.assert_allclose(out, _numpy("stickbreaking", arrays), atol=1e-5)
+    np.testing.assert_allclose(out, _numpy(op, arrays), atol=1e-5)
