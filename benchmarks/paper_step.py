@@ -14,6 +14,8 @@ plugin or Perfetto reads it).
     python benchmarks/paper_step.py --quick --out FILE                                      # CPU, tiny sizes
     python benchmarks/paper_step.py --preset cpu-small --pe cope --dtype float32 --steps-per-dispatch 50 \
         --alone-at-k --out results/bench/paper_step_cpu_small.json                         # CPU, ~1 min
+    python benchmarks/paper_step.py --preset cpu-small --pe cope --dtype float32 --steps-per-dispatch 50 \
+        --alone-at-k --seeds-at-once 1,3 --set run.pad_to=block --out FILE       # stacked seeds in turn / side by side
 
 Writes --out: device, versions, date, the config and every variant's figures.
 """
@@ -81,7 +83,8 @@ def variant(preset: str, pe: str, dtype: str, seeds: tuple[int, ...] | None, per
 
     first, seconds = timed(dispatch, repeats)
     if profile is not None:
-        with jax.profiler.trace(str(profile / f"{pe}_{dtype}_{'x'.join(map(str, seeds or (0,)))}_{per_dispatch}")):
+        name = f"{pe}_{dtype}_{'x'.join(map(str, seeds or (0,)))}_{per_dispatch}_{config.run.seeds_at_once}"
+        with jax.profiler.trace(str(profile / name)):
             jax.block_until_ready(dispatch()[0])
     median = statistics.median(seconds)
     members = trainer.members
@@ -96,33 +99,44 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32,bfloat16")
     parser.add_argument("--seeds", type=int, default=3, help="models stacked in the program (default 3)")
     parser.add_argument("--steps-per-dispatch", type=int, default=100)
+    parser.add_argument("--seeds-at-once", default="0",
+                        help="run.seeds_at_once of the stacked variant, comma-separated for one variant each "
+                             "(default 0: auto, one on a CPU, all on an accelerator)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--preset", default="paper", help="the training preset (default paper)")
     parser.add_argument("--alone-at-k", action="store_true",
                         help="also time one model at K steps a dispatch (what stacking alone changes)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant (e.g. run.pad_to=block: every batch at the full "
+                             "block), repeatable")
     parser.add_argument("--profile", type=pathlib.Path, help="write a jax.profiler trace of each variant here")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args()
     _malloc.keep_freed_memory()  # as jaxpe-train does: a step reuses the pages the last one freed
-    overrides = QUICK if args.quick else []
+    overrides = [*(QUICK if args.quick else []), *args.set]
     per_dispatch = 4 if args.quick else args.steps_per_dispatch
     rows = []
     for pe in args.pe.split(","):
         for dtype in args.dtype.split(","):
             alone = variant(args.preset, pe, dtype, None, 1, overrides, args.repeats * 10, args.profile)
-            stacked = variant(args.preset, pe, dtype, tuple(range(args.seeds)), per_dispatch, overrides,
-                              args.repeats, args.profile)
-            stacked["model_step_vs_alone"] = round(stacked["ms_per_model_step"] / alone["ms_per_model_step"], 3)
-            rows += [alone, stacked]
-            line = (f"{pe} {dtype}: alone {alone['ms_per_model_step']:.2f} ms, {args.seeds} stacked "
-                    f"{stacked['ms_per_model_step']:.2f} ms per model-step (compile {stacked['compile_s']:.0f} s)")
-            if args.alone_at_k:
-                alone_k = variant(args.preset, pe, dtype, None, per_dispatch, overrides, args.repeats, args.profile)
-                stacked["model_step_vs_alone_at_k"] = round(stacked["ms_per_model_step"]
-                                                            / alone_k["ms_per_model_step"], 3)
-                rows.append(alone_k)
+            alone_k = (variant(args.preset, pe, dtype, None, per_dispatch, overrides, args.repeats, args.profile)
+                       if args.alone_at_k else None)
+            rows += [alone] + ([alone_k] if alone_k else [])
+            line = f"{pe} {dtype}: alone {alone['ms_per_model_step']:.2f} ms"
+            if alone_k:
                 line += f", alone at K {alone_k['ms_per_model_step']:.2f} ms"
+            for at_once in args.seeds_at_once.split(","):
+                stacked = variant(args.preset, pe, dtype, tuple(range(args.seeds)), per_dispatch,
+                                  [*overrides, f"run.seeds_at_once={at_once}"], args.repeats, args.profile)
+                stacked["seeds_at_once"] = int(at_once)
+                stacked["model_step_vs_alone"] = round(stacked["ms_per_model_step"] / alone["ms_per_model_step"], 3)
+                if alone_k:
+                    stacked["model_step_vs_alone_at_k"] = round(stacked["ms_per_model_step"]
+                                                                / alone_k["ms_per_model_step"], 3)
+                rows.append(stacked)
+                line += (f", {args.seeds} stacked ({at_once} at once) {stacked['ms_per_model_step']:.2f} ms per "
+                         f"model-step (compile {stacked['compile_s']:.0f} s)")
             print(line, flush=True)
     device = jax.devices()[0]
     result = {"benchmark": "benchmarks/paper_step.py", "preset": args.preset, "quick": args.quick,

@@ -12,6 +12,7 @@ compiling these programs and their numerics (`pytest -m gpu`, docs/reports/kerne
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from typing import Callable
@@ -177,7 +178,8 @@ def test_stacked_models_lower_for_cuda_with_the_native_kernels(pe):
 @pytest.mark.parametrize("pe", CONTEXTUAL)
 def test_the_stacked_dispatch_of_the_training_package_lowers_for_cuda(pe):
     """What the GPU sweep runs, jaxpe.train's own program: three seeds stacked, up to K steps a dispatch over the
-    training set on the device (Trainer.train_steps), lowered for CUDA with the native kernels in its loops."""
+    training set on the device (Trainer.train_steps), lowered for CUDA with the native kernels in its loops; with
+    run.seeds_at_once=1 (a CPU's default) the seeds in turn lower too."""
     if (reason := triton_skip_reason()) is not None:
         pytest.skip(reason)
     import numpy as np
@@ -189,14 +191,18 @@ def test_the_stacked_dispatch_of_the_training_package_lowers_for_cuda(pe):
     config = build_config(task="counting", pe=pe, overrides=[
         "task.seq_len=24", "task.n_train=32", "task.max_steps=5", "model.d_model=16", f"model.num_layers={NUM_LAYERS}",
         "model.num_heads=2", "model.dropout=0.0", "optim.batch_size=8", "run.steps_per_dispatch=4",
-        "run.num_devices=1"])
+        "run.num_devices=1", "run.seeds_at_once=3"])  # side by side, as on a GPU (a CPU takes them in turn)
     task = build_task(config)
     trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
                       seq_len=task.seq_len, seeds=(0, 1, 2))
     chunk = Feed(trainer, task).steps(0, 4)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-    module = trainer.train_steps.trace(abstract(jax.eval_shape(trainer.init_state)), abstract(chunk.data),
-                                       abstract(chunk.rows), np.int32(chunk.steps), chunk.length).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert sum(kernel_calls(module, target) for target in JAX_TRITON_CALLS) == 2 * NUM_LAYERS  # forward, backward
-    assert kernel_calls(module, PALLAS_CALL) == 0 and "stablehlo.while" in module
+    for in_turn in (False, True):
+        if in_turn:
+            config = dataclasses.replace(config, run=dataclasses.replace(config.run, seeds_at_once=1))
+            trainer = Trainer(model=trainer.model, config=config, seq_len=task.seq_len, seeds=(0, 1, 2))
+        module = trainer.train_steps.trace(abstract(jax.eval_shape(trainer.init_state)), abstract(chunk.data),
+                                           abstract(chunk.rows), np.int32(chunk.steps), chunk.length).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert sum(kernel_calls(module, target) for target in JAX_TRITON_CALLS) == 2 * NUM_LAYERS  # fwd, bwd
+        assert kernel_calls(module, PALLAS_CALL) == 0 and "stablehlo.while" in module

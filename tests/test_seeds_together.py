@@ -25,7 +25,7 @@ from jaxpe.train.config import TrainConfig, build_config, build_task
 from jaxpe.train.loop import Hook, TimeLimitReached, chunk_end
 from jaxpe.train.tasks.base import FixedTrainSet
 
-RTOL = 1e-5  # stacked (vmapped) models against separate runs: float32 rounding of batched matmuls
+RTOL = 1e-5  # stacked models against separate runs: float32 rounding of batched (vmapped) matmuls
 COUNTING = ["task.seq_len=24", "task.n_train=96", "task.max_steps=5", "task.n_valid=16", "task.n_test=16",
             "run.eval_batch_size=16"]
 
@@ -68,6 +68,52 @@ def test_seeds_as_one_program_match_separate_runs(tmp_path):
     assert_same_runs(together, separate, dirs)
     assert len({r["splits"]["valid"]["loss"] for r in separate}) == 3  # three different models
     assert {r["config"]["run"]["steps_per_dispatch"] for r in together} == {4}
+
+
+@pytest.mark.parametrize("at_once", [1, 2, 3])
+def test_seeds_side_by_side_or_in_turn_step_as_separate_runs(at_once):
+    """run.seeds_at_once: three stacked seeds one at a time (jax.lax.map), two side by side and then the third (a
+    remainder), or all three (vmap): two training steps and an evaluation of each member equal those of the seed's
+    own Trainer, and the evaluation metrics differ between seeds."""
+    import jax
+
+    from jaxpe.train import Trainer
+    from jaxpe.train.config import build_model, longest_length
+
+    config = counting(f"run.seeds_at_once={at_once}")
+    task = build_task(config)
+    model = build_model(config.model, task.vocab_size, longest_length(task))
+    stacked = Trainer(model=model, config=config, seq_len=task.seq_len, seeds=(0, 1, 2))
+    batches = [stacked.put(stacked.pad(task.train_batch(step, 8))) for step in range(2)]
+    state = stacked.init_state()
+    for batch in batches:
+        state, sums = stacked.train_step(state, batch)
+    evaluated = stacked.eval_step(state.params, batches[0])
+    for member, seed in enumerate((0, 1, 2)):
+        alone = Trainer(model=model, config=seeded(config, seed), seq_len=task.seq_len)
+        own = alone.init_state()
+        for batch in batches:
+            own, own_sums = alone.train_step(own, batch)
+        ours = stacked.unstack(state)[member]
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(own), strict=True):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7)
+        for name, value in alone.eval_step(own.params, batches[0]).items():
+            np.testing.assert_allclose(evaluated[name][member], value, rtol=RTOL, err_msg=name)
+        for name, value in own_sums.items():
+            np.testing.assert_allclose(stacked.unstack(sums)[member][name], value, rtol=RTOL, err_msg=name)
+    assert len({float(nll) for nll in evaluated["nll"]}) == 3
+
+
+def test_seeds_at_once_resolves_per_platform_and_is_checked():
+    """0 (auto) is one seed at a time on a CPU and every seed elsewhere; a number is taken up to the seeds there
+    are; a negative or fractional run.seeds_at_once is a ValueError naming it."""
+    from jaxpe.train.trainer import members_at_once
+
+    assert [members_at_once(0, 3, p) for p in ("cpu", "gpu", "tpu")] == [1, 3, 3]
+    assert [members_at_once(n, 3, "cpu") for n in (1, 2, 3, 8)] == [1, 2, 3, 3]
+    for bad in ("-1", "1.5"):
+        with pytest.raises(ValueError, match="run.seeds_at_once"):
+            counting(f"run.seeds_at_once={bad}")
 
 
 def test_several_steps_a_dispatch_match_one_at_a_time_with_host_batches(tmp_path):

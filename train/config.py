@@ -122,6 +122,9 @@ class RunConfig:
     # is due, or before a batch of another padded length); above 1, a task with a fixed training set (counting) keeps
     # it on the device
     steps_per_dispatch: int = 1
+    # stacked seeds (jaxpe-compare --seeds) a step computes side by side (vmap), the groups of them in turn in the same
+    # program; 0 = auto: one on a CPU (each seed's arrays stay cache-sized), all on an accelerator (filling it)
+    seeds_at_once: int = 0
     # compile the evaluation steps in a background thread while training runs (Trainer.compile_ahead): "auto" on
     # accelerators (their host is idle), "on" on a CPU too, "off" never
     compile_ahead: str = "auto"
@@ -132,7 +135,8 @@ class RunConfig:
         _check_at_least(self, "run", ("steps", "log_every", "keep", "eval_batch_size", "pad_multiple",
                                       "steps_per_dispatch"), 1,
                         integer=True)
-        _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices", "seed"), 0, integer=True)
+        _check_at_least(self, "run", ("eval_every", "checkpoint_every", "num_devices", "seed", "seeds_at_once"), 0,
+                        integer=True)
         if self.seed > MAX_SEED:  # stacked seeds are int32, and PRNGKey keeps 32 bits of a seed: 2^32 is seed 0
             raise ValueError(f"run.seed={self.seed} must be <= {MAX_SEED} (seeds are 32-bit)")
         if self.steps > MAX_STEPS:

@@ -3,8 +3,10 @@ The model and task it trains are built from the config by jaxpe.train.config (bu
 
 Several seeds of one configuration can train as one program: with `seeds`, the state holds S models stacked along a
 leading member axis (parameters, optimizer state, step and dropout key each [S, ...]), initialised as the S separate
-runs would be, and the train and eval steps are `vmap`ped over it with the batch shared (a task's data does not depend
-on run.seed). Steps run several at a time (`train_steps`: a loop over up to K batches in one dispatch).
+runs would be, and the train and eval steps are mapped over it with the batch shared (a task's data does not depend
+on run.seed): run.seeds_at_once members side by side (`vmap`), those groups in turn in the same program
+(`jax.lax.map`; `over_members`). Steps run several at a time (`train_steps`: a loop over up to K batches in one
+dispatch).
 
 B batch, L length, V vocabulary, S members (seeds), K steps per dispatch.
 """
@@ -50,6 +52,30 @@ def run_mesh(config: TrainConfig) -> jax.sharding.Mesh:
     for what, size in batch_sizes.items():
         distributed.check_batch_size(size, mesh, what)
     return mesh
+
+
+def members_at_once(seeds_at_once: int, members: int, platform: str) -> int:
+    """How many of `members` stacked seeds a step computes side by side: run.seeds_at_once, or for 0 (auto) one on a
+    CPU (each member's arrays stay the size of a lone run's, in the caches: a cpu-small CoPE step at L 128 then costs
+    a member 1.01x a lone step, against 1.33x all side by side, benchmarks/paper_step.py --seeds-at-once) and all of
+    them on an accelerator (one program as wide as S runs fills it)."""
+    if seeds_at_once == 0:
+        return 1 if platform == "cpu" else members
+    return min(seeds_at_once, members)
+
+
+def over_members(fn: Callable[[Any, Any], Any], at_once: int) -> Callable[[Any, Any], Any]:
+    """fn(member, shared) -> out as a function of (members, shared): mapped over the leading member axis S of the
+    `members` tree (`shared`, e.g. a batch, the same for each), `at_once` members side by side (vmap) and those
+    groups in turn (jax.lax.map), in one program; out leaves [S, ...]."""
+
+    def mapped(members: Any, shared: Any) -> Any:
+        count = jax.tree.leaves(members)[0].shape[0]
+        if at_once >= count:
+            return jax.vmap(fn, in_axes=(0, None))(members, shared)
+        return jax.lax.map(lambda member: fn(member, shared), members, batch_size=None if at_once == 1 else at_once)
+
+    return mapped
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -118,7 +144,8 @@ class Trainer:
                 raise ValueError(f"seeds={self.seeds!r} must each be in [0, {MAX_SEED}], as run.seed is")
             seeds = jnp.asarray(self.seeds, jnp.int32)  # [S]
             init = functools.partial(jax.vmap(init_one), seeds)
-            step, eval_step = jax.vmap(step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
+            at_once = members_at_once(config.run.seeds_at_once, len(self.seeds), self.mesh.devices.flat[0].platform)
+            step, eval_step = over_members(step, at_once), over_members(eval_step, at_once)
 
         traced_once = jax.jit(step)  # inside `steps`: its shapes and its loop body share one trace
 

@@ -31,10 +31,10 @@ from jaxpe.train.tasks.base import json_object
 LOCK_NAME = ".jaxpe.lock"
 
 # Run fields that may change between a run and its resumption: length, bookkeeping, the device layout and how steps
-# are dispatched and compiled; batch lengths and steps a dispatch change no metric and no data position.
+# are dispatched and compiled; batch lengths, steps a dispatch and seeds at once change no metric and no data position.
 RESUMABLE_RUN_FIELDS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints",
                         "eval_batch_size", "eval_splits", "num_devices", "fsdp", "progress", "tensorboard",
-                        "pad_to", "pad_multiple", "steps_per_dispatch", "compile_ahead")
+                        "pad_to", "pad_multiple", "steps_per_dispatch", "seeds_at_once", "compile_ahead")
 # Model fields that may change too: how the same maths is computed (model.impl: the attention kernel; model.remat: what
 # the backward recomputes). The parameters and optimizer state are the same trees: a run started on a CPU resumes on a
 # GPU with impl="triton", or with remat after running out of memory (its steps then equal to float rounding).
@@ -45,7 +45,7 @@ RESUMABLE_FIELDS = (*(f"run.{name}" for name in RESUMABLE_RUN_FIELDS),
 # checkpoints, the display, how many steps a dispatch): jaxpe-compare reuses a finished run that differs in these only
 # (and in RESUMABLE_MODEL_FIELDS).
 REUSABLE_RESULT_FIELDS = ("log_every", "eval_every", "checkpoint_every", "keep", "async_checkpoints", "eval_splits",
-                          "progress", "tensorboard", "steps_per_dispatch", "compile_ahead")
+                          "progress", "tensorboard", "steps_per_dispatch", "seeds_at_once", "compile_ahead")
 
 # What a run leaves in its workdir: one of these without a config.json is state of unknown origin.
 RUN_STATE = ("checkpoints", "metrics.jsonl", "result.json")
