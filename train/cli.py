@@ -124,11 +124,9 @@ def step_number(text: str) -> int:
 
 def int_list(text: str, *, minimum: int, maximum: int | None = None) -> list[int]:
     """Comma-separated integers in [minimum, maximum] (None: no upper bound), each given once (argparse type, through
-    functools.partial)."""
-    try:
-        values = [int(s) for s in text.split(",") if s]
-    except ValueError:
-        values = []
+    functools.partial): ASCII digits around each comma, no empty entry ("0,,1" is refused, not read as 0,1)."""
+    parts = [s.strip() for s in text.split(",")]
+    values = [int(s) for s in parts] if all(s.isascii() and s.isdigit() for s in parts) else []
     bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if not values or any(v < minimum or maximum is not None and v > maximum for v in values):
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers {bound}, e.g. "

@@ -631,10 +631,10 @@ def _resumable_together(members: list[Any], run_dirs: Sequence[pathlib.Path]) ->
     (seeds added to a cut comparison keep their progress; stacked otherwise, their last bits may differ). A seed
     whose loss became NaN/inf before (its workdir's NONFINITE_NAME) trains apart, last: the others neither go back to
     its step nor stop with it again (under a time limit they would never get past it)."""
-    apart = [[member] for member, run_dir in zip(members, run_dirs) if (run_dir / NONFINITE_NAME).is_file()]
-    if apart:
-        rest = [(member, run_dir) for member, run_dir in zip(members, run_dirs)
-                if not (run_dir / NONFINITE_NAME).is_file()]
+    failed = [(run_dir / NONFINITE_NAME).is_file() for run_dir in run_dirs]
+    if any(failed):
+        rest = [(member, run_dir) for member, run_dir, fail in zip(members, run_dirs, failed) if not fail]
+        apart = [[member] for member, fail in zip(members, failed) if fail]
         return (_resumable_together([m for m, _ in rest], [d for _, d in rest]) if rest else []) + apart
     steps = [set(checkpoint_steps(run_dir)) for run_dir in run_dirs]
     newest = [max(s, default=None) for s in steps]
