@@ -70,38 +70,42 @@ def test_seeds_as_one_program_match_separate_runs(tmp_path):
     assert {r["config"]["run"]["steps_per_dispatch"] for r in together} == {4}
 
 
-@pytest.mark.parametrize("at_once", [1, 2, 3])
-def test_seeds_side_by_side_or_in_turn_step_as_separate_runs(at_once):
+def test_seeds_side_by_side_or_in_turn_step_as_separate_runs():
     """run.seeds_at_once: three stacked seeds one at a time (jax.lax.map), two side by side and then the third (a
-    remainder), or all three (vmap): two training steps and an evaluation of each member equal those of the seed's
-    own Trainer, and the evaluation metrics differ between seeds."""
+    remainder), or all three (vmap): two training steps and an evaluation of each member equal those of the seed
+    alone (its own initial state through one lone Trainer's steps), and the evaluation metrics differ between seeds."""
     import jax
 
     from jaxpe.train import Trainer
     from jaxpe.train.config import build_model, longest_length
 
-    config = counting(f"run.seeds_at_once={at_once}")
+    config = counting()
     task = build_task(config)
     model = build_model(config.model, task.vocab_size, longest_length(task))
-    stacked = Trainer(model=model, config=config, seq_len=task.seq_len, seeds=(0, 1, 2))
-    batches = [stacked.put(stacked.pad(task.train_batch(step, 8))) for step in range(2)]
-    state = stacked.init_state()
-    for batch in batches:
-        state, sums = stacked.train_step(state, batch)
-    evaluated = stacked.eval_step(state.params, batches[0])
-    for member, seed in enumerate((0, 1, 2)):
-        alone = Trainer(model=model, config=seeded(config, seed), seq_len=task.seq_len)
-        own = alone.init_state()
+    lone = Trainer(model=model, config=config, seq_len=task.seq_len)
+    batches = [lone.put(lone.pad(task.train_batch(step, 8))) for step in range(2)]
+    alone = []  # per seed: (state after the steps, the last step's metric sums, the evaluation)
+    for seed in (0, 1, 2):
+        state = Trainer(model=model, config=seeded(config, seed), seq_len=task.seq_len).init_state()
         for batch in batches:
-            own, own_sums = alone.train_step(own, batch)
-        ours = stacked.unstack(state)[member]
-        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(own), strict=True):
-            np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7)
-        for name, value in alone.eval_step(own.params, batches[0]).items():
-            np.testing.assert_allclose(evaluated[name][member], value, rtol=RTOL, err_msg=name)
-        for name, value in own_sums.items():
-            np.testing.assert_allclose(stacked.unstack(sums)[member][name], value, rtol=RTOL, err_msg=name)
-    assert len({float(nll) for nll in evaluated["nll"]}) == 3
+            state, sums = lone.train_step(state, batch)
+        alone.append((state, sums, lone.eval_step(state.params, batches[0])))
+    for at_once in (1, 2, 3):
+        stacked = Trainer(model=model, config=dataclasses.replace(
+            config, run=dataclasses.replace(config.run, seeds_at_once=at_once)), seq_len=task.seq_len, seeds=(0, 1, 2))
+        state = stacked.init_state()
+        for batch in batches:
+            state, sums = stacked.train_step(state, batch)
+        evaluated = stacked.eval_step(state.params, batches[0])
+        for member, (own, own_sums, own_eval) in enumerate(alone):
+            for a, b in zip(jax.tree.leaves(stacked.unstack(state)[member]), jax.tree.leaves(own), strict=True):
+                np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7, err_msg=f"{at_once} at once")
+            for name, value in own_eval.items():
+                np.testing.assert_allclose(evaluated[name][member], value, rtol=RTOL, err_msg=f"{name}, {at_once}")
+            for name, value in own_sums.items():
+                np.testing.assert_allclose(stacked.unstack(sums)[member][name], value, rtol=RTOL,
+                                           err_msg=f"{name}, {at_once}")
+        assert len({float(nll) for nll in evaluated["nll"]}) == 3
 
 
 def test_seeds_at_once_resolves_per_platform_and_is_checked():
