@@ -191,16 +191,14 @@ def test_the_stacked_dispatch_of_the_training_package_lowers_for_cuda(pe):
     config = build_config(task="counting", pe=pe, overrides=[
         "task.seq_len=24", "task.n_train=32", "task.max_steps=5", "model.d_model=16", f"model.num_layers={NUM_LAYERS}",
         "model.num_heads=2", "model.dropout=0.0", "optim.batch_size=8", "run.steps_per_dispatch=4",
-        "run.num_devices=1", "run.seeds_at_once=3"])  # side by side, as on a GPU (a CPU takes them in turn)
+        "run.num_devices=1"])
     task = build_task(config)
-    trainer = Trainer(model=build_model(config.model, task.vocab_size, longest_length(task)), config=config,
-                      seq_len=task.seq_len, seeds=(0, 1, 2))
-    chunk = Feed(trainer, task).steps(0, 4)
+    model = build_model(config.model, task.vocab_size, longest_length(task))
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-    for in_turn in (False, True):
-        if in_turn:
-            config = dataclasses.replace(config, run=dataclasses.replace(config.run, seeds_at_once=1))
-            trainer = Trainer(model=trainer.model, config=config, seq_len=task.seq_len, seeds=(0, 1, 2))
+    for at_once in (3, 1):  # side by side, as on a GPU; in turn, as on a CPU
+        trainer = Trainer(model=model, config=dataclasses.replace(
+            config, run=dataclasses.replace(config.run, seeds_at_once=at_once)), seq_len=task.seq_len, seeds=(0, 1, 2))
+        chunk = Feed(trainer, task).steps(0, 4)
         module = trainer.train_steps.trace(abstract(jax.eval_shape(trainer.init_state)), abstract(chunk.data),
                                            abstract(chunk.rows), np.int32(chunk.steps), chunk.length).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -97,14 +97,14 @@ def test_seeds_side_by_side_or_in_turn_step_as_separate_runs():
         for batch in batches:
             state, sums = stacked.train_step(state, batch)
         evaluated = stacked.eval_step(state.params, batches[0])
-        for member, (own, own_sums, own_eval) in enumerate(alone):
-            for a, b in zip(jax.tree.leaves(stacked.unstack(state)[member]), jax.tree.leaves(own), strict=True):
+        members = zip(stacked.unstack(state), stacked.unstack(sums), alone, strict=True)
+        for member, (ours, our_sums, (own, own_sums, own_eval)) in enumerate(members):
+            for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(own), strict=True):
                 np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7, err_msg=f"{at_once} at once")
             for name, value in own_eval.items():
                 np.testing.assert_allclose(evaluated[name][member], value, rtol=RTOL, err_msg=f"{name}, {at_once}")
             for name, value in own_sums.items():
-                np.testing.assert_allclose(stacked.unstack(sums)[member][name], value, rtol=RTOL,
-                                           err_msg=f"{name}, {at_once}")
+                np.testing.assert_allclose(our_sums[name], value, rtol=RTOL, err_msg=f"{name}, {at_once}")
         assert len({float(nll) for nll in evaluated["nll"]}) == 3
 
 
