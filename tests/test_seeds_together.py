@@ -72,39 +72,52 @@ def test_seeds_as_one_program_match_separate_runs(tmp_path):
 
 def test_seeds_side_by_side_or_in_turn_step_as_separate_runs():
     """run.seeds_at_once: three stacked seeds one at a time (jax.lax.map), two side by side and then the third (a
-    remainder), or all three (vmap): two training steps and an evaluation of each member equal those of the seed
-    alone (its own initial state through one lone Trainer's steps), and the evaluation metrics differ between seeds."""
+    remainder), or all three (vmap): two training steps, one dispatch at a time and both in one (train_steps), and
+    an evaluation of each member (a batch, and a split through evaluate_members) equal those of the seed alone (its
+    own initial state through one lone Trainer's steps), and the evaluation metrics differ between seeds."""
     import jax
 
     from jaxpe.train import Trainer
     from jaxpe.train.config import build_model, longest_length
+    from jaxpe.train.feed import Feed
 
-    config = counting()
+    config = counting("run.steps_per_dispatch=2", "run.pad_to=block")  # one length: one compilation a program
     task = build_task(config)
+    valid = {"valid": task.eval_splits()["valid"]}
     model = build_model(config.model, task.vocab_size, longest_length(task))
     lone = Trainer(model=model, config=config, seq_len=task.seq_len)
     batches = [lone.put(lone.pad(task.train_batch(step, 8))) for step in range(2)]
-    alone = []  # per seed: (state after the steps, the last step's metric sums, the evaluation)
+    alone = []  # per seed: (state after the steps, the last step's metric sums, the evaluations)
     for seed in (0, 1, 2):
         state = Trainer(model=model, config=seeded(config, seed), seq_len=task.seq_len).init_state()
         for batch in batches:
             state, sums = lone.train_step(state, batch)
-        alone.append((state, sums, lone.eval_step(state.params, batches[0])))
+        alone.append((state, sums, lone.eval_step(state.params, batches[0]), lone.evaluate(state.params, valid)))
     for at_once in (1, 2, 3):
         stacked = Trainer(model=model, config=dataclasses.replace(
             config, run=dataclasses.replace(config.run, seeds_at_once=at_once)), seq_len=task.seq_len, seeds=(0, 1, 2))
         state = stacked.init_state()
         for batch in batches:
             state, sums = stacked.train_step(state, batch)
+        dispatched, done, feed = stacked.init_state(), 0, Feed(stacked, task)
+        while done < len(batches):  # a dispatch ends where the batches' length changes
+            chunk = feed.steps(done, len(batches) - done)
+            dispatched, _ = stacked.train_steps(dispatched, chunk.data, chunk.rows, np.int32(chunk.steps),
+                                                chunk.length)
+            done += chunk.steps
         evaluated = stacked.eval_step(state.params, batches[0])
-        members = zip(stacked.unstack(state), stacked.unstack(sums), alone, strict=True)
-        for member, (ours, our_sums, (own, own_sums, own_eval)) in enumerate(members):
-            for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(own), strict=True):
-                np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7, err_msg=f"{at_once} at once")
+        members = zip(stacked.unstack(state), stacked.unstack(dispatched), stacked.unstack(sums),
+                      stacked.evaluate_members(state.params, valid), alone, strict=True)
+        for member, (ours, in_one, our_sums, our_split, (own, own_sums, own_eval, own_split)) in enumerate(members):
+            for a, b, c in zip(jax.tree.leaves(ours), jax.tree.leaves(in_one), jax.tree.leaves(own), strict=True):
+                np.testing.assert_allclose(a, c, rtol=RTOL, atol=1e-7, err_msg=f"{at_once} at once")
+                np.testing.assert_allclose(b, c, rtol=RTOL, atol=1e-7, err_msg=f"{at_once} at once, one dispatch")
             for name, value in own_eval.items():
                 np.testing.assert_allclose(evaluated[name][member], value, rtol=RTOL, err_msg=f"{name}, {at_once}")
             for name, value in own_sums.items():
                 np.testing.assert_allclose(our_sums[name], value, rtol=RTOL, err_msg=f"{name}, {at_once}")
+            for name, value in own_split["valid"].items():
+                assert our_split["valid"][name] == pytest.approx(value, rel=RTOL), (name, at_once)
         assert len({float(nll) for nll in evaluated["nll"]}) == 3
 
 

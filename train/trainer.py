@@ -6,7 +6,8 @@ leading member axis (parameters, optimizer state, step and dropout key each [S, 
 runs would be, and the train and eval steps are mapped over it with the batch shared (a task's data does not depend
 on run.seed): run.seeds_at_once members side by side (`vmap`), those groups in turn in the same program
 (`jax.lax.map`; `over_members`). Steps run several at a time (`train_steps`: a loop over up to K batches in one
-dispatch).
+dispatch, each member's or group's K steps before the next's). Members evaluated one at a time run a lone run's eval
+step on each member's parameters in turn (`member_eval_step`: a lone run's compilation, not a loop over members).
 
 B batch, L length, V vocabulary, S members (seeds), K steps per dispatch.
 """
@@ -103,6 +104,7 @@ class Trainer:
     train_steps: StepFn = dataclasses.field(init=False)  # up to K steps (state, data, rows, count, length) -> sums
     member_state: Any = dataclasses.field(init=False)  # ShapeDtypeStructs (with shardings) of one run's state
     eval_step: Callable[[Any, Batch], Metrics] = dataclasses.field(init=False)
+    member_eval_step: Callable[[Any, Batch], Metrics] | None = dataclasses.field(init=False)  # one member's params
     init_state: Callable[[], TrainState] = dataclasses.field(init=False)
     pad_to: str = dataclasses.field(init=False)  # run.pad_to, or "block" where padding changes the model's scores
     batch_lengths: dict[str, set[int]] = dataclasses.field(init=False)  # kind -> padded lengths compiled
@@ -133,26 +135,13 @@ class Trainer:
 
         step = make_train_step(weighted_loss(logits_train), tx, config.optim.grad_accum)
         eval_step = evaluate.make_eval_step(logits_eval)
-        if self.seeds is None:
-            init = functools.partial(init_one, config.run.seed)
-        else:
-            if not self.seeds:
-                raise ValueError(f"seeds={self.seeds!r} must name at least one seed (or be None)")
-            if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in self.seeds):
-                raise TypeError(f"seeds={self.seeds!r} must be ints (run.seed values)")
-            if any(not 0 <= s <= MAX_SEED for s in self.seeds):
-                raise ValueError(f"seeds={self.seeds!r} must each be in [0, {MAX_SEED}], as run.seed is")
-            seeds = jnp.asarray(self.seeds, jnp.int32)  # [S]
-            init = functools.partial(jax.vmap(init_one), seeds)
-            at_once = members_at_once(config.run.seeds_at_once, len(self.seeds), self.mesh.devices.flat[0].platform)
-            step, eval_step = over_members(step, at_once), over_members(eval_step, at_once)
+        traced_once = jax.jit(step)  # inside `run_steps`: its shapes and its loop body share one trace
 
-        traced_once = jax.jit(step)  # inside `steps`: its shapes and its loop body share one trace
-
-        def steps(state: TrainState, data: Batch, rows: jax.Array, count: jax.Array,
-                  length: int) -> tuple[TrainState, Metrics]:
-            """Steps 0 .. count − 1 (count <= K, traced) in one program, step k on rows[k] [B] of data {name: [N, L]}
-            cut to `length`; the metrics summed over them (jaxpe.train.feed). rows [K, B]: one shape for every count."""
+        def run_steps(state: TrainState, data: Batch, rows: jax.Array, count: jax.Array,
+                      length: int) -> tuple[TrainState, Metrics]:
+            """One run's steps 0 .. count − 1 (count <= K, traced) in one program, step k on rows[k] [B] of data
+            {name: [N, L]} cut to `length`; the metrics summed over them (jaxpe.train.feed). rows [K, B]: one shape
+            for every count."""
             cut = {name: array[:, :length] for name, array in data.items()}
 
             def one(k: jax.Array, carry: tuple[TrainState, Metrics]) -> tuple[TrainState, Metrics]:
@@ -163,6 +152,29 @@ class Trainer:
             shapes = jax.eval_shape(traced_once, state, {name: array[rows[0]] for name, array in cut.items()})[1]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             return jax.lax.fori_loop(0, count, one, (state, zeros))
+
+        one_eval, at_once = eval_step, None
+        if self.seeds is None:
+            init, steps = functools.partial(init_one, config.run.seed), run_steps
+        else:
+            if not self.seeds:
+                raise ValueError(f"seeds={self.seeds!r} must name at least one seed (or be None)")
+            if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in self.seeds):
+                raise TypeError(f"seeds={self.seeds!r} must be ints (run.seed values)")
+            if any(not 0 <= s <= MAX_SEED for s in self.seeds):
+                raise ValueError(f"seeds={self.seeds!r} must each be in [0, {MAX_SEED}], as run.seed is")
+            seeds = jnp.asarray(self.seeds, jnp.int32)  # [S]
+            init = functools.partial(jax.vmap(init_one), seeds)
+            at_once = members_at_once(config.run.seeds_at_once, len(self.seeds), self.mesh.devices.flat[0].platform)
+
+            def steps(state: TrainState, data: Batch, rows: jax.Array, count: jax.Array,
+                      length: int) -> tuple[TrainState, Metrics]:
+                """Each member's `run_steps` on the same batches (one member's K steps in turn, the next member's
+                after them: a member's state stays in the caches, and the loop body is a lone run's step)."""
+                mapped = over_members(lambda member, shared: run_steps(member, *shared, length), at_once)
+                return mapped(state, (data, rows, count))
+
+            step, eval_step = over_members(step, at_once), over_members(eval_step, at_once)
 
         one_state = jax.eval_shape(functools.partial(init_one, 0))
         one_sharding = distributed.state_shardings(one_state, self.mesh, fsdp=config.run.fsdp)
@@ -180,6 +192,10 @@ class Trainer:
             out_shardings=(self.state_sharding, replicated), donate_argnums=0, static_argnums=4)
         self.eval_step = jax.jit(eval_step, in_shardings=(self.state_sharding.params, batch_sharding),
                                  out_shardings=replicated)
+        # stacked members evaluated one at a time: by a lone run's eval step (a lone run's compilation), each
+        # member's params split off first, not by a loop over the stacked ones in the program
+        self.member_eval_step = None if at_once != 1 else jax.jit(
+            one_eval, in_shardings=(one_sharding.params, batch_sharding), out_shardings=replicated)
 
     def seed(self, member: int) -> int:
         """The run seed of `member` (config.run.seed without seeds)."""
@@ -276,13 +292,18 @@ class Trainer:
         plans = [plan for splits in evaluations for plan in self.eval_lengths(splits).values()]
         lengths = sorted({int(n) for plan in plans for n in plan})
         shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        eval_step, stacked = self.eval_step, None
+        if self.member_eval_step is not None:  # `unstack`'s program, then a lone run's eval steps
+            eval_step, stacked, shaped = self.member_eval_step, shaped, self.member_state.params
         rows, sharding = self.config.run.eval_batch_size, distributed.batch_sharding(self.mesh)
 
         def compile_all() -> None:
+            if stacked is not None:
+                _split_members.lower(stacked, self.members).compile()
             for length in lengths:
                 batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
                          for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
-                self.eval_step.lower(shaped, batch).compile()
+                eval_step.lower(shaped, batch).compile()
 
         self._ahead = threading.Thread(target=compile_all, name="jaxpe-compile-ahead", daemon=True)
         self._ahead.start()
@@ -305,14 +326,16 @@ class Trainer:
             self._ahead.join()
             self._ahead = None
         lengths = None if self.pad_to == "block" else self.eval_lengths(splits)
-        sums = {
-            name: evaluate.split_sums(
-                self.eval_step, params, split, batch_size=self.config.run.eval_batch_size,
-                put_batch=self.put, to_host=distributed.to_host, lengths=None if lengths is None else lengths[name],
-                on_batch=on_batch,
-            )
-            for name, split in splits.items()
-        }
-        members = {name: self.unstack(split) for name, split in sums.items()}  # name -> one sums dict a member
-        return [{name: evaluate.metrics_from_sums(split[i]) for name, split in members.items()}
-                for i in range(self.members)]
+
+        def sums(eval_step: Callable[[Any, Batch], Metrics], params: Any) -> dict[str, dict[str, np.ndarray]]:
+            return {name: evaluate.split_sums(eval_step, params, split, batch_size=self.config.run.eval_batch_size,
+                                              put_batch=self.put, to_host=distributed.to_host,
+                                              lengths=None if lengths is None else lengths[name], on_batch=on_batch)
+                    for name, split in splits.items()}
+
+        if self.member_eval_step is not None:
+            members = [sums(self.member_eval_step, member) for member in self.unstack(params)]
+        else:
+            stacked = {name: self.unstack(split) for name, split in sums(self.eval_step, params).items()}
+            members = [{name: split[i] for name, split in stacked.items()} for i in range(self.members)]
+        return [{name: evaluate.metrics_from_sums(split) for name, split in member.items()} for member in members]
