@@ -23,7 +23,6 @@ must carry `original_max_position_embeddings`: `hf_rope_options` fills it from a
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Mapping
 
 import jax
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpe.base import rotary_frequencies
-from jaxpe.validation import check_float_dtype, check_positive, is_int
+from jaxpe.validation import check_float_dtype, check_positive, is_finite_number, is_int
 
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _REQUIRED = {  # keys each type needs besides its type
@@ -42,10 +41,6 @@ _REQUIRED = {  # keys each type needs besides its type
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] | None:
@@ -83,16 +78,16 @@ def rope_scaling_dict(scaling: Mapping | tuple | list | None) -> dict[str, Any] 
     if rope_type == "default":
         return None
     factor = entries["factor"]
-    if not _is_number(factor) or factor < 1:
+    if not is_finite_number(factor) or factor < 1:
         raise ValueError(f"rope_scaling factor={factor!r} must be a number >= 1")
     length = entries.get("original_max_position_embeddings")
     if length is not None and not is_int(length, 1):
         raise ValueError(f"rope_scaling original_max_position_embeddings={length!r} must be a positive int")
     for key in ("low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow"):
-        if key in entries and (not _is_number(entries[key]) or entries[key] <= 0):
+        if key in entries and (not is_finite_number(entries[key]) or entries[key] <= 0):
             raise ValueError(f"rope_scaling {key}={entries[key]!r} must be a number > 0")
     for key in ("mscale", "mscale_all_dim"):
-        if key in entries and (not _is_number(entries[key]) or entries[key] < 0):
+        if key in entries and (not is_finite_number(entries[key]) or entries[key] < 0):
             raise ValueError(f"rope_scaling {key}={entries[key]!r} must be a number >= 0")
     if "truncate" in entries and not isinstance(entries["truncate"], bool):
         raise ValueError(f"rope_scaling truncate={entries['truncate']!r} must be true or false")

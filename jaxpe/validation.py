@@ -20,9 +20,8 @@ __all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "check_array", "check_attention_ma
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
            "check_float_dtype", "check_fraction", "check_impl", "check_int", "check_npos", "check_optional_int",
            "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number", "check_qkv",
-           "check_queries_last", "check_rank",
-           "check_segment_ids", "check_sm_scale", "check_token_ids", "check_wide_float", "check_window", "is_int",
-           "open_attention"]
+           "check_queries_last", "check_rank", "check_segment_ids", "check_sm_scale", "check_token_ids",
+           "check_wide_float", "check_window", "is_finite_number", "is_int", "open_attention"]
 
 IMPLS = ("auto", "reference", "blockwise", "pallas", "triton")
 FUSED_IMPLS = ("pallas", "triton")  # the fused kernels, Pallas lowered to Triton and native Triton: causal only
@@ -69,26 +68,26 @@ def check_optional_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be None or an int >= {minimum}")
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     """A finite real number: an int or a float, not a bool, not nan or inf."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_positive_number(name: str, value: Any) -> None:
     """Raise ValueError unless `value` is a number > 0 and finite (a bool or a string is not)."""
-    if not _is_number(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be > 0 and finite")
 
 
 def check_finite_number(name: str, value: Any) -> None:
     """Raise ValueError unless `value` is a finite real number (Python's or NumPy's; a bool or a string is not)."""
-    if not _is_number(value):
+    if not is_finite_number(value):
         raise ValueError(f"{name}={value!r} must be a finite number")
 
 
 def check_fraction(name: str, value: Any, *, one: bool) -> None:
     """Raise ValueError unless `value` is a number in [0, 1] (`one`) or in [0, 1)."""
-    if not _is_number(value) or not (0 <= value <= 1 if one else 0 <= value < 1):
+    if not is_finite_number(value) or not (0 <= value <= 1 if one else 0 <= value < 1):
         raise ValueError(f"{name}={value!r} must be in [0, {'1]' if one else '1)'}")
 
 
