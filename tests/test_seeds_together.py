@@ -99,12 +99,10 @@ def test_seeds_side_by_side_or_in_turn_step_as_separate_runs():
         state = stacked.init_state()
         for batch in batches:
             state, sums = stacked.train_step(state, batch)
-        dispatched, done, feed = stacked.init_state(), 0, Feed(stacked, task)
-        while done < len(batches):  # a dispatch ends where the batches' length changes
-            chunk = feed.steps(done, len(batches) - done)
-            dispatched, _ = stacked.train_steps(dispatched, chunk.data, chunk.rows, np.int32(chunk.steps),
-                                                chunk.length)
-            done += chunk.steps
+        chunk = Feed(stacked, task).steps(0, len(batches))  # both steps: every batch at the block's length
+        assert chunk.steps == len(batches)
+        dispatched, _ = stacked.train_steps(stacked.init_state(), chunk.data, chunk.rows, np.int32(chunk.steps),
+                                            chunk.length)
         evaluated = stacked.eval_step(state.params, batches[0])
         members = zip(stacked.unstack(state), stacked.unstack(dispatched), stacked.unstack(sums),
                       stacked.evaluate_members(state.params, valid), alone, strict=True)
