@@ -320,8 +320,9 @@ class Trainer:
     def evaluate_members(self, params: Any, splits: Mapping[str, Any], *,
                          on_batch: Callable[[int], None] | None = None) -> list[dict[str, dict[str, float]]]:
         """Metrics per split, one dict a member (in seed order), of params as the state holds them (stacked with
-        seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch. Waits
-        for `compile_ahead`'s thread first (its programs are these)."""
+        seeds); batches cut to `eval_lengths` unless run.pad_to is "block"; `on_batch(rows)` after each batch (each
+        member's, where `member_eval_step` evaluates them one at a time). Waits for `compile_ahead`'s thread first (its
+        programs are these)."""
         if self._ahead is not None:
             self._ahead.join()
             self._ahead = None
