@@ -23,11 +23,11 @@ demo: .venv
 test: .venv
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=25
 
-# The built wheel in a fresh venv outside the repository, on $(PY), on Python 3.12 and on Python 3.13 (the newest jax
-# on both; on 3.13 also the native kernels in the interpreter of Triton 3.6, which a user's torch may pin).
+# The built wheel in a fresh venv outside the repository, on $(PY) and on Python 3.13 (the newest jax; also the native
+# kernels in the interpreter of Triton 3.6, which a user's torch may pin). Python 3.12 runs the newest jax editable
+# (make test-newest).
 test-wheel:
 	.ci/wheel_smoke $(PY)
-	.ci/newest_jax --wheel
 	.ci/wheel_smoke "$$(.ci/find_python 3.13)" 3.6.0
 
 # The kernels compiled for an H100 (sm_90a) without a GPU: XLA's Triton compiler from jax's CUDA plugin (pinned to

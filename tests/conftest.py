@@ -1,6 +1,6 @@
 """Shared test settings: 8 simulated CPU devices (XLA's CPU backend set to compile fast), strict rank promotion,
-Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` (a sample of each test's parametrized
-cases, for the other jax versions' runs).
+Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` and `--one-case-in` (samples of each
+test's parametrized cases, for the other jax versions' runs).
 
 What each leg of CI (.ci/run: 25–37 minutes on 2 cores from a clean clone, by host; it prints each leg's time)
 runs of this suite:
@@ -8,7 +8,8 @@ runs of this suite:
   that need jax's CUDA plugin, ptxas or nvdisasm skip, saying why.
 - newest jax, `make test-newest` (.ci/newest_jax): Python 3.12 with the newest jax and flax; the files of the public
   API, the kernels' launch through jax, the transformations, decoding, export and the README, with
-  `--each-value-once`; then a model lowered and exported for CUDA (test_cuda_lowering.py).
+  `--each-value-once` (`--one-case-in` some files); then a model lowered and exported for CUDA
+  (test_cuda_lowering.py).
 - compile, `make test-compile`: test_compile_report.py, test_cuda_lowering.py, test_kernel_cost.py and
   test_triton_ownership.py with the CUDA plugin, ptxas and nvdisasm (.venv-compile): every kernel compiled for an
   H100 and held to its budgets and cost model.
@@ -65,6 +66,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--each-value-once", action="store_true",
                      help="of each parametrized test, run only cases enough that every value of every parameter "
                           "appears at least once (the newest-jax CI leg: every path and option, not every product)")
+    parser.addoption("--one-case-in", action="append", default=[], metavar="FILE",
+                     help="of each parametrized test in FILE (a path as collected, e.g. tests/test_fox.py; may be "
+                          "repeated), only its first case; with --each-value-once, the other files' tests keep "
+                          "their cover (the newest-jax CI leg: files whose values run the same jax APIs)")
 
 
 def _each_value_once(cases: list[pytest.Item]) -> list[pytest.Item]:
@@ -79,22 +84,34 @@ def _each_value_once(cases: list[pytest.Item]) -> list[pytest.Item]:
     return [cases[i] for i in sorted(chosen)]
 
 
-def _select_each_value_once(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _select_cases(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Of each parametrized test, its first case in the files given to `--one-case-in`, and with `--each-value-once`
+    the cover above elsewhere; every case otherwise."""
+    first_only = set(config.getoption("--one-case-in"))
+    cover = config.getoption("--each-value-once")
     by_test: dict[str, list[pytest.Item]] = {}  # parametrized cases by test (node id without its case)
     for item in items:
         if getattr(item, "callspec", None) is not None:
             by_test.setdefault(item.nodeid.split("[")[0], []).append(item)
-    dropped = {id(item) for cases in by_test.values() for item in set(cases) - set(_each_value_once(cases))}
+    unknown = first_only - {item.nodeid.split("::")[0] for item in items}
+    if unknown:
+        raise pytest.UsageError(f"--one-case-in: no tests collected from {sorted(unknown)}")
+    dropped: set[int] = set()
+    for test, cases in by_test.items():
+        if test.split("::")[0] in first_only:
+            dropped |= {id(item) for item in cases[1:]}
+        elif cover:
+            chosen = {id(item) for item in _each_value_once(cases)}
+            dropped |= {id(item) for item in cases if id(item) not in chosen}
     if dropped:
         config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
         items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`--each-value-once`: a cover of each test's cases (above). Skip tests marked `gpu` when no GPU backend is
-    present."""
-    if config.getoption("--each-value-once"):
-        _select_each_value_once(config, items)
+    """`--each-value-once` and `--one-case-in`: a sample of each test's cases (above). Skip tests marked `gpu` when no
+    GPU backend is present."""
+    _select_cases(config, items)
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU")
