@@ -8,10 +8,12 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-wheel test-newest test-compile compile-report bench clean ci-venvs
 
+# pip --no-compile, here and in .ci/: no byte-compiling of every installed file at install time (imports compile the
+# modules they load), a CPU minute or so of each CI run.
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-compile --upgrade pip
+	$(BIN)/pip install -q --no-compile -e ".[test]"
 	touch $@
 
 .venv: $(VENV)/.installed
@@ -41,12 +43,13 @@ NVCC ?= nvidia-cuda-nvcc
 
 $(COMPILE_VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(COMPILE_VENV)
-	$(COMPILE_VENV)/bin/pip install -q --upgrade pip
-	$(COMPILE_VENV)/bin/pip install -q -e ".[test]" "jax>=0.10,<0.11"
-	$(COMPILE_VENV)/bin/pip install -q "jax-cuda13-plugin==$$($(COMPILE_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
-	$(COMPILE_VENV)/bin/pip install -q --no-deps "$(NVCC)" "jax-triton==0.3.1" absl-py
+	$(COMPILE_VENV)/bin/pip install -q --no-compile --upgrade pip
+	$(COMPILE_VENV)/bin/pip install -q --no-compile -e ".[test]" "jax>=0.10,<0.11"
+	$(COMPILE_VENV)/bin/pip install -q --no-compile \
+	  "jax-cuda13-plugin==$$($(COMPILE_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
+	$(COMPILE_VENV)/bin/pip install -q --no-compile --no-deps "$(NVCC)" "jax-triton==0.3.1" absl-py
 	nvcc=$$($(COMPILE_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-nvcc"))') && \
-	  $(COMPILE_VENV)/bin/pip install -q --no-deps "nvidia-cuda-nvdisasm==$$nvcc"
+	  $(COMPILE_VENV)/bin/pip install -q --no-compile --no-deps "nvidia-cuda-nvdisasm==$$nvcc"
 	touch $@
 
 # Every kernel of the report held to its budget, a TransformerLM lowered and exported for CUDA with each GPU path
