@@ -14,7 +14,7 @@ runs of this suite:
 - compile, `make test-compile`: test_compile_report.py, test_cuda_lowering.py, test_kernel_cost.py and
   test_triton_ownership.py with the CUDA plugin, ptxas and nvdisasm (.venv-compile): every kernel compiled for an
   H100 and held to its budgets and cost model.
-- the wheel smokes, `make test-wheel`, run no tests of this folder (.ci/wheel_smoke).
+- the wheel smoke, `make test-wheel`, runs no tests of this folder (.ci/wheel_smoke).
 Tests marked `gpu` run on a GPU only (`pytest -m gpu`)."""
 import importlib.metadata
 import os
@@ -41,9 +41,9 @@ def _xla_accepts(flag: str) -> bool:
 # without its optimisation passes) compiles them about 30 % faster, and, where XLA still has its elemental emitter
 # beside the newer fusion emitters (jax 0.10), emitting fusions with it saves about a third again (tests/test_model.py
 # on 2 cores: 80 s against 53 s), and compiling each program's LLVM module whole rather than split for parallel
-# codegen threads saves about an eighth more of the CPU time, with two xdist workers on two cores
-# (tests/test_model.py and tests/test_edge_inputs.py: 157–164 CPU-s against 179–187; jax 0.12, without the elemental emitter,
-# gains nothing from it). All of them change how XLA generates the code, not the program. With jax's CUDA plugin XLA
+# codegen threads saves about an eighth more of the CPU time with two xdist workers on two cores (tests/test_model.py
+# and tests/test_edge_inputs.py: 157–164 CPU-s against 179–187; jax 0.12, without the elemental emitter, gains
+# nothing from it). All of them change how XLA generates the code, not the program. With jax's CUDA plugin XLA
 # keeps its defaults (its GPU compiler reads the same flags), and so does a run given its own XLA_FLAGS (the
 # newest-jax CI leg); pytest-xdist's workers inherit the flags chosen here.
 if "XLA_FLAGS" not in os.environ:
