@@ -29,10 +29,10 @@ def _has_cuda_plugin() -> bool:
     return any(name.startswith("jax-cuda") for name in names)
 
 
-def _xla_accepts(flag: str) -> bool:
-    """Whether this jaxlib's XLA knows `flag`, asked in a child process: XLA aborts on a flag it does not know, and
-    flags come and go between releases."""
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+def _xla_accepts(flags: list[str]) -> bool:
+    """Whether this jaxlib's XLA knows every one of `flags`, asked in one child process: XLA aborts on a flag it does
+    not know, and flags come and go between releases."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
     return probe.returncode == 0
 
@@ -50,9 +50,9 @@ if "XLA_FLAGS" not in os.environ:
     _flags = ["--xla_force_host_platform_device_count=8"]
     if not _has_cuda_plugin():
         _flags.append("--xla_backend_optimization_level=0")
-        _elemental = ["--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
-        if _xla_accepts(" ".join(_elemental)):
-            _flags += _elemental
+        _codegen = ["--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
+        if _xla_accepts(_codegen):
+            _flags += _codegen
     os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402
