@@ -2,7 +2,7 @@
 Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` and `--one-case-in` (samples of each
 test's parametrized cases, for the other jax versions' runs).
 
-What each leg of CI (.ci/run: 21–22 minutes on 2 cores from a clean clone on 2026-11-30, hosts differing by up to a
+What each leg of CI (.ci/run: 20–22 minutes on 2 cores from a clean clone on 2026-11-30, hosts differing by up to a
 quarter; it prints each leg's time)
 runs of this suite:
 - main, `make test`: every file, Python 3.11 with jax 0.10, two xdist workers; every parametrized case. The tests
