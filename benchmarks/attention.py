@@ -204,8 +204,8 @@ def _ratio(row: dict, base: dict | None) -> str:
 def write_report(out: Path, stem: str, report: dict, text: str) -> None:
     """out/stem.json (the report) and out/stem.md (its Markdown `text`); benchmarks/tiles.py writes its own so."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text(text, encoding="utf-8")
 
 
 def markdown(rows: list[dict], header: str) -> str:

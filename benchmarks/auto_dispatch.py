@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         "crossover": {op: crossover(rows, op) for op in ops},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(report["crossover"]))
 
 

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets": {"blockwise_over_reference_fwd_at_2048": "<= 0.6", "long_fwd+bwd": "<= 4 GiB and <= 600 s",
                     "seed_over_blockwise_at_1024": ">= 5"},
     }
-    previous = json.loads(args.out.read_text()) if args.update and args.out.exists() else {}
+    previous = json.loads(args.out.read_text(encoding="utf-8")) if args.update and args.out.exists() else {}
     now = lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for length in (int(x) for x in args.lengths.split(",") if x):
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(report["summary"]), flush=True)
     report["load_average_at_end"] = _load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 
 

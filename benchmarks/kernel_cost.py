@@ -1231,7 +1231,7 @@ TRITON_STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
 def _authors_kernel_module(path: pathlib.Path, into: pathlib.Path) -> tuple[Any, dict[str, int]]:
     """The authors' @triton.jit forward alone (their module imports torch and asks for a GPU at import), written to
     a module of its own under `into` and imported; with the file's DEFAULT_* constants."""
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     tree = ast.parse(text)
     defaults = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name) and t.id.startswith("DEFAULT_")
@@ -1241,7 +1241,7 @@ def _authors_kernel_module(path: pathlib.Path, into: pathlib.Path) -> tuple[Any,
         raise ValueError(f"{path} has no function {AUTHORS_KERNEL}")
     lines = text.splitlines()[min([d.lineno for d in fn.decorator_list] + [fn.lineno]) - 1:fn.end_lineno]
     module = into / "authors_kernel.py"
-    module.write_text("import triton\nimport triton.language as tl\n\n\n" + "\n".join(lines) + "\n")
+    module.write_text("import triton\nimport triton.language as tl\n\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
     spec = importlib.util.spec_from_file_location("authors_kernel", module)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
@@ -1267,7 +1267,7 @@ def _compile_authors(path: str, head_dim: int, groups: int, out: str) -> None:
         result["smem_bytes"] = kernel.metadata.shared  # registers are known only once a driver loads it
     except Exception as e:  # noqa: BLE001  the failure is the result
         result["error"] = f"{type(e).__name__}: {cr._tail(str(e), 4)}"
-    pathlib.Path(out).write_text(json.dumps(result))
+    pathlib.Path(out).write_text(json.dumps(result), encoding="utf-8")
 
 
 def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 1800.0,
@@ -1287,7 +1287,7 @@ def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 
         with tempfile.TemporaryDirectory(prefix="jaxpe-authors-") as tmp:
             wrapper, out, dump = pathlib.Path(tmp, "ptxas"), pathlib.Path(tmp, "out.json"), pathlib.Path(tmp, "dump")
             cap = int(memory_gib * 2 ** 20)
-            wrapper.write_text(f'#!/bin/sh\nulimit -v {cap}\nexec "{tools.toolchain.ptxas}" "$@"\n')
+            wrapper.write_text(f'#!/bin/sh\nulimit -v {cap}\nexec "{tools.toolchain.ptxas}" "$@"\n', encoding="utf-8")
             wrapper.chmod(0o755)
             env = dict(os.environ, TRITON_PTXAS_PATH=str(wrapper), TRITON_PTXAS_BLACKWELL_PATH=str(wrapper),
                        TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(dump),
@@ -1298,7 +1298,7 @@ def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 
                 run = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--compile-authors",
                                       str(path), str(out), "--authors-head-dim", str(head_dim), "--authors-groups",
                                       str(groups)], capture_output=True, text=True, timeout=timeout, env=env)
-                result = json.loads(out.read_text()) if out.exists() else {
+                result = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {
                     "error": f"exited {run.returncode}: {cr._tail(run.stderr + run.stdout, 4)}"}
             except subprocess.TimeoutExpired:
                 result = {"error": f"timed out after {timeout:.0f} s"}
@@ -1315,7 +1315,7 @@ def authors_report(path: pathlib.Path | None, tools: Tools, *, timeout: float = 
 
 def earlier_authors(path: pathlib.Path) -> dict[str, Any]:
     """The authors' section of an earlier report (JSON), marked with when it was measured."""
-    earlier = json.loads(path.read_text())
+    earlier = json.loads(path.read_text(encoding="utf-8"))
     authors = dict(earlier["authors"])
     authors.setdefault("measured_in", {"date": earlier["date"]})
     return authors

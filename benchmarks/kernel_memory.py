@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jax": jax.__version__, "python": platform.python_version(), "device": "none (traced, not run)",
-        "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1) + "\n")
+        "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1) + "\n",
+        encoding="utf-8")
     return 0
 
 

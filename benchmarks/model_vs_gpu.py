@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", type=Path, required=True, help="benchmarks/attention.py's JSON from a GPU")
     parser.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = parser.parse_args(argv)
-    cost, bench = json.loads(args.cost.read_text()), json.loads(args.bench.read_text())
+    cost, bench = json.loads(args.cost.read_text(encoding="utf-8")), json.loads(args.bench.read_text(encoding="utf-8"))
     if bench["device_kind"] not in SM_CLOCK_MHZ:
         parser.error(f"--bench: no SM clock known for {bench['device_kind']!r} (known: {sorted(SM_CLOCK_MHZ)})")
     rows = compare(cost, bench)
@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                         "jax_version": bench["jax_version"]},
               "sm_clock_mhz": clock, "sms": SMS[bench["device_kind"]], "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     header = (f"## The cost model beside {bench['device_kind']} timings ({bench['date'][:10]}, jax "
               f"{bench['jax_version']}); model of kernel sources {cost['kernel_sources_sha256'][:12]}\n\n"
               f"Measured clk/logit = time × {clock} MHz × {SMS[bench['device_kind']]} SMs / causal logits.")
-    args.out.with_suffix(".md").write_text(markdown(rows, header))
+    args.out.with_suffix(".md").write_text(markdown(rows, header), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def main() -> None:
                               "python": platform.python_version(), "numpy": np.__version__,
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         todo = cells(dest, nvars, tuple(args.pe), overrides)
         record_path = dest / "sweep.json"
-        record = (json_object(record_path.read_text(), str(record_path)) if record_path.is_file()
+        record = (json_object(record_path.read_text(encoding="utf-8"), str(record_path)) if record_path.is_file()
                   else {"cells": {}, "measured": {}})
     except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         parser.error(str(error))
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         took, compile_s = time.time() - began, compiled[0] - compile_before
         steps_run = cell.config.run.steps - step
         rates = [r["tokens_per_s"] for d in cell.run_dirs(seeds)
-                 for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                 for r in map(json.loads, (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
                  if r["split"] == "train" and r["step"] > step]
         tokens_per_step = cell.config.optim.batch_size * cell.config.task.options.get("seq_len", 512)
         s_per_step = tokens_per_step / (sum(rates) / len(rates)) if rates else took / max(steps_run, 1)

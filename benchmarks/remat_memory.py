@@ -67,7 +67,7 @@ def main() -> None:
         "config": dict(base, batch=args.batch, lengths=args.lengths, policies=list(REMAT_POLICIES)),
         "rows": rows,
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

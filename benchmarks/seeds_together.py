@@ -58,9 +58,10 @@ def run_side(pe: str, steps: int, side: str, per_dispatch: int) -> tuple[float, 
                            env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
         seconds = time.perf_counter() - start
         if side == "processes":
-            runs = [json.loads((workdir / f"seed{seed}" / "result.json").read_text()) for seed in SEEDS.split(",")]
+            runs = [json.loads((workdir / f"seed{seed}" / "result.json").read_text(encoding="utf-8"))
+                    for seed in SEEDS.split(",")]
         else:
-            runs = json.loads((workdir / "compare.json").read_text())["runs"]
+            runs = json.loads((workdir / "compare.json").read_text(encoding="utf-8"))["runs"]
         return seconds, {f"seed{r['seed']}": {split: round(100 * r["splits"][split]["seq_error"], 2)
                                               for split in SPLITS} for r in runs}
 
@@ -98,7 +99,7 @@ def main() -> None:
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"together / separate: {result['ratio_together_over_separate']:.2f}, together / processes: "
           f"{result['ratio_together_over_processes']:.2f} (medians {medians})")
 

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "presets": presets,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     for preset, entry in presets.items():
         print(f"{preset}: sweep of {entry['sweep_steps']} steps: {entry['sweep_hours_cpu']:.1f} h on this CPU "
               f"({args.parallel} at a time), {entry['sweep_hours_gpu_estimate']:.2f} h on one GPU (estimate)")

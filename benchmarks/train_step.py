@@ -271,7 +271,8 @@ def main() -> None:
 
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text(encoding="utf-8")
+                   .splitlines() if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     record = {
@@ -292,7 +293,7 @@ def main() -> None:
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 
 

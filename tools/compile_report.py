@@ -774,7 +774,7 @@ def _compile_xla(ir_path: str, ptx_path: str, num_warps: int, num_stages: int) -
     result = triton.compile("cuda", pathlib.Path(ir_path).read_bytes(), TRITON_ARCH, num_warps=num_warps,
                             num_ctas=1, num_stages=num_stages)
     seconds = time.perf_counter() - start
-    pathlib.Path(ptx_path).write_text(result.asm)
+    pathlib.Path(ptx_path).write_text(result.asm, encoding="utf-8")
     return {"smem_bytes": int(result.smem_bytes), "seconds": seconds}
 
 
@@ -795,12 +795,12 @@ def compile_triton_spec(spec: Mapping[str, Any], *, num_warps: int, num_stages: 
 
 def _compile_triton(spec_path: str, ptx_path: str, num_warps: int, num_stages: int) -> dict[str, Any]:
     """Subprocess side: `compile_triton_spec` on a spec file, its PTX written to ptx_path."""
-    spec = json.loads(pathlib.Path(spec_path).read_text())
+    spec = json.loads(pathlib.Path(spec_path).read_text(encoding="utf-8"))
     start = time.perf_counter()
     compiled = compile_triton_spec(spec, num_warps=num_warps, num_stages=num_stages,
                                    cache_dir=pathlib.Path(ptx_path).parent / "triton-cache")
     seconds = time.perf_counter() - start
-    pathlib.Path(ptx_path).write_text(compiled.asm["ptx"])
+    pathlib.Path(ptx_path).write_text(compiled.asm["ptx"], encoding="utf-8")
     return {"smem_bytes": int(compiled.metadata.shared), "seconds": seconds}
 
 
@@ -876,7 +876,7 @@ def _jaxpe_imports(name: str, path: pathlib.Path) -> set[str]:
     """The jaxpe modules that module `name` (source at `path`) imports by name: `from a.b import c` counts a.b.c
     when that is a module, else a.b."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -1058,8 +1058,8 @@ def show_and_write(data: dict[str, Any], text: str, out: pathlib.Path | None, na
     print(text)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-        (out / f"{name}.md").write_text(text)
+        (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        (out / f"{name}.md").write_text(text, encoding="utf-8")
         print(f"wrote {out / name}.json and .md", file=sys.stderr)
 
 
