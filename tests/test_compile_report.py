@@ -159,7 +159,8 @@ def test_every_triton_kernel_is_recorded_with_its_role(op):
     for kernel in kernels:
         spec = json.loads(kernel.spec)
         assert spec["kernel"].startswith(f"jaxpe.kernels.{op}_triton:")
-        assert set(spec["signature"].values()) <= {"*bf16", "*fp32", "*i32", "i32", "fp64", "constexpr"}
+        floats = {"fp64", "fp32"}  # a Python float scalar: jax-triton 0.3 gives fp64, 0.4 fp32 where it fits
+        assert set(spec["signature"].values()) <= {"*bf16", "*fp32", "*i32", "i32", "constexpr"} | floats
         assert {n for n, t in spec["signature"].items() if t == "constexpr"} == set(spec["constexprs"])
         assert [list(spec["signature"]).index(n) for n, t in spec["signature"].items() if t[0] == "*"] == \
             spec["aligned"]
@@ -281,7 +282,8 @@ def test_without_triton_the_report_skips_its_rows_saying_why(monkeypatch, capsys
     sentence saying why the Triton ones are missing."""
     monkeypatch.setitem(sys.modules, "jax_triton.triton_lib", None)  # import fails
     why = cr.triton_unavailable()
-    assert why is not None and "pip install --no-deps 'jax-triton==0.3.1' absl-py" in why
+    release = "jax-triton==0.3.1" if sys.version_info < (3, 12) else "jax-triton>=0.4.1,<0.5"  # jax 0.10; >= 0.11
+    assert why is not None and f"pip install --no-deps '{release}' absl-py" in why
     asked = []
     toolchain = cr.Toolchain("jax-cuda13-plugin", importlib.metadata.version("jaxlib"), "ptxas", "13.0.0")
     monkeypatch.setattr(cr, "find_toolchain", lambda ptxas=None: toolchain)

@@ -109,8 +109,9 @@ def test_a_call_takes_the_dropout_rngs_as_nnx_dropout():
     np.testing.assert_array_equal(model(tokens, rngs=key), expected(key))
     np.testing.assert_array_equal(model(tokens, rngs=nnx.Rngs(dropout=9)), expected(nnx.Rngs(dropout=9).dropout()))
     stream = nnx.Rngs(3).default
-    np.testing.assert_array_equal(nnx.jit(lambda m, r: m(tokens, rngs=r))(model, stream),
-                                  expected(nnx.Rngs(3).default()))
+    # compiled against eager: the same masks (a different one moves outputs by O(1)), XLA's rounding (jax 0.11 fuses)
+    np.testing.assert_allclose(nnx.jit(lambda m, r: m(tokens, rngs=r))(model, stream),
+                               expected(nnx.Rngs(3).default()), rtol=1e-5, atol=1e-6)
     assert int(stream.count[...]) == 1  # the caller's stream advanced
     layer = jaxpe.nnx.Attention(D_MODEL, **HEADS, pe="rope", dropout=0.5, rngs=nnx.Rngs(params=0))
     x = jax.random.normal(jax.random.PRNGKey(2), (B, L, D_MODEL))

@@ -296,14 +296,21 @@ def find_toolchain(ptxas: str | None = None) -> Toolchain:
 
 
 def triton_unavailable() -> str | None:
-    """Why the native Triton kernels cannot be compiled here (None when they can): they need triton (its compiler)
-    and jax-triton (the parameter types they are compiled with)."""
+    """Why the native Triton kernels cannot be compiled here (None when they can): they need triton (its compiler, not
+    its interpreter) and jax-triton (the parameter types they are compiled with)."""
+    from jaxpe.kernels import _triton_launch  # jax-triton as the kernels import it (Triton 3.6's driver name)
+
     try:
-        for module in ("triton.compiler", "jax_triton.triton_lib"):
-            importlib.import_module(module)
+        importlib.import_module("triton.compiler")
+        _triton_launch._import_jax_triton()
+        importlib.import_module("jax_triton.triton_lib")
     except Exception as e:  # noqa: BLE001 - jax-triton refuses to import on some jaxlibs
+        release = "jax-triton==0.3.1" if sys.version_info < (3, 12) else "jax-triton>=0.4.1,<0.5"  # jax 0.10; >= 0.11
         return (f"the native Triton kernels need triton and jax-triton ({type(e).__name__}: {e}); install them with:\n"
-                "    pip install triton\n    pip install --no-deps 'jax-triton==0.3.1' absl-py")
+                f"    pip install triton\n    pip install --no-deps '{release}' absl-py")
+    if _triton_launch.interpreted():
+        return ("Triton was imported with TRITON_INTERPRET=1: its @triton.jit kernels are the interpreter's, which its "
+                "compiler does not take; run with TRITON_INTERPRET=0")
     return None
 
 
@@ -427,16 +434,24 @@ def _recorded_launches() -> Iterator[list[dict[str, Any]]]:
             module.launch = original
 
 
-def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any]) -> str:
-    """What Triton compiles for one launch, as jax-triton 0.3 (`get_or_create_triton_kernel`) builds it: every
-    parameter's type from jax-triton's `get_triton_type`, scalars equal to 1 and the constexprs as constexprs, array
-    pointers 16-byte aligned; JSON for the compile subprocess (COMPILERS["triton"])."""
-    from jax_triton.triton_lib import get_triton_type
+def _triton_type(param: Any) -> str:
+    """Triton's name of a launch parameter's type ("*bf16", "i32", "fp32") as the installed jax-triton gives it:
+    `get_triton_type` in 0.3.x, `get_type_id` in 0.4.x."""
+    from jaxpe.kernels import _triton_launch  # jax-triton as the kernels import it (Triton 3.6's driver name)
 
+    triton_lib = _triton_launch._import_jax_triton().triton_lib
+    type_of = getattr(triton_lib, "get_triton_type", None) or triton_lib.get_type_id
+    return type_of(param)
+
+
+def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any]) -> str:
+    """What Triton compiles for one launch, as jax-triton builds it (0.3's `get_or_create_triton_kernel`, 0.4's
+    `KernelSpecialization.build`): every parameter's type from jax-triton, scalars equal to 1 and the constexprs as
+    constexprs, array pointers 16-byte aligned; JSON for the compile subprocess (COMPILERS["triton"])."""
     fn = getattr(kernel, "fn", kernel)  # the Python function of the @triton.jit kernel
     names = list(inspect.signature(fn).parameters)
     arrays = [i for i, p in enumerate(params) if isinstance(p, jax.core.ShapedArray)]
-    signature = {names[i]: get_triton_type(p) for i, p in enumerate(params)}
+    signature = {names[i]: _triton_type(p) for i, p in enumerate(params)}
     constants = {**constexprs, **{names[i]: 1 for i, p in enumerate(params) if i not in arrays and p == 1}}
     signature.update({name: "constexpr" for name in constants})
     return json.dumps({"kernel": f"{fn.__module__}:{fn.__name__}", "signature": signature, "constexprs": constants,
