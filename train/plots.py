@@ -77,7 +77,9 @@ def result_bars(
     for i, row in enumerate(rows):
         values = [scale * row["splits"].get(s, {}).get(metric, np.nan) for s in splits]
         errors = np.array([_error_bar(row["splits"].get(s, {}), metric) for s in splits]).T * scale  # [2, splits]
-        ax.bar(x + (i - (len(rows) - 1) / 2) * width, values, width, yerr=errors, label=str(row[label_key]), capsize=3)
+        # yerr as lists: matplotlib 3.8 takes a float of each row of an array (deprecated by numpy for one split)
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, values, width, yerr=errors.tolist(), label=str(row[label_key]),
+               capsize=3)
     ax.set_xticks(x, list(splits))
     ax.set_ylabel(metric_label(metric))
     ax.legend()
