@@ -10,8 +10,8 @@ runs of this suite:
 - newest jax, `make test-newest` (.ci/newest_jax): Python 3.12 with the newest jax and flax; the files of the public
   API, the kernels' launch through jax, the transformations, decoding, export and the README, with
   `--each-value-once` (`--one-case-in` some files); then a model lowered and exported for CUDA
-  (test_cuda_lowering.py) and the native kernels' launches compiled by Triton with jax-triton 0.4
-  (test_triton_ownership.py).
+  (test_cuda_lowering.py) and the native kernels' launches compiled by Triton with jax-triton 0.4 (one case of
+  test_triton_ownership.py).
 - compile, `make test-compile`: test_compile_report.py, test_cuda_lowering.py, test_kernel_cost.py and
   test_triton_ownership.py with the CUDA plugin, ptxas and nvdisasm (.venv-compile): every kernel compiled for an
   H100 and held to its budgets and cost model.
