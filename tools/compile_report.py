@@ -29,8 +29,9 @@ Works with jax 0.10 only: from 0.11 on, jax's CUDA plugin no longer hands XLA's 
 How, triton: each op and its gradient are traced (`jax.jit(f).trace(...)`, nothing runs) with
 `jaxpe.kernels._triton_launch.launch` replaced by a recorder (`_recorded_launches`, the tool's only hook into the
 kernels), which keeps every launch (the @triton.jit function, its arguments' avals and Python scalars, out_shapes,
-grid, num_warps, num_stages, constexprs) and returns zeros. Each launch is compiled as jax-triton 0.3 compiles it:
-parameter types from jax-triton's own `get_triton_type` (Python floats are fp64), scalars equal to 1 as constexprs,
+grid, num_warps, num_stages, constexprs) and returns zeros. Each launch is compiled as the installed jax-triton
+compiles it: parameter types from its own `get_triton_type` (0.3; Python floats are fp64) or `get_type_id` (0.4; fp32
+where they fit), scalars equal to 1 as constexprs,
 array pointers 16-byte aligned, fp fusion on; `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` in
 a subprocess gives the PTX (the very PTX jax-triton embeds; a test checks) and `metadata.shared`; the same `ptxas -v`
 gives registers and spills. These rows need triton and jax-triton; without them they are skipped, saying why.
@@ -434,14 +435,13 @@ def _recorded_launches() -> Iterator[list[dict[str, Any]]]:
             module.launch = original
 
 
-def _triton_type(param: Any) -> str:
-    """Triton's name of a launch parameter's type ("*bf16", "i32", "fp32") as the installed jax-triton gives it:
+def _triton_type_namer() -> Callable[[Any], str]:
+    """The installed jax-triton's function naming a launch parameter's Triton type ("*bf16", "i32", "fp32"):
     `get_triton_type` in 0.3.x, `get_type_id` in 0.4.x."""
     from jaxpe.kernels import _triton_launch  # jax-triton as the kernels import it (Triton 3.6's driver name)
 
     triton_lib = _triton_launch._import_jax_triton().triton_lib
-    type_of = getattr(triton_lib, "get_triton_type", None) or triton_lib.get_type_id
-    return type_of(param)
+    return getattr(triton_lib, "get_triton_type", None) or triton_lib.get_type_id
 
 
 def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any]) -> str:
@@ -451,7 +451,8 @@ def _triton_spec(kernel: Any, params: Sequence[Any], constexprs: dict[str, Any])
     fn = getattr(kernel, "fn", kernel)  # the Python function of the @triton.jit kernel
     names = list(inspect.signature(fn).parameters)
     arrays = [i for i, p in enumerate(params) if isinstance(p, jax.core.ShapedArray)]
-    signature = {names[i]: _triton_type(p) for i, p in enumerate(params)}
+    type_name = _triton_type_namer()
+    signature = {names[i]: type_name(p) for i, p in enumerate(params)}
     constants = {**constexprs, **{names[i]: 1 for i, p in enumerate(params) if i not in arrays and p == 1}}
     signature.update({name: "constexpr" for name in constants})
     return json.dumps({"kernel": f"{fn.__module__}:{fn.__name__}", "signature": signature, "constexprs": constants,
