@@ -37,7 +37,7 @@ def make_trainer(config) -> tuple[Trainer, object]:
 
 
 def records(workdir: pathlib.Path) -> list[dict]:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    lines = (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [r for r in map(json.loads, lines) if r["split"] == "train"]
 
 

@@ -147,7 +147,7 @@ def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboar
     assert out.splitlines()[-1].startswith("| flipflop | rope | 0 |")
     assert err.splitlines()[-1] == (f"outputs in {first}: config.json, metrics.jsonl, result.json, result.md, "
                                     f"result.png, tb/ (tensorboard --logdir {first})")
-    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     logged = scalars(first / "tb")
     train = {r["step"]: r["loss"] for r in records if r["split"] == "train"}
     assert sorted(train) == [1, 2, 3]
@@ -162,10 +162,10 @@ def test_tiny_run_writes_tensorboard_and_a_config_rerun_works_without_tensorboar
     assert cli.train_main(["--config", str(first / "config.json"), "--workdir", str(second), "run.seed=1"]) == 0
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"outputs in {second}: config.json, metrics.jsonl, result.json, result.md, result.png"
-    saved, rerun = (json.loads((d / "config.json").read_text()) for d in (first, second))
+    saved, rerun = (json.loads((d / "config.json").read_text(encoding="utf-8")) for d in (first, second))
     assert rerun["run"].pop("seed") == 1 and saved["run"].pop("seed") == 0 and rerun == saved
     assert not (second / "tb").exists()
-    assert len((second / "metrics.jsonl").read_text().splitlines()) == len(records)
+    assert len((second / "metrics.jsonl").read_text(encoding="utf-8").splitlines()) == len(records)
 
 
 def test_repeated_commands_in_one_process_log_to_the_stderr_of_the_moment(monkeypatch, tmp_path, capsys):
@@ -256,7 +256,7 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
     resumed = loop.MetricsLog(tmp_path, resume_step=2, enabled=True, tensorboard=True)
     resumed.write({"step": 3, "split": "train", "loss": 30.0, "accuracy": 0.5})
     resumed.close()
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [(r["step"], r["loss"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     events = read_events(tmp_path / "tb")
     restart = [i for i, e in enumerate(events) if e.session_log.status == event_pb2.SessionLog.START]
@@ -270,9 +270,10 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
 
 def test_python_dash_m_runs_the_entry_points_from_outside_the_repo(tmp_path):
     """`python -m jaxpe.train train ...` is jaxpe-train; a user's own train.py and kernels/ do not shadow ours."""
-    (tmp_path / "train.py").write_text("raise SystemExit('the user train.py was imported')\n")
+    (tmp_path / "train.py").write_text("raise SystemExit('the user train.py was imported')\n", encoding="utf-8")
     (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("raise SystemExit('the user kernels/ was imported')\n")
+    (tmp_path / "kernels" / "__init__.py").write_text("raise SystemExit('the user kernels/ was imported')\n",
+                                                      encoding="utf-8")
     shown = subprocess.run([sys.executable, "-m", "jaxpe.train", "train", "--show-config", "--preset", "cpu-small",
                             "--pe", "cope"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr
@@ -293,13 +294,13 @@ def test_paper_preset_trains_counting_end_to_end(tmp_path, capsys):
                            "run.eval_batch_size=4", "run.progress=false", "run.num_devices=1",
                            "run.pad_to=block"]) == 0
     capsys.readouterr()
-    config = json.loads((workdir / "config.json").read_text())
+    config = json.loads((workdir / "config.json").read_text(encoding="utf-8"))
     assert (config["model"]["d_model"], config["model"]["num_layers"], config["model"]["prenorm"]) == (256, 4, False)
     assert config["optim"]["learning_rate"] == 7e-5 and config["task"]["options"]["seq_len"] == 512
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     train = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
-    result = json.loads((workdir / "result.json").read_text())
+    result = json.loads((workdir / "result.json").read_text(encoding="utf-8"))
     assert set(result["splits"]) == {"valid", "test", "len_x2"} and result["steps"] == 2
     assert any((workdir / "checkpoints").iterdir())
 

@@ -117,7 +117,7 @@ def test_report_and_markdown(compiled):
 
 def test_committed_report_is_current_and_within_budget():
     """results/compile/sm90a.json was made from these kernel sources, covers the full grid and has no problem."""
-    data = json.loads(REPORT.read_text())
+    data = json.loads(REPORT.read_text(encoding="utf-8"))
     assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(cr.PATHS), (
         "the kernels changed since the committed report: rerun `make compile-report`")
     rows = [cr.Row.from_dict(row) for row in data["rows"]]
@@ -130,8 +130,8 @@ def test_committed_report_is_current_and_within_budget():
 
 def test_committed_markdown_is_the_report():
     """sm90a.md is what `markdown` makes of sm90a.json (docs/reports/kernels.md's table comes from the same rows)."""
-    data = json.loads(REPORT.read_text())
-    assert REPORT.with_suffix(".md").read_text() == cr.markdown(data)
+    data = json.loads(REPORT.read_text(encoding="utf-8"))
+    assert REPORT.with_suffix(".md").read_text(encoding="utf-8") == cr.markdown(data)
 
 
 @pytest.mark.parametrize("op", cr.OPS)
@@ -189,8 +189,9 @@ def test_recorded_launches_compile_to_what_jax_triton_runs(op, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     dumped = sorted((tmp_path / "dump").rglob("*.ptx"))
-    assert sorted(p.read_text() for p in dumped) == sorted(p.read_text() for p in (tmp_path / "report").glob("*.ptx"))
-    smem = [int(p.with_suffix(".compile_info").read_text().rsplit(":", 1)[1]) for p in dumped]
+    assert (sorted(p.read_text(encoding="utf-8") for p in dumped)
+            == sorted(p.read_text(encoding="utf-8") for p in (tmp_path / "report").glob("*.ptx")))
+    smem = [int(p.with_suffix(".compile_info").read_text(encoding="utf-8").rsplit(":", 1)[1]) for p in dumped]
     assert sorted(smem) == sorted(row.smem_bytes for row in rows)
 
 

@@ -48,21 +48,22 @@ def _write_run(root, setting, pe, seed, valid, task="counting"):
         for split, value in (("valid", error), ("len_x2", error + 0.2)):
             decoys = {m: d for m, d in zip(METRICS, (0.9, 0.8, 0.7))}
             lines.append({"step": step, "split": split, **decoys, own: value, "loss": 1.0, "sequences": 100})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    (run / "config.json").write_text(json.dumps({"task": {"name": task}, "optim": {"learning_rate": 0.003}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    (run / "config.json").write_text(json.dumps({"task": {"name": task}, "optim": {"learning_rate": 0.003}}),
+                                     encoding="utf-8")
 
 
 def test_collect_reads_every_run_and_writes_json_table_and_figure(tmp_path):
     _write_run(tmp_path / "runs", "counting_3var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.21)])
     _write_run(tmp_path / "runs", "counting_5var", "relative", 0, [(100, 0.6)])
     assert curves.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
-    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    data = json.loads((tmp_path / "out" / "curves.json").read_text(encoding="utf-8"))
     run = data["settings"]["counting_3var"]["cope"]["seed0"]
     assert run["splits"]["valid"]["steps"] == [100, 200, 300]
     assert run["splits"]["len_x2"]["seq_error"] == pytest.approx([0.7, 0.4, 0.41])
     assert run["plateau"]["step"] == 200  # 0.21 is within 1.96·sqrt(0.16/100) = 0.078 of 0.2 too, but later
     assert data["configs"]["counting_3var/cope/seed0"]["optim"]["learning_rate"] == 0.003
-    table = (tmp_path / "out" / "curves.md").read_text()
+    table = (tmp_path / "out" / "curves.md").read_text(encoding="utf-8")
     assert "| counting_5var | relative | seed0 | 100 | 60.0 (100) | 100 (60.0," in table
     assert (tmp_path / "out" / "curves.png").stat().st_size > 1000
 
@@ -81,7 +82,7 @@ def test_collect_keeps_only_the_encodings_and_seeds_asked_for(tmp_path):
     assert {pe: sorted(seeds) for pe, seeds in data["settings"]["counting_3var"].items()} == {
         "cope": ["seed0", "seed1"], "relative": ["seed0"]}  # seed10 is not seed1
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--seeds", "10"]) == 0
-    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
+    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text(encoding="utf-8"))["configs"]) == [
         "counting_3var/cope/seed10"]
     with pytest.raises(ValueError, match=r"no runs of encodings \['relative'\] and seeds \[1\] together"):
         curves.collect(tmp_path, pes=["relative"], seeds=[1])  # each is held, never both in one run
@@ -121,16 +122,16 @@ def test_a_line_cut_short_ends_the_curve_and_a_bad_line_or_out_is_one_line(tmp_p
     is a usage error naming the file and line; so is an --out that is a file."""
     _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.5), (200, 0.4)])
     metrics = tmp_path / "counting_3var" / "cope" / "seed0" / "metrics.jsonl"
-    whole = metrics.read_text()
-    metrics.write_text(whole + '{"step": 300, "split": "val')
+    whole = metrics.read_text(encoding="utf-8")
+    metrics.write_text(whole + '{"step": 300, "split": "val', encoding="utf-8")
     curve = curves.collect(tmp_path)["settings"]["counting_3var"]["cope"]["seed0"]
     assert curve["splits"]["valid"]["steps"] == [100, 200]
-    metrics.write_text('{"step": 50, "split": "tra\n' + whole)
-    (tmp_path / "file").write_text("")
+    metrics.write_text('{"step": 50, "split": "tra\n' + whole, encoding="utf-8")
+    (tmp_path / "file").write_text("", encoding="utf-8")
     for out, message in ((tmp_path / "out", f"{str(metrics)!r}, line 1, is not valid JSON"),
                          (tmp_path / "file", f"--out={str(tmp_path / 'file')!r}: File exists")):
         if out.name == "file":
-            metrics.write_text(whole)
+            metrics.write_text(whole, encoding="utf-8")
         with pytest.raises(SystemExit) as exit_:
             curves.main([str(tmp_path), "--out", str(out)])
         err = capsys.readouterr().err
@@ -153,7 +154,7 @@ def test_encodings_and_seeds_no_run_has_are_refused_listing_those_the_roots_hold
         assert exit_.value.code == 2 and f"error: {message}\n" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert curves.main([*roots, "--out", str(tmp_path / "out"), "--pes", "cope,relative", "--seeds", "2,10"]) == 0
-    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text())["configs"]) == [
+    assert sorted(json.loads((tmp_path / "out" / "curves.json").read_text(encoding="utf-8"))["configs"]) == [
         "a/counting_3var/cope/seed10", "b/counting_3var/relative/seed2"]
 
 
@@ -183,13 +184,13 @@ def test_a_jaxpe_compare_workdir_is_one_setting_named_by_it(tmp_path):
     assert sorted(both["configs"]) == ["counting_3var/cope/seed0", "counting_3var/relative/seed1",
                                        "sweep/counting_5var/cope/seed0"]
     assert curves.main([str(tmp_path / "counting_3var"), "--out", str(tmp_path / "out")]) == 0
-    assert "| counting_3var | relative | seed1 |" in (tmp_path / "out" / "curves.md").read_text()
+    assert "| counting_3var | relative | seed1 |" in (tmp_path / "out" / "curves.md").read_text(encoding="utf-8")
 
 
 def test_window_mean_column(tmp_path):
     _write_run(tmp_path, "counting_5var", "cope", 0, [(100, 0.5), (200, 0.2), (300, 0.1), (400, 0.3)])
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
-    table = (tmp_path / "out" / "curves.md").read_text()
+    table = (tmp_path / "out" / "curves.md").read_text(encoding="utf-8")
     assert "mean seq_error % over steps 200–300 |" in table
     assert table.rstrip().endswith("| 15.0 | — |")  # (0.2 + 0.1) / 2; no event files, no wall time
     data = curves.collect(tmp_path)
@@ -236,10 +237,10 @@ def test_table_has_each_runs_wall_time_and_each_settings_total(tmp_path):
     _write_events(tmp_path / "counting_3var" / "cope" / "seed0", (1800.0, 3600.0), ".a")
     _write_events(tmp_path / "counting_3var" / "relative" / "seed0", (5400.0,), ".a")
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
-    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    data = json.loads((tmp_path / "out" / "curves.json").read_text(encoding="utf-8"))
     assert data["settings"]["counting_3var"]["cope"]["seed0"]["wall_seconds"] == pytest.approx(3600.0, abs=1.0)
     assert data["settings"]["counting_5var"]["cope"]["seed0"]["wall_seconds"] is None
-    table = (tmp_path / "out" / "curves.md").read_text()
+    table = (tmp_path / "out" / "curves.md").read_text(encoding="utf-8")
     assert "| counting_3var | relative | seed0 | 100 | 60.0 (100) | 100 (60.0, 9.6) | 90.0 |" in table
     assert "| counting_5var | cope | seed0 | 100 | 70.0 (100) | 100 (70.0, 9.0) | — |" in table
     assert "Wall time, counting_3var: 2.50 h over 2 runs" in table
@@ -254,7 +255,7 @@ def test_each_run_is_read_in_its_tasks_metric(tmp_path):
     _write_run(tmp_path, "lm", "rope", 0, [(100, 2.5), (200, 1.91), (300, 1.9)], task="lm")
     _write_run(tmp_path, "counting_3var", "cope", 0, [(100, 0.2)])
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "out"), "--window", "200:300"]) == 0
-    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    data = json.loads((tmp_path / "out" / "curves.json").read_text(encoding="utf-8"))
     assert data["metrics"] == {"copy": "token_error", "counting_3var": "seq_error", "flipflop": "token_error",
                                "lm": "bits_per_byte"}
     assert data["metric"] is None and data["split"] == "valid"
@@ -269,7 +270,7 @@ def test_each_run_is_read_in_its_tasks_metric(tmp_path):
     # bits per byte is no rate: no binomial interval, the plateau is the best evaluation (1.91 at step 200 would be
     # within a binomial "interval" of 1.9, which does not exist)
     assert lm["plateau"] == {"best_step": 300, "best": 1.9, "step": 300, "error": 1.9, "within": 0.0}
-    table = (tmp_path / "out" / "curves.md").read_text()
+    table = (tmp_path / "out" / "curves.md").read_text(encoding="utf-8")
     assert "| lm | rope | seed0 | 300 | 1.900 (300) | 300 (1.900, 0.000) | 1.905 | — |" in table  # not in %
     assert "| flipflop | cope | seed0 | 300 | 4.0 (300) | 200 (5.0, 3.8) | 4.5 | — |" in table
     assert "lm in bits_per_byte" in table and "flipflop in token_error (%)" in table
@@ -281,7 +282,7 @@ def test_a_run_whose_task_is_unknown_is_refused_naming_it(tmp_path):
     (run / "config.json").unlink()
     with pytest.raises(ValueError, match="seed0.*config.json.*task.name"):
         curves.collect(tmp_path)
-    (run / "config.json").write_text(json.dumps({"task": {"name": "countin"}}))
+    (run / "config.json").write_text(json.dumps({"task": {"name": "countin"}}), encoding="utf-8")
     with pytest.raises(ValueError, match="task.name='countin'.*no known task"):
         curves.collect(tmp_path)
     with pytest.raises(SystemExit):

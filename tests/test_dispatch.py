@@ -127,7 +127,7 @@ def test_cpu_thresholds_are_the_committed_measurement():
     """The lengths auto switches at are the crossovers benchmarks/auto_dispatch.py measured and committed: from
     there on blockwise's forward+backward was no slower (within its tie margin) at every longer measured length,
     just below it dense was faster."""
-    report = json.loads(BENCH.read_text())
+    report = json.loads(BENCH.read_text(encoding="utf-8"))
     assert report["device"]["backend"] == "cpu"
     for encoding in dispatch.ENCODINGS:
         rows = sorted((row["length"], row["ratio_fwd+bwd"]) for row in report["rows"] if row["op"] == encoding)

@@ -55,7 +55,7 @@ def test_single_process_joins_nothing(calls):
     ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.1", "MEGASCALE_NUM_SLICES": "2"}, "tpu"),
 ])
 def test_detected_launchers_initialize_with_no_arguments(monkeypatch, calls, variables, name, tmp_path):
-    (tmp_path / "addresses").write_text("10.0.0.1:8476,10.0.0.2:8476\n")
+    (tmp_path / "addresses").write_text("10.0.0.1:8476,10.0.0.2:8476\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     set_env(monkeypatch, **variables)
     assert distributed.launcher() == name
@@ -72,7 +72,7 @@ def test_detected_launchers_initialize_with_no_arguments(monkeypatch, calls, var
     {"MEGASCALE_NUM_SLICES": "1"},
 ])
 def test_one_process_launches_stay_single(monkeypatch, calls, variables, tmp_path):
-    (tmp_path / "one-address").write_text("10.0.0.1:8476")
+    (tmp_path / "one-address").write_text("10.0.0.1:8476", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     set_env(monkeypatch, **variables)
     assert distributed.launcher() is None
@@ -164,7 +164,7 @@ def test_only_process_zero_writes_metrics_and_names_the_outputs(monkeypatch, tmp
     other.write({"step": 1, "split": "train", "loss": 1.0})
     other.close()
     assert list(tmp_path.iterdir()) == []
-    (tmp_path / "result.json").write_text("{}")
+    (tmp_path / "result.json").write_text("{}", encoding="utf-8")
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     cli._print_outputs(tmp_path, cli.RUN_OUTPUTS)
     assert capsys.readouterr().err == ""

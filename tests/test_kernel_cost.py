@@ -266,10 +266,10 @@ def test_fence_targets_count_gpu_scope_fences_only():
 def test_committed_markdown_and_docs_table_are_the_report():
     """results/cost/kernel_cost.md is `markdown` of the JSON beside it; docs/reports/kernel_cost.md shows its `summary`
     and its targets table; the targets in the JSON are `targets` of its entries."""
-    data = json.loads(COMMITTED.read_text())
+    data = json.loads(COMMITTED.read_text(encoding="utf-8"))
     assert data["targets"] == kc.targets(data)
-    assert COMMITTED.with_suffix(".md").read_text() == kc.markdown(data)
-    doc = (ROOT / "docs" / "reports" / "kernel_cost.md").read_text()
+    assert COMMITTED.with_suffix(".md").read_text(encoding="utf-8") == kc.markdown(data)
+    doc = (ROOT / "docs" / "reports" / "kernel_cost.md").read_text(encoding="utf-8")
     assert "\n" + kc.summary(data) + "<!-- end of summary -->" in doc
     assert "\n" + "\n".join(kc._targets_table(data["targets"])) + "\n<!-- end of targets -->" in doc
     assert kc._authors_sentence(data["authors"]) in doc.replace("\n> ", " ")
@@ -281,7 +281,7 @@ def test_auto_prefers_the_path_the_committed_model_finds_faster():
     compile, for every kernel (forward, the training forward, backward)."""
     from jaxpe.dispatch import GPU_PREFERENCE
 
-    data = json.loads(COMMITTED.read_text())
+    data = json.loads(COMMITTED.read_text(encoding="utf-8"))
     for op, (first, second) in GPU_PREFERENCE.items():
         by_path = {path: {_key({**e, "path": None}): e["per_logit"]["bound"] for e in data["kernels"]
                           if e["op"] == op and e["path"] == path and not e["error"]} for path in (first, second)}
@@ -303,7 +303,7 @@ def _key(entry: dict) -> tuple:
 def _comparable_report() -> dict:
     """The committed report, after checking that it belongs to these kernel sources, and skipping (saying why) where
     the compilers here are not the report's: another compiler emits other machine code."""
-    data = json.loads(COMMITTED.read_text())
+    data = json.loads(COMMITTED.read_text(encoding="utf-8"))
     assert data["kernel_sources_sha256"] == cr.kernel_sources_sha256(data["paths"]), (
         "the kernels changed since the committed cost report: rerun `python benchmarks/kernel_cost.py --out "
         "results/cost --authors-from results/cost/kernel_cost.json` in .venv-compile")

@@ -50,7 +50,7 @@ def test_no_upward_imports(folder):
     package, forbidden = LAYERS[folder]
     bad = []
     for path in sources(folder):
-        for line, module in imported_modules(ast.parse(path.read_text()), package):
+        for line, module in imported_modules(ast.parse(path.read_text(encoding="utf-8")), package):
             if any(under(module, p) for p in forbidden) and not any(under(module, a) for a in ALLOWED[folder]):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "imports against train → jaxpe → kernels:\n" + "\n".join(bad)
@@ -59,7 +59,7 @@ def test_no_upward_imports(folder):
 def test_the_base_imports_nothing_of_jaxpe():
     """jaxpe/base.py sits below kernels/, which imports it: it may import no jaxpe module (nor train, benchmarks)."""
     found = [f"{BASE.relative_to(ROOT)}:{line} imports {module}"
-             for line, module in imported_modules(ast.parse(BASE.read_text()), "jaxpe")
+             for line, module in imported_modules(ast.parse(BASE.read_text(encoding="utf-8")), "jaxpe")
              if any(under(module, p) for p in ("jaxpe", "train", "benchmarks"))]
     assert found == []
 
@@ -68,7 +68,7 @@ def test_the_base_imports_nothing_of_jaxpe():
 def test_function_local_imports_say_why(folder):
     bad = []
     for path in sources(folder):
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         lines = text.splitlines()
         for func in ast.walk(ast.parse(text)):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -106,7 +106,7 @@ def test_binary_files_and_the_suffix_filter(tmp_path):
     assert task.config.suffixes == (".bin",)
     assert sum(s.size for s in task.streams.values()) == 3 * 1024
     assert make_task("lm", source=str(tmp_path), suffixes=[], **SMALL).fingerprint == task.fingerprint  # every file
-    (tmp_path / "README").write_text("no ending")
+    (tmp_path / "README").write_text("no ending", encoding="utf-8")
     with pytest.raises(ValueError, match=r"set task\.suffixes=\[\] \(every file\)"):
         make_task("lm", source=str(tmp_path), suffixes=".txt", **SMALL)
     with pytest.raises(ValueError, match=r"every file is larger than max_bytes=5 \(the smallest, '\S*README', has 9 "
@@ -155,12 +155,12 @@ def test_an_edit_that_keeps_every_size_is_a_changed_corpus(tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_same_corpus(workdir, edited)
     (workdir / "corpus.json").write_text(json.dumps({"source": str(corpus), "bytes": 600,
-                                                     "fingerprint": task.names_fingerprint}))
+                                                     "fingerprint": task.names_fingerprint}), encoding="utf-8")
     check_same_corpus(workdir, edited)  # names and sizes: the same
     (corpus / "b.txt").write_bytes(document("b", 301))
     with pytest.raises(ValueError, match=r"hash the documents' names and sizes \(saved before they hashed"):
         check_same_corpus(workdir, make_task("lm", source=str(corpus), **SMALL))
-    (workdir / "corpus.json").write_text("{not json")
+    (workdir / "corpus.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(f"{str(workdir / 'corpus.json')!r} is not valid JSON")):
         check_same_corpus(workdir, task)
 
@@ -185,17 +185,18 @@ def test_a_run_resumes_on_its_corpus_and_refuses_a_changed_one(tmp_path, capsys)
     (corpus / "a.txt").write_bytes(bytes(range(32, 127)) * 8)  # 760 bytes
     (corpus / "b.txt").write_bytes(b"hello world\n" * 20)  # 240 bytes
     first = train_and_evaluate(_lm_config(corpus, 2), workdir)
-    saved = json.loads((workdir / "corpus.json").read_text())
+    saved = json.loads((workdir / "corpus.json").read_text(encoding="utf-8"))
     assert saved == {"option": "task.source", "source": str(corpus), "hash": "blake2b", "bytes": 1000,
                      "fingerprint": blake2b_of({"corpus/a.txt": corpus / "a.txt", "corpus/b.txt": corpus / "b.txt"})}
     assert first["resumed_from"] is None
     # a run saved when fingerprints hashed names and sizes: checked that way, resumed, its corpus.json rewritten
     listing = "corpus/a.txt\t760\ncorpus/b.txt\t240\n"
     (workdir / "corpus.json").write_text(json.dumps({"source": str(corpus), "bytes": 1000,
-                                                     "fingerprint": hashlib.sha256(listing.encode()).hexdigest()}))
+                                                     "fingerprint": hashlib.sha256(listing.encode()).hexdigest()}),
+                                         encoding="utf-8")
     resumed = train_and_evaluate(_lm_config(corpus, 4), workdir)  # the same corpus: resumes
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
-    assert json.loads((workdir / "corpus.json").read_text()) == saved
+    assert json.loads((workdir / "corpus.json").read_text(encoding="utf-8")) == saved
     assert int(restore_run(workdir).state.step) == 4  # the same corpus: read back
 
     (corpus / "b.txt").write_bytes(b"hello world\n" * 21)  # 252 bytes: another corpus

@@ -64,13 +64,13 @@ def test_measured_clocks_per_logit_and_the_model_loop_each_kernel_runs():
 
 def test_cli_writes_both_files_and_refuses_an_unknown_gpu(tmp_path, capsys):
     cost, bench = tmp_path / "cost.json", tmp_path / "bench.json"
-    cost.write_text(json.dumps(COST))
-    bench.write_text(json.dumps(BENCH))
+    cost.write_text(json.dumps(COST), encoding="utf-8")
+    bench.write_text(json.dumps(BENCH), encoding="utf-8")
     model_vs_gpu.main(["--cost", str(cost), "--bench", str(bench), "--out", str(tmp_path / "out")])
-    report = json.loads((tmp_path / "out.json").read_text())
+    report = json.loads((tmp_path / "out.json").read_text(encoding="utf-8"))
     assert report["sm_clock_mhz"] == 1980 and len(report["rows"]) == 6
-    assert "| corope | bwd | 64 | 1023 | 8.0 |" in (tmp_path / "out.md").read_text()
-    bench.write_text(json.dumps({**BENCH, "device_kind": "NVIDIA A100"}))
+    assert "| corope | bwd | 64 | 1023 | 8.0 |" in (tmp_path / "out.md").read_text(encoding="utf-8")
+    bench.write_text(json.dumps({**BENCH, "device_kind": "NVIDIA A100"}), encoding="utf-8")
     with pytest.raises(SystemExit):
         model_vs_gpu.main(["--cost", str(cost), "--bench", str(bench), "--out", str(tmp_path / "again")])
     assert "no SM clock known for 'NVIDIA A100'" in capsys.readouterr().err

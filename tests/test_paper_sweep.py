@@ -36,12 +36,12 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
     again = sweep(dest)
     assert again.returncode == 0, again.stderr
     assert "1var/none        cut  step      2" in again.stdout
-    results = [json.loads((run / "result.json").read_text()) for run in runs]
+    results = [json.loads((run / "result.json").read_text(encoding="utf-8")) for run in runs]
     assert [r["resumed_from"] for r in results] == [2, 2] and [r["seed"] for r in results] == [0, 1]
     assert not any((run / "checkpoints").exists() for run in runs)  # finished: only the results are kept
-    compare = json.loads((dest / "counting_1var" / "compare.json").read_text())
+    compare = json.loads((dest / "counting_1var" / "compare.json").read_text(encoding="utf-8"))
     assert [row["pe"] for row in compare["rows"]] == ["none"]
-    record = json.loads((dest / "sweep.json").read_text())
+    record = json.loads((dest / "sweep.json").read_text(encoding="utf-8"))
     assert record["cells"]["1var/none"]["steps"] == 4 and record["cells"]["1var/none"]["compile_s"] > 0
     assert record["environment"]["device"].startswith("cpu")
 
@@ -107,7 +107,7 @@ def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path
 
 
 def test_a_dest_that_is_a_file_or_a_config_the_task_refuses_is_one_line(tmp_path, capsys):
-    (tmp_path / "file").write_text("")
+    (tmp_path / "file").write_text("", encoding="utf-8")
     with pytest.raises(SystemExit) as exit_:
         paper_sweep.main([str(tmp_path / "file"), "--dry-run"])
     assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def run_page(path: pathlib.Path) -> dict[str, dict]:
     scope: dict = {}
     exec(compile(PRELUDES.get(path.name, ""), f"{path.name} prelude", "exec"), scope)
     sections: dict[str, dict] = {}
-    for language, code, section, before in code_blocks(path.read_text()):
+    for language, code, section, before in code_blocks(path.read_text(encoding="utf-8")):
         if language == "python" and not before.startswith((SIGNATURES, NEEDS_RUN)):
             exec(compile(code, _rel(path), "exec"), scope)
             sections[section] = dict(scope)
@@ -89,32 +89,32 @@ def run_page(path: pathlib.Path) -> dict[str, dict]:
 
 def test_setup_commands_open_the_readme():
     """The first thing a newcomer reads: `make demo` (the main job) and `make test` (what .ci/run calls)."""
-    text = README.read_text()
+    text = README.read_text(encoding="utf-8")
     language, code, section, _ = code_blocks(text)[0]
     assert language == "bash" and section == "", "the README's first block must be the set-up commands"
     assert [line.split("#")[0].strip() for line in code.splitlines()] == ["make demo", "make test"]
 
 
 def test_readme_is_short():
-    assert len(README.read_text().splitlines()) <= MAX_README_LINES
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= MAX_README_LINES
 
 
 def test_results_at_a_glance_is_short():
     """The section's lines between its heading and the next, surrounding blank lines not counted."""
-    text = README.read_text().split("\n## Results at a glance\n", 1)[1].split("\n## ", 1)[0]
+    text = README.read_text(encoding="utf-8").split("\n## Results at a glance\n", 1)[1].split("\n## ", 1)[0]
     assert len(text.strip("\n").splitlines()) <= MAX_GLANCE_LINES
 
 
 def _anchors(path: pathlib.Path) -> set[str]:
     """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
-    headings = re.findall(r"^#+ (.+)$", without_code(path.read_text()), re.M)
+    headings = re.findall(r"^#+ (.+)$", without_code(path.read_text(encoding="utf-8")), re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_relative_links_resolve(page: pathlib.Path):
     """Every relative link points to a file that exists, and every #anchor to a heading of that file."""
-    targets = re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text()))
+    targets = re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text(encoding="utf-8")))
     for target in targets:
         if re.match(r"[a-z]+:", target):
             continue
@@ -127,7 +127,7 @@ def test_relative_links_resolve(page: pathlib.Path):
 
 def _layout() -> str:
     """The tree in the README's Layout section."""
-    trees = [code for _, code, section, _ in code_blocks(README.read_text()) if section == "Layout"]
+    trees = [code for _, code, section, _ in code_blocks(README.read_text(encoding="utf-8")) if section == "Layout"]
     assert len(trees) == 1, "the README's Layout section holds one tree"
     return trees[0]
 
@@ -170,7 +170,7 @@ def _signature_calls(code: str) -> list[tuple[str, list[str]]]:
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_signature_listings_match_the_functions(page: pathlib.Path):
     """Each argument of a listed signature is a parameter of that function, with the default the listing shows."""
-    for language, code, _, before in code_blocks(page.read_text()):
+    for language, code, _, before in code_blocks(page.read_text(encoding="utf-8")):
         if language != "python" or not before.startswith(SIGNATURES):
             continue
         calls = _signature_calls(code)
@@ -202,7 +202,7 @@ def check_readme(sections: dict[str, dict]) -> None:
     # A rotation keeps each head's norm, and position 0 does not turn.
     np.testing.assert_allclose(jnp.linalg.norm(pure["rotated"], axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
     np.testing.assert_allclose(pure["rotated"][:, 0], q[:, 0], atol=1e-6)
-    for language, code, section, _ in code_blocks(README.read_text()):
+    for language, code, section, _ in code_blocks(README.read_text(encoding="utf-8")):
         if language == "python":
             assert len(code.strip().splitlines()) <= 16, f"README's {section!r} example is longer than a quick start"
 

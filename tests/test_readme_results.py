@@ -21,7 +21,7 @@ def test_results_page_holds_the_tables_exactly():
                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"}, check=True).stdout
     tables = out.strip()
     assert tables.count("| pe |") >= 6, out
-    page = (REPO / "docs" / "reports" / "results.md").read_text()
+    page = (REPO / "docs" / "reports" / "results.md").read_text(encoding="utf-8")
     assert tables in page, "docs/reports/results.md's tables differ from `bash results/tables.sh`; paste its output"
 
 
@@ -29,7 +29,7 @@ def test_results_have_three_seeds_and_full_evaluation_sets():
     """Every committed comparison (cpu-small, cpu-medium): seeds 0-2 for every encoding, >= 1000 sequences per split
     (the task's resolved options: the run's overrides over the task's defaults)."""
     for path in sorted((REPO / "results").glob("cpu_*/*/compare.json")):
-        record = json.loads(path.read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
         by_pe: dict[str, set[int]] = {}
         for run in record["runs"]:
             by_pe.setdefault(run["pe"], set()).add(run["seed"])

@@ -17,7 +17,7 @@ def comparison(tmp_path, name, metric, rows=None, runs=None, task=None):
     data = {"task": task or name, "metric": metric, "splits": list(rows[0]["splits"]), "rows": rows, "seeds": [0, 1]}
     if runs is not None:
         data["runs"] = runs
-    (path / "compare.json").write_text(json.dumps(data))
+    (path / "compare.json").write_text(json.dumps(data), encoding="utf-8")
     return path
 
 
@@ -96,13 +96,13 @@ def test_command_line_prints_the_table_and_refuses_a_missing_comparison(tmp_path
     ('{"task": "counting"}', "compare.json' is not a compare.json of jaxpe-compare: it has no metric, splits, rows"),
 ])
 def test_a_file_that_is_no_comparison_is_one_line_naming_it(text, message, tmp_path, capsys):
-    (tmp_path / "compare.json").write_text(text)
+    (tmp_path / "compare.json").write_text(text, encoding="utf-8")
     for argv in ([str(tmp_path)], ["--merge-into", str(tmp_path / "merged"), str(tmp_path / "compare.json")]):
         with pytest.raises(SystemExit) as exit_:
             report.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"error: '{tmp_path}/{message}" in err and "Traceback" not in err
-    (tmp_path / "file").write_text("")
+    (tmp_path / "file").write_text("", encoding="utf-8")
     with pytest.raises(SystemExit):
         report.main(["--merge-into", str(tmp_path / "file"), str(tmp_path)])
     assert f"error: --merge-into '{tmp_path}/file' exists and is not a directory" in capsys.readouterr().err
@@ -143,7 +143,7 @@ def test_merge_adds_encodings_and_replaces_those_run_again(tmp_path):
         configured_run(pe, seed, rate, options=resolved)
         for pe, seed, rate in [("rope", 0, 0.0), ("rope", 1, 0.02), ("fox", 0, 0.4), ("fox", 1, 0.6)]], task="copy")
     assert report.main(["--merge-into", str(base), str(new)]) == 0
-    merged = json.loads((base / "compare.json").read_text())
+    merged = json.loads((base / "compare.json").read_text(encoding="utf-8"))
     assert [(r["pe"], r["seed"]) for r in merged["runs"]] == [("cope", 0), ("cope", 1), ("rope", 0), ("rope", 1),
                                                              ("fox", 0), ("fox", 1)]
     means = {row["pe"]: row["splits"]["valid"]["seq_error"] for row in merged["rows"]}
@@ -151,10 +151,10 @@ def test_merge_adds_encodings_and_replaces_those_run_again(tmp_path):
     cope_interval = merged["rows"][0]["splits"]["valid"]["seq_error_ci95"]
     assert cope_interval == pytest.approx(interval95([0.1, 0.2], 1000, rate=True))
     assert merged["rows"] == json.loads(json.dumps(summarize_seeds(merged["runs"])))  # as jaxpe-compare has them
-    table = (base / "compare.md").read_text().splitlines()
+    table = (base / "compare.md").read_text(encoding="utf-8").splitlines()
     assert table[2] == "| pe | seeds | valid seq_error (%) |" and table[6].startswith("| fox | 0,1 | 50.00 [")
     assert (base / "compare.png").stat().st_size > 0
     longer = comparison(tmp_path, "longer", "seq_error", runs=[configured_run("alibi", 0, 0.1, steps=1500)],
                         task="copy")
     with pytest.raises(ValueError, match="different settings"):
-        tables.merge_comparisons(merged, json.loads((longer / "compare.json").read_text()))
+        tables.merge_comparisons(merged, json.loads((longer / "compare.json").read_text(encoding="utf-8")))

@@ -20,7 +20,7 @@ DOCS = ROOT / "docs" / "training.md"
 
 def docs_block() -> str:
     """The Python block of docs/training.md that loads a trained run (the one after its needs-a-trained-run note)."""
-    text = DOCS.read_text()
+    text = DOCS.read_text(encoding="utf-8")
     after = text[text.index("<!-- needs a trained run: tests/test_restore_anywhere.py"):]
     return after[after.index("```python\n") + len("```python\n"):after.index("```\n", 10)]
 
@@ -28,7 +28,7 @@ def docs_block() -> str:
 def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
     """An lm run trained on 2 devices (of the suite's 8) loads in a process of 1 device with the docs' own code,
     and gives there the logits it gives here; jaxpe-eval shows its progress."""
-    (tmp_path / "book.txt").write_text("def main(args):\n    return sum(args)\n" * 40)
+    (tmp_path / "book.txt").write_text("def main(args):\n    return sum(args)\n" * 40, encoding="utf-8")
     config = build_config(task="lm", pe="rope", overrides=[
         f"task.source={tmp_path / 'book.txt'}", "task.seq_len=16", "task.eval_bytes=64", "task.eval_multiples=[]",
         "model.d_model=16", "model.num_layers=1", "model.num_heads=2", "optim.batch_size=8", "run.steps=3",
@@ -67,8 +67,8 @@ def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):
     result = train_and_evaluate(config, tmp_path)
     resolved = resolve_config(config, task)
     assert (resolved.model.vocab_size, resolved.model.max_len) == (task.vocab_size, 16)
-    for saved in (json.loads((tmp_path / "config.json").read_text()), result["config"],
-                  json.loads((tmp_path / "result.json").read_text())["config"]):
+    for saved in (json.loads((tmp_path / "config.json").read_text(encoding="utf-8")), result["config"],
+                  json.loads((tmp_path / "result.json").read_text(encoding="utf-8"))["config"]):
         assert (saved["model"]["vocab_size"], saved["model"]["max_len"]) == (task.vocab_size, 16)
         assert saved["task"]["options"]["p_ignore_train"] == 0.8  # every task option, defaults included
         assert saved["task"]["options"]["seq_len"] == 16
@@ -80,8 +80,8 @@ def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):
     # a config saved before runs resolved it (nulls, the options given only) is the same run as the resolved one
     old = to_dict(config)
     assert old["model"]["max_len"] is None and "p_ignore_train" not in old["task"]["options"]
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    (tmp_path / "result.json").write_text(json.dumps({**result, "config": old}))
+    (tmp_path / "config.json").write_text(json.dumps(old), encoding="utf-8")
+    (tmp_path / "result.json").write_text(json.dumps({**result, "config": old}), encoding="utf-8")
     check_same_run(tmp_path, resolved, task)
     check_same_run(tmp_path, config, task)
     assert _finished_result(tmp_path, resolved, task) is not None

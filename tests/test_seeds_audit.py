@@ -56,7 +56,8 @@ def test_seeds_out_of_order_with_dropout_and_evaluations_match_their_separate_ru
     ours, theirs = [whole[0] / "cope" / f"seed{s}" for s in (0, 1)], [tmp_path / str(s) for s in (0, 1)]
     assert_same_runs(whole[1], separate, (ours, theirs))
     for mine, its in zip(ours, theirs, strict=True):
-        evals = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if r["split"] != "train"]
+        evals = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
+                  if r["split"] != "train"]
                  for d in (mine, its)]
         assert [(r["step"], r["split"]) for r in evals[0]] == [(r["step"], r["split"]) for r in evals[1]]
         assert [r["loss"] for r in evals[0]] == pytest.approx([r["loss"] for r in evals[1]], rel=RTOL)
@@ -96,7 +97,7 @@ def test_a_member_whose_loss_becomes_nan_leaves_the_others_to_finish_as_their_se
     assert [experiments.latest_checkpoint_step(d) for d in cut] == [4, 2]
     with pytest.raises(TimeLimitReached):  # seed 0 on from step 4 to the end; seed 1, past the limit, not begun
         experiments.compare_encodings([config], [0, 1], tmp_path / "cut", time_limit=1e-9)
-    finished = json.loads((cut[0] / "result.json").read_text())
+    finished = json.loads((cut[0] / "result.json").read_text(encoding="utf-8"))
     assert finished["resumed_from"] == 4
     assert_same_runs([finished], whole[1][:1], ([cut[0]], [whole[0] / "cope" / "seed0"]))
     with pytest.raises(NonFiniteLossError, match=r"by step 4 \(seed 1;") as error:

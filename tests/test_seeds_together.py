@@ -41,7 +41,8 @@ def seeded(config: TrainConfig, seed: int) -> TrainConfig:
 
 
 def train_records(run_dir: pathlib.Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
+            if r["split"] == "train"]
 
 
 def assert_same_runs(ours: list[dict], theirs: list[dict], dirs: tuple[list, list]) -> None:
@@ -275,7 +276,7 @@ def test_compare_cli_time_limit_exits_3_and_resumes(tmp_path, capsys):
     assert compare_main([*argv, "--time-limit", "1e-9"]) == 3
     assert "time limit reached: stopped at step 1 with a checkpoint" in capsys.readouterr().err  # one step a dispatch
     assert compare_main(argv) == 0
-    assert [json.loads((tmp_path / "none" / f"seed{s}" / "result.json").read_text())["resumed_from"]
+    assert [json.loads((tmp_path / "none" / f"seed{s}" / "result.json").read_text(encoding="utf-8"))["resumed_from"]
             for s in (0, 1)] == [1, 1]
     with pytest.raises(SystemExit) as usage:
         compare_main([*argv, "--time-limit", "0"])
@@ -298,7 +299,7 @@ def test_bfloat16_matches_float32_within_the_seeds_spread_at_cpu_small(tmp_path)
                         "--preset", "cpu-small", "--workdir", str(workdir), "run.steps=300", f"model.dtype={dtype}",
                         "run.progress=false", "run.tensorboard=false", "run.steps_per_dispatch=50",
                         "run.num_devices=1"], env=env, check=True, capture_output=True)
-        return json.loads((workdir / "compare.json").read_text())["runs"]
+        return json.loads((workdir / "compare.json").read_text(encoding="utf-8"))["runs"]
 
     f32, bf16 = seeds("float32"), seeds("bfloat16")
     assert {r["config"]["model"]["dtype"] for r in bf16} == {"bfloat16"}

@@ -30,7 +30,7 @@ def test_a_small_preset_measured_end_to_end(tmp_path):
     subprocess.run([sys.executable, str(BENCH / "sweep_cost.py"), "--out", str(out), "--presets", "cpu-small",
                     "--pes", "none,cope", "--steps", "2", "--sweep-steps", "cpu-small=100", "--seeds", "1",
                     "--gpu-peak-tflops", "100", "--gpu-utilisation", "0.5"], check=True, capture_output=True)
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text(encoding="utf-8"))
     entry = report["presets"]["cpu-small"]
     rows = entry["encodings"]
     assert set(rows) == {"none", "cope"} and entry["sweep_steps"] == 100

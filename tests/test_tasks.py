@@ -125,14 +125,14 @@ def test_jsonl_round_trip_and_official_lines(tmp_path):
     samples = generate_samples(20, nvars=2, min_steps=3, max_steps=12, seed=0)
     write_jsonl(tmp_path / "out" / "train.jsonl", samples)
     assert read_jsonl(tmp_path / "out" / "train.jsonl") == samples
-    first = json.loads((tmp_path / "out" / "train.jsonl").read_text().splitlines()[0])
+    first = json.loads((tmp_path / "out" / "train.jsonl").read_text(encoding="utf-8").splitlines()[0])
     assert set(first) == {"context", "question", "answer"}
 
     # lines as the paper's count_data_gen.py writes them, typed in by hand
     official = ['{"context": "b = 0 ; pass; b ++; pass; b ++;", "question": "print b", "answer": "2"}',
                 '{"context": "a = 0 ; a ++; a = 0 ;", "question": "print a", "answer": "0"}']
     for split in ("train", "valid", "test"):
-        (tmp_path / f"{split}.jsonl").write_text("\n".join(official) + "\n")
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(official) + "\n", encoding="utf-8")
     task = make_task("counting", data_dir=str(tmp_path), seq_len=16)
     batch = task.train_batch(0, 2)
     answers = sorted(task.decode(t[w > 0]) for t, w in zip(batch["targets"], batch["weights"]))
@@ -154,10 +154,10 @@ def test_data_dir_trains_like_the_generated_data(tmp_path):
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "train.jsonl"
     good = json.dumps({"context": "a = 0 ;", "question": "print a", "answer": "0"})
-    path.write_text(f"{good}\n{good}\n{{not json\n")
+    path.write_text(f"{good}\n{good}\n{{not json\n", encoding="utf-8")
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:3"):
         read_jsonl(path)
-    path.write_text(f"{good}\n" + json.dumps({"context": "a = 0 ;", "question": "print a"}) + "\n")
+    path.write_text(f"{good}\n" + json.dumps({"context": "a = 0 ;", "question": "print a"}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r":2: key 'answer'"):
         read_jsonl(path)
 
@@ -238,7 +238,8 @@ def corpus(tmp_path):
     root = tmp_path / "corpus"
     for k in range(40):
         (root / f"d{k % 3}").mkdir(parents=True, exist_ok=True)
-        (root / f"d{k % 3}" / f"f{k:02d}.txt").write_text(f"<file {k}> " + "abcdefgh" * (5 + k % 7) + "\n")
+        (root / f"d{k % 3}" / f"f{k:02d}.txt").write_text(f"<file {k}> " + "abcdefgh" * (5 + k % 7) + "\n",
+                                                          encoding="utf-8")
     (root / "skip.bin").write_bytes(b"\x00" * 100)  # not a text suffix
     return root
 
@@ -276,7 +277,7 @@ def test_lm_fingerprint_and_eval_lengths(corpus):
     assert {k: v.seq_len for k, v in splits.items()} == {"valid": 16, "test": 16, "len_x2": 32, "len_x4": 64}
     test = a.streams["test"].tobytes()
     assert bytes(splits["len_x4"].inputs[0].astype(np.uint8)) == test[:64]
-    (corpus / "d1" / "f01.txt").write_text("changed size\n")
+    (corpus / "d1" / "f01.txt").write_text("changed size\n", encoding="utf-8")
     assert make_task("lm", **lm_options(corpus)).fingerprint != a.fingerprint
 
 

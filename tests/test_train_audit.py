@@ -49,7 +49,7 @@ def test_state_size_counts_every_layer_pattern_exactly():
 ])
 def test_a_list_option_given_one_value_is_a_usage_error_naming_it(override, message, tmp_path, capsys, monkeypatch):
     """A number where the lm task takes a list was 'int' object is not iterable, naming no key."""
-    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    (tmp_path / "book.txt").write_text("some text to model, " * 50, encoding="utf-8")
     monkeypatch.setattr(cli.experiments, "train_seeds", None)  # a call would fail with a TypeError
     status = exit_status(cli.train_main, ["--task", "lm", "--workdir", str(tmp_path / "run"),
                                           f"task.source={tmp_path}", override])
@@ -86,9 +86,10 @@ def test_a_run_on_a_relative_corpus_path_is_read_back_from_another_directory(tmp
     said "source path 'corpus' does not exist"; resuming there with the same relative path names another corpus,
     refused naming the setting."""
     (tmp_path / "here" / "corpus").mkdir(parents=True)
-    (tmp_path / "here" / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "here" / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40,
+                                                        encoding="utf-8")
     (tmp_path / "elsewhere" / "corpus").mkdir(parents=True)
-    (tmp_path / "elsewhere" / "corpus" / "a.txt").write_text("another text altogether, " * 60)
+    (tmp_path / "elsewhere" / "corpus" / "a.txt").write_text("another text altogether, " * 60, encoding="utf-8")
     lm = ["--task", "lm", "task.source=corpus", "task.seq_len=16", "task.eval_bytes=64", "task.eval_multiples=[2]",
           "run.steps=2", "run.checkpoint_every=2", "run.async_checkpoints=false"]
     tiny_lm = [word for word in TINY if not word.startswith(("task.", "model.max_len"))]
@@ -150,7 +151,7 @@ def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
     document could send to train and test alike."""
     (tmp_path / "texts").mkdir()
     for name in ("a.txt", "b.txt"):
-        (tmp_path / "texts" / name).write_text(f"{name} holds some text to model. " * 20)
+        (tmp_path / "texts" / name).write_text(f"{name} holds some text to model. " * 20, encoding="utf-8")
     with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'a\.txt' and 'texts/a\.txt'\)"):
         make_task("lm", source=[str(tmp_path / "texts" / "a.txt"), str(tmp_path / "texts")], seq_len=16)
 
@@ -158,7 +159,7 @@ def test_a_file_named_twice_in_the_corpus_is_refused(tmp_path):
 def test_a_broken_link_in_the_corpus_is_a_usage_error(tmp_path, capsys):
     """A link to no file among the corpus' files ended as an OS error (exit 1), not as a setting to mend."""
     (tmp_path / "texts").mkdir()
-    (tmp_path / "texts" / "a.txt").write_text("some text to model. " * 20)
+    (tmp_path / "texts" / "a.txt").write_text("some text to model. " * 20, encoding="utf-8")
     (tmp_path / "texts" / "b.txt").symlink_to(tmp_path / "gone.txt")
     status = exit_status(cli.train_main, ["--task", "lm", "--workdir", str(tmp_path / "run"),
                                           f"task.source={tmp_path / 'texts'}"])
@@ -181,18 +182,18 @@ def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, mon
     left the file cut short (records before the resume step lost for good). Now the old file stays whole until the
     new one replaces it."""
     lines = [json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) for step in range(1, 5)]
-    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     write_text = pathlib.Path.write_text
 
     def killed_halfway(self: pathlib.Path, text: str, *args, **kwargs) -> int:
-        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        write_text(self, text[:len(text) // 2], *args, **kwargs, encoding="utf-8")
         raise KeyboardInterrupt  # the process dies here
 
     monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
     with pytest.raises(KeyboardInterrupt):
         MetricsLog(tmp_path, resume_step=3, enabled=True, tensorboard=False)
     monkeypatch.undo()
-    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+    assert (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines() == lines
 
 
 @pytest.mark.parametrize("preset, message", [
@@ -202,7 +203,7 @@ def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, mon
 def test_a_preset_naming_an_unknown_task_or_encoding_is_refused(preset, message, tmp_path):
     """A misspelt task or encoding in a preset of one's own: its options were never applied, and nothing said so."""
     path = tmp_path / "preset.json"
-    path.write_text(json.dumps(preset))
+    path.write_text(json.dumps(preset), encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(message.format(path=path))):
         build_config(preset=str(path), task="flipflop", pe="cope")
 
@@ -213,14 +214,15 @@ def test_longer_splits_of_documents_shorter_than_the_training_length_are_flagged
     enough to silence it."""
     (tmp_path / "short").mkdir()
     for i in range(5):
-        (tmp_path / "short" / f"{i}.txt").write_text(f"note {i}: a short line.\n")
+        (tmp_path / "short" / f"{i}.txt").write_text(f"note {i}: a short line.\n", encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
         task = make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2])
     test, longer = task.eval_splits()["test"], task.eval_splits()["len_x2"]
     assert longer.weights.sum() == test.weights.sum() and not longer.weights[:, 32:].any()  # the premise
     assert "no test document is longer than task.seq_len=32 bytes: len_x2 scores" in caplog.text
     caplog.clear()
-    (tmp_path / "short" / "long.txt").write_text("a much longer note that runs on well past the training length. " * 3)
+    (tmp_path / "short" / "long.txt").write_text("a much longer note that runs on well past the training length. " * 3,
+                                                 encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="jaxpe.train.tasks.lm"):
         make_task("lm", source=str(tmp_path / "short"), seq_len=32, eval_multiples=[2], test_fraction=0.4)
     assert "len_x2 scores" not in caplog.text

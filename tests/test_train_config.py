@@ -117,7 +117,7 @@ def test_task_option_errors_name_the_key_as_the_command_line_sets_it(tmp_path):
             make()
     with pytest.raises(TypeError, match=r"^seed='abc' must be an int$"):
         make_task("flipflop", seed="abc")
-    (tmp_path / "big.txt").write_text("0123456789")
+    (tmp_path / "big.txt").write_text("0123456789", encoding="utf-8")
     lm = build_config(task="lm", overrides=[f"task.source={tmp_path}", "task.max_bytes=5"])
     with pytest.raises(ValueError, match=re.escape(f"task.source={str(tmp_path)!r}: every file is larger than "
                                                    "task.max_bytes=5 (the smallest")):
@@ -163,7 +163,7 @@ def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path):
         "model": {"d_model": 48}, "run": {"steps": 7},
         "tasks": {"counting": {"nvars": 5}, "flipflop": {"seq_len": 32}},
         "encodings": {"cope": {"npos": 17}},
-    }))
+    }), encoding="utf-8")
     cope = build_config(preset=str(path), task="counting", pe="cope")
     rope = build_config(preset=str(path), task="flipflop", pe="rope", overrides=["model.pe_options.theta=500.0"])
     assert cope.model.d_model == rope.model.d_model == 48 and cope.run.steps == 7
@@ -174,24 +174,24 @@ def test_preset_task_and_encoding_sections_apply_only_when_chosen(tmp_path):
 def test_packaged_presets_are_the_repository_files():
     """preset_names() reads the package's data (importlib.resources), which must be every file of train/presets/."""
     assert set(preset_names()) == {p.stem for p in PRESET_FILES.glob("*.json")} >= {"paper", "cpu-small"}
-    assert load_preset("cpu-small") == json.loads((PRESET_FILES / "cpu-small.json").read_text())
+    assert load_preset("cpu-small") == json.loads((PRESET_FILES / "cpu-small.json").read_text(encoding="utf-8"))
 
 
 def test_preset_paths_and_their_errors(tmp_path, monkeypatch):
-    (tmp_path / "noext").write_text(json.dumps({"model": {"d_model": 24}}))
+    (tmp_path / "noext").write_text(json.dumps({"model": {"d_model": 24}}), encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     assert build_config(preset="noext").model.d_model == 24  # an existing file without .json is a path too
     with pytest.raises(ValueError, match="'missing.json' cannot be read"):
         build_config(preset="missing.json")
     with pytest.raises(ValueError, match=r"preset name='cpu-smal' not found; choose one of \(.*'cpu-small'"):
         build_config(preset="cpu-smal")
-    (tmp_path / "bad.json").write_text("{model: 1}")
+    (tmp_path / "bad.json").write_text("{model: 1}", encoding="utf-8")
     with pytest.raises(ValueError, match="'bad.json' is not valid JSON"):
         build_config(preset="bad.json")
-    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "list.json").write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(ValueError, match="must hold a JSON object, got list"):
         build_config(preset="list.json")
-    (tmp_path / "typo.json").write_text(json.dumps({"model": {"d_modle": 24}}))
+    (tmp_path / "typo.json").write_text(json.dumps({"model": {"d_modle": 24}}), encoding="utf-8")
     with pytest.raises(ValueError, match="'model.d_modle'"):
         build_config(preset="typo.json")
 
@@ -200,7 +200,7 @@ def test_saved_config_reruns_with_changes(tmp_path):
     """A saved config.json is the start; --task/--pe that change start from that task's/encoding's own options."""
     saved = build_config(preset="cpu-small", task="counting", pe="cope", overrides=["model.num_layers=3"])
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(to_dict(saved)))
+    path.write_text(json.dumps(to_dict(saved)), encoding="utf-8")
     assert load_config(path) == saved
     assert build_config(config=load_config(path), overrides=["run.seed=4"]) == dataclasses.replace(
         saved, run=dataclasses.replace(saved.run, seed=4))
@@ -211,7 +211,7 @@ def test_saved_config_reruns_with_changes(tmp_path):
     assert other.model.num_layers == 3 and other.optim == saved.optim
     with_preset = build_config(config=load_config(path), preset="paper", task="flipflop")
     assert with_preset.model.d_model == 256 and dict(with_preset.task.options)["seq_len"] == 512
-    (tmp_path / "broken.json").write_text(json.dumps({"model": {"num_layers": "three"}}))
+    (tmp_path / "broken.json").write_text(json.dumps({"model": {"num_layers": "three"}}), encoding="utf-8")
     with pytest.raises(ValueError, match="'model.num_layers'"):
         load_config(tmp_path / "broken.json")
     with pytest.raises(ValueError, match="nowhere.json"):
@@ -288,7 +288,7 @@ SAVED_CONFIGS = sorted(RESULTS.glob("*/*/compare.json"))
 @pytest.mark.skipif(not SAVED_CONFIGS, reason="no committed results")
 @pytest.mark.parametrize("path", SAVED_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
 def test_committed_run_configs_load_and_keep_every_saved_value(path):
-    runs = json.loads(path.read_text())["runs"]
+    runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
     assert runs
     for run in runs:
         loaded = to_dict(from_dict(run["config"]))

@@ -27,7 +27,7 @@ from tiny_config import TINY, tiny
 
 
 def train_losses(workdir: pathlib.Path) -> np.ndarray:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    lines = (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return np.array([r["loss"] for r in map(json.loads, lines) if r["split"] == "train"])
 
 
@@ -137,9 +137,10 @@ def test_cpu_name_reads_the_model_and_the_vector_extensions(tmp_path):
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu fma sse4_2 avx512f avx2 ht\n\n"
-                    "processor\t: 1\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu fma sse4_2 avx512f avx2 ht\n")
+                    "processor\t: 1\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu fma sse4_2 avx512f avx2 ht\n",
+                    encoding="utf-8")
     assert cpu_name(info) == "Some CPU @ 2.0GHz (sse4_2 avx2 fma avx512f)"
-    info.write_text("flags : neon\n")
+    info.write_text("flags : neon\n", encoding="utf-8")
     assert cpu_name(info) == f"{platform.processor()} ()"
     assert cpu_name(tmp_path / "absent") == platform.processor()
 
@@ -151,14 +152,14 @@ def test_a_tiny_run_writes_every_output_and_resumes_at_its_end(tmp_path):
     for name in ("config.json", "metrics.jsonl", "result.json", "result.md", "result.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert (tmp_path / "result.png").read_bytes()[:4] == b"\x89PNG"
-    saved = json.loads((tmp_path / "result.json").read_text())
+    saved = json.loads((tmp_path / "result.json").read_text(encoding="utf-8"))
     assert saved["splits"].keys() == {"valid", "ood_sparse", "ood_dense"}
     assert saved["splits"] == result["splits"] and saved["metric"] == "token_error"
     assert saved["environment"]["cpu"] == cpu_name() and saved["environment"]["jax_version"] == jax.__version__
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 9))
     assert {r["step"] for r in records if r["split"] == "valid"} == {4, 8}
-    table = (tmp_path / "result.md").read_text()
+    table = (tmp_path / "result.md").read_text(encoding="utf-8")
     assert f"{100 * result['splits']['valid']['token_error']:.2f}" in table
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [4, 8]
     again = train_and_evaluate(config, tmp_path)  # a finished run resumes at its end and re-evaluates
@@ -210,19 +211,19 @@ def test_cli_compare_then_eval(tmp_path, capsys):
             *TINY, "run.steps=3", "run.checkpoint_every=3"]
     assert compare_main(args) == 0
     printed = capsys.readouterr().out
-    comparison = json.loads((tmp_path / "compare.json").read_text())
+    comparison = json.loads((tmp_path / "compare.json").read_text(encoding="utf-8"))
     assert [row["pe"] for row in comparison["rows"]] == ["rope", "learned"]
     for row, run in zip(comparison["rows"], comparison["runs"]):
-        saved = json.loads((tmp_path / row["pe"] / "seed0" / "result.json").read_text())
+        saved = json.loads((tmp_path / row["pe"] / "seed0" / "result.json").read_text(encoding="utf-8"))
         assert run["splits"] == saved["splits"]
         error = saved["splits"]["ood_dense"]["token_error"]
         assert row["splits"]["ood_dense"]["token_error"] == pytest.approx(error)  # one seed: the mean is the run
         assert f"| {row['pe']} | 0 | " in printed and f"{100 * error:.2f}" in printed
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
-    assert "ood_sparse token_error" in (tmp_path / "compare.md").read_text()
+    assert "ood_sparse token_error" in (tmp_path / "compare.md").read_text(encoding="utf-8")
 
     assert eval_main(["--workdir", str(tmp_path / "rope" / "seed0")]) == 0
-    evaluated = json.loads((tmp_path / "rope" / "seed0" / "eval.json").read_text())
+    evaluated = json.loads((tmp_path / "rope" / "seed0" / "eval.json").read_text(encoding="utf-8"))
     assert evaluated["step"] == 3
     for split, values in comparison["runs"][0]["splits"].items():
         assert evaluated["splits"][split] == pytest.approx(values, rel=1e-6)
@@ -233,12 +234,13 @@ def test_cli_compare_then_eval(tmp_path, capsys):
     # A wider sweep over the same workdir reads the finished runs back (their files untouched) and trains the new one.
     stamps = {pe: (tmp_path / pe / "seed0" / "metrics.jsonl").stat().st_mtime_ns for pe in ("rope", "learned")}
     assert compare_main([*args[:3], "rope,learned,alibi", *args[4:]]) == 0
-    wider = json.loads((tmp_path / "compare.json").read_text())
+    wider = json.loads((tmp_path / "compare.json").read_text(encoding="utf-8"))
     assert [row["pe"] for row in wider["rows"]] == ["rope", "learned", "alibi"]
     assert wider["splits"] == comparison["splits"] == ["valid", "ood_sparse", "ood_dense"]  # the task's order
     assert wider["runs"][:2] == comparison["runs"]
     assert {pe: (tmp_path / pe / "seed0" / "metrics.jsonl").stat().st_mtime_ns for pe in stamps} == stamps
-    assert json.loads((tmp_path / "alibi" / "seed0" / "result.json").read_text())["encoding"]["name"] == "alibi"
+    result = json.loads((tmp_path / "alibi" / "seed0" / "result.json").read_text(encoding="utf-8"))
+    assert result["encoding"]["name"] == "alibi"
 
 
 def test_resuming_with_another_config_is_refused(tmp_path):
@@ -257,7 +259,7 @@ def test_resuming_with_another_config_is_refused(tmp_path):
         train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0", "model.d_model=32"), tmp_path / "fresh")
     fresh = train_and_evaluate(tiny("run.steps=2", "run.checkpoint_every=0"), tmp_path / "fresh")
     assert fresh["resumed_from"] is None and fresh["config"]["model"]["d_model"] == 16
-    assert json.loads((tmp_path / "result.json").read_text())["encoding"] == {
+    assert json.loads((tmp_path / "result.json").read_text(encoding="utf-8"))["encoding"] == {
         "name": "rope", "theta": 10000.0, "rotary_dim": None, "interleaved": False, "scaling": None}
 
 
@@ -268,7 +270,7 @@ def test_a_workdir_saved_before_new_config_fields_still_resumes(tmp_path):
     saved = to_dict(config)
     del saved["model"]["vocab_size"], saved["run"]["tensorboard"]
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
-    (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "config.json").write_text(json.dumps(saved), encoding="utf-8")
     check_same_run(tmp_path, config, build_task(config))
     with pytest.raises(ValueError, match=re.escape("model.d_model: 16 -> 32")):
         check_same_run(tmp_path, tiny("run.checkpoint_every=4", "model.d_model=32"), build_task(config))

@@ -16,7 +16,7 @@ from tiny_config import cli_command, cli_env, tiny, wait_for, xla_flags
 
 
 def records(workdir: pathlib.Path, split: str) -> list[dict]:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    lines = (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
@@ -34,7 +34,7 @@ def test_sigkill_then_restart_matches_uninterrupted_run(tmp_path):
     restarted = subprocess.run(cli_command(killed, *steps), env=cli_env(), capture_output=True, text=True,
                                timeout=600)
     assert restarted.returncode == 0, restarted.stderr
-    resumed = json.loads((killed / "result.json").read_text())
+    resumed = json.loads((killed / "result.json").read_text(encoding="utf-8"))
     assert resumed["resumed_from"] is not None and 5 <= resumed["resumed_from"] < 150
     assert resumed["resumed_from"] % 5 == 0
 
@@ -82,7 +82,7 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path):
     reference = train_and_evaluate(tiny(*steps, "run.num_devices=2"), tmp_path / "reference")
     got, want = records(multi, "train"), records(tmp_path / "reference", "train")
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
-    first = json.loads((multi / "result.json").read_text())
+    first = json.loads((multi / "result.json").read_text(encoding="utf-8"))
     for split, values in reference["splits"].items():
         assert first["splits"][split] == pytest.approx(values, rel=1e-5)
 
@@ -90,6 +90,6 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path):
     shutil.rmtree(multi / "checkpoints" / "4")
     (multi / "result.json").unlink()
     launch_two_processes(multi, steps)
-    resumed = json.loads((multi / "result.json").read_text())
+    resumed = json.loads((multi / "result.json").read_text(encoding="utf-8"))
     assert resumed["resumed_from"] == 2
     assert resumed["splits"] == first["splits"]

@@ -31,7 +31,8 @@ def test_a_second_process_on_a_workdir_is_refused_at_once_and_a_killed_holder_do
                              stderr=subprocess.PIPE, text=True)
     try:
         lock = tmp_path / LOCK_NAME
-        wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid), first, "the first run's lock")
+        wait_for(lambda: lock.is_file() and lock.read_text(encoding="utf-8").strip() == str(first.pid), first,
+                 "the first run's lock")
         second = subprocess.run(cli_command(tmp_path, "run.steps=100000"), env=cli_env(), capture_output=True,
                                 text=True, timeout=600)
         assert second.returncode == 1, second.stderr
@@ -72,7 +73,7 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
         train_and_evaluate(tiny("run.steps=2"), tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
     assert cli.eval_main(["--workdir", str(tmp_path)]) == 0
-    assert json.loads((tmp_path / "eval.json").read_text())["step"] == 4 == first["steps"]
+    assert json.loads((tmp_path / "eval.json").read_text(encoding="utf-8"))["step"] == 4 == first["steps"]
     # a jaxpe-compare run directory holding another config is refused before any run trains
     (tmp_path / "cmp" / "alibi").mkdir(parents=True)
     shutil.copytree(tmp_path, tmp_path / "cmp" / "alibi" / "seed0", ignore=shutil.ignore_patterns("cmp"))
@@ -81,7 +82,8 @@ def test_a_workdir_holds_one_run_whatever_the_new_run_saves(tmp_path, capsys):
     assert not (tmp_path / "cmp" / "rope").exists()
     # a workdir mixed before this guard existed (config.json of another run beside the checkpoints): each checkpoint
     # carries its run's config, so jaxpe-eval and a resume refuse it
-    (tmp_path / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.learning_rate=0.5"))))
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.learning_rate=0.5"))),
+                                          encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape("written by a run with another config (optim.learning_rate: "
                                                    "0.003 -> 0.5)")):
         evaluate_checkpoint(tmp_path)
@@ -111,7 +113,8 @@ def test_a_run_that_failed_before_its_first_step_does_not_hold_its_workdir(tmp_p
     before any step is no run to resume: a corrected config trains there. One metrics record makes it a run."""
     tiny_dir = tmp_path / "run"
     tiny_dir.mkdir()
-    (tiny_dir / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))))
+    (tiny_dir / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))),
+                                          encoding="utf-8")
     (tiny_dir / "metrics.jsonl").touch()
     (tiny_dir / "checkpoints").mkdir()
     result = train_and_evaluate(tiny("run.steps=2"), tiny_dir)
@@ -119,8 +122,9 @@ def test_a_run_that_failed_before_its_first_step_does_not_hold_its_workdir(tmp_p
     assert load_config(tiny_dir / "config.json").optim.batch_size != 4096
     other = tmp_path / "other"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))))
-    (other / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n')
+    (other / "config.json").write_text(json.dumps(to_dict(tiny("run.steps=4", "optim.batch_size=4096"))),
+                                       encoding="utf-8")
+    (other / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape("optim.batch_size: 4096 -> ")):
         train_and_evaluate(tiny("run.steps=2"), other)
 
@@ -198,10 +202,10 @@ def test_bad_task_settings_and_files_are_one_line_before_anything_is_written(mai
                                                                             monkeypatch):
     """Each a usage error naming the key or file, exit 2, nothing written, not even in the current directory (where an
     empty path would point); a TypeError of a task option and a missing optional package no traceback."""
-    (tmp_path / "preset.json").write_text('{"tasks": 5}')
+    (tmp_path / "preset.json").write_text('{"tasks": 5}', encoding="utf-8")
     (tmp_path / "latin1.json").write_bytes('{"run": {"steps": "é"}}'.encode("latin-1"))
     (tmp_path / "cwd").mkdir()
-    (tmp_path / "book.txt").write_text("some text to model, " * 50)
+    (tmp_path / "book.txt").write_text("some text to model, " * 50, encoding="utf-8")
     monkeypatch.chdir(tmp_path / "cwd")
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: its import raises ImportError
     for trains in ("train_seeds", "_compare"):  # a call would fail with a TypeError
@@ -234,8 +238,9 @@ def test_counting_data_with_an_empty_answer_is_an_error_naming_file_and_line(tmp
     data = tmp_path / "data"
     data.mkdir()
     good = {"context": "a = 1 ;", "question": "print a", "answer": "1"}
-    (data / "train.jsonl").write_text(json.dumps(good) + "\n")
-    (data / "valid.jsonl").write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "answer": " "}) + "\n")
+    (data / "train.jsonl").write_text(json.dumps(good) + "\n", encoding="utf-8")
+    (data / "valid.jsonl").write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "answer": " "}) + "\n",
+                                      encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(f"{data / 'valid.jsonl'}:3: key 'answer' is empty")):
         read_jsonl(data / "valid.jsonl")
     status = exit_status(cli.train_main, ["--task", "counting", "--workdir", str(tmp_path / "run"),
@@ -252,7 +257,7 @@ def test_counting_data_that_changed_is_not_resumed(tmp_path, capsys):
     data, workdir = tmp_path / "my data", tmp_path / "run"
     write_jsonl(data / "train.jsonl", generate_samples(16, nvars=2, min_steps=3, max_steps=8, seed=0))
     write_jsonl(data / "valid.jsonl", generate_samples(4, nvars=2, min_steps=3, max_steps=8, seed=1))
-    original = (data / "valid.jsonl").read_text()
+    original = (data / "valid.jsonl").read_text(encoding="utf-8")
     digest = hashlib.blake2b(digest_size=32)
     for name in ("train.jsonl", "valid.jsonl"):  # _load_dir's order: train, valid, test, the others by name
         for part in (name.encode(), (data / name).read_bytes()):
@@ -265,12 +270,13 @@ def test_counting_data_that_changed_is_not_resumed(tmp_path, capsys):
                                "run.tensorboard=false", f"run.steps={steps}"])
 
     assert run(2) == 0
-    saved = json.loads((workdir / "corpus.json").read_text())
+    saved = json.loads((workdir / "corpus.json").read_text(encoding="utf-8"))
     assert saved == {"option": "task.data_dir", "source": str(data), "fingerprint": digest.hexdigest(),
                      "hash": "blake2b", "bytes": (data / "train.jsonl").stat().st_size + len(original.encode())}
     answer = json.loads(original.splitlines()[0])["answer"]
     other = "1" if answer == "0" else "0"
-    (data / "valid.jsonl").write_text(original.replace(f'"answer": "{answer}"', f'"answer": "{other}"', 1))
+    (data / "valid.jsonl").write_text(original.replace(f'"answer": "{answer}"', f'"answer": "{other}"', 1),
+                                      encoding="utf-8")
     now = build_task(load_config(workdir / "config.json")).corpus["fingerprint"]
     before = {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()}
     capsys.readouterr()
@@ -280,9 +286,9 @@ def test_counting_data_that_changed_is_not_resumed(tmp_path, capsys):
             f"gives fingerprint {now[:12]} ({saved['bytes']} bytes), the run began on {saved['fingerprint'][:12]} "
             f"({saved['bytes']} bytes;") in err and "Traceback" not in err
     assert {p.name: p.stat().st_mtime_ns for p in workdir.iterdir()} == before
-    (data / "valid.jsonl").write_text(original)
+    (data / "valid.jsonl").write_text(original, encoding="utf-8")
     assert run(4) == 0
-    assert json.loads((workdir / "result.json").read_text())["resumed_from"] == 2
+    assert json.loads((workdir / "result.json").read_text(encoding="utf-8"))["resumed_from"] == 2
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_run(tmp_path):
