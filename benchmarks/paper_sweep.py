@@ -6,8 +6,10 @@ DEST/counting_<n>var/<pe>/seed<s>/ as jaxpe-compare lays runs out. The sweep fir
 cut at a step, or to do; the estimated minutes; how many calls of --time-limit the rest takes), then runs cells in
 order (3 variables first) while the time left allows: a cell is started only when its estimate fits (the first of a
 call always starts), and one that overruns stops at the end of a dispatch with a checkpoint (exit status 3). Called
-again on the same DEST it goes on where it stopped: finished runs (their result.json) are never redone, a cut cell
-resumes from its checkpoints.
+again on the same DEST it goes on where it stopped: runs finished with the same config (their result.json) are never
+redone, a cut cell resumes from its checkpoints; a run finished with other overrides is a cell to do (another
+run.steps: trained from its last kept checkpoint, or afresh) or refused (another model, task, optimizer or seed), as
+jaxpe-compare does.
 
 DEST keeps what matters and little else: each run's config.json, metrics.jsonl, result.json/md; each variable
 count's compare.json/md; sweep.json (the plan, every finished cell's measured seconds, compile seconds and
@@ -41,9 +43,9 @@ import jax.monitoring
 
 from jaxpe.train import TimeLimitReached, build_config, compare_encodings
 from jaxpe.train.cli import int_list, pe_list, seconds, seed_list
-from jaxpe.train.config import MAX_SEED, TrainConfig, resolve_task
-from jaxpe.train.tasks.base import json_object
-from jaxpe.train.experiments import latest_checkpoint_step
+from jaxpe.train.config import MAX_SEED, TrainConfig, build_task, resolve_task
+from jaxpe.train.tasks.base import Task, json_object
+from jaxpe.train.experiments import finished_result, latest_checkpoint_step, seed_config
 from jaxpe.train.workdir import write_json
 
 NVARS = (3, 1, 5)  # the paper's columns, the 3-variable one first (its headline)
@@ -71,6 +73,7 @@ class Cell:
     pe: str
     config: TrainConfig
     dest: pathlib.Path  # DEST/counting_<n>var
+    tasks: dict[int, Task]  # every cell's, by variable count: built once, when a cell's result.json is checked
 
     @property
     def name(self) -> str:
@@ -79,10 +82,20 @@ class Cell:
     def run_dirs(self, seeds: tuple[int, ...]) -> list[pathlib.Path]:
         return [self.dest / self.pe / f"seed{s}" for s in seeds]
 
+    def task(self) -> Task:
+        """The cell's task, built on first need and shared by the cells of its variable count."""
+        if self.nvars not in self.tasks:
+            self.tasks[self.nvars] = build_task(self.config)
+        return self.tasks[self.nvars]
+
     def state(self, seeds: tuple[int, ...]) -> tuple[str, int]:
-        """("done" | "cut" | "todo", the step its seeds reached)."""
+        """("done" | "cut" | "todo", the step its seeds reached). Done when every seed's result.json is a run that
+        finished with this cell's config, as compare_encodings reuses it; a result of other overrides (run.steps,
+        optim.learning_rate, ...) is not, and compare_encodings trains or refuses that run when the cell's turn comes.
+        """
         dirs = self.run_dirs(seeds)
-        if all((d / "result.json").is_file() for d in dirs):
+        if all((d / "result.json").is_file() for d in dirs) and all(
+                finished_result(d, seed_config(self.config, s), self.task()) is not None for d, s in zip(dirs, seeds)):
             return "done", self.config.run.steps
         steps = [latest_checkpoint_step(d) or 0 for d in dirs]
         return ("cut", min(steps)) if any(steps) else ("todo", 0)
@@ -90,8 +103,9 @@ class Cell:
 
 def cells(dest: pathlib.Path, nvars: tuple[int, ...], pes: tuple[str, ...], overrides: list[str]) -> list[Cell]:
     """One cell per (variables, encoding), its config checked down to the task's options (ValueError, TypeError)."""
+    tasks: dict[int, Task] = {}
     todo = [Cell(n, pe, build_config(preset="paper", task="counting", pe=pe,
-                                     overrides=[f"task.nvars={n}", *overrides]), dest / f"counting_{n}var")
+                                     overrides=[f"task.nvars={n}", *overrides]), dest / f"counting_{n}var", tasks)
             for n in nvars for pe in pes]
     for cell in todo:
         resolve_task(cell.config.task)
@@ -150,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         record_path = dest / "sweep.json"
         record = (json_object(record_path.read_text(encoding="utf-8"), str(record_path)) if record_path.is_file()
                   else {"cells": {}, "measured": {}})
+        states = [cell.state(seeds) for cell in todo]  # builds the task of a cell with results, which may refuse it
     except (TypeError, ValueError) as error:  # a config value of the wrong type (task options raise TypeError)
         parser.error(str(error))
 
     plan, left = [], 0.0
-    for cell in todo:
-        state, step = cell.state(seeds)
+    for cell, (state, step) in zip(todo, states):
         minutes = 0.0 if state == "done" else estimate_s(cell, step, record["measured"], args.dry_run) / 60
         left += minutes
         plan.append({"cell": cell.name, "state": state, "step": step, "estimated_min": round(minutes, 1)})

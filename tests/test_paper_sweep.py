@@ -51,6 +51,26 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
     assert [(run / "result.json").stat().st_mtime_ns for run in runs] == written
 
 
+
+def test_a_rerun_with_other_overrides_counts_no_run_of_the_old_config_as_done(tmp_path, capsys):
+    """A finished cell is done only for the config that finished it: with another run.steps it is to do again (in
+    the plan, under the time limit), not passed over and then trained whole by the closing comparison; with another
+    learning rate the sweep refuses it in one line (exit 2), not with a traceback."""
+    dest = tmp_path / "sweep"
+    assert sweep(dest).returncode == 0
+    runs = [dest / "counting_1var" / "none" / f"seed{s}" for s in (0, 1)]
+    written = [(run / "result.json").stat().st_mtime_ns for run in runs]
+    flags = [str(dest), "--dry-run", "--nvars", "1", "--pe", "none", "--seeds", "0,1"]
+    assert paper_sweep.main([*flags, "--plan-only", "run.log_every=1"]) == 0  # a cadence: the results still hold
+    assert "1var/none        done step      6" in capsys.readouterr().out
+    assert paper_sweep.main([*flags, "--plan-only", "run.steps=8"]) == 0
+    assert "1var/none        todo step      0" in capsys.readouterr().out
+    assert paper_sweep.main([*flags, "optim.learning_rate=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paper_sweep.py: error: 1var/none: workdir ") and "optim.learning_rate" in err
+    assert len(err.splitlines()) == 1
+    assert [(run / "result.json").stat().st_mtime_ns for run in runs] == written
+
 def test_overrides_may_come_after_the_flags(tmp_path, capsys):
     """A bad override after a flag is read (and refused, exit 2); good ones between and after the flags plan as
     usual."""

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpe.train.cli import eval_main
 from jaxpe.train.config import build_config, build_task, resolve_config, to_dict
-from jaxpe.train.experiments import _finished_result, restore_run, train_and_evaluate
+from jaxpe.train.experiments import finished_result, restore_run, train_and_evaluate
 from jaxpe.train.workdir import check_same_run
 from tiny_config import ROOT, cli_env, tiny, xla_flags
 
@@ -73,10 +73,10 @@ def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):
         assert saved["task"]["options"]["p_ignore_train"] == 0.8  # every task option, defaults included
         assert saved["task"]["options"]["seq_len"] == 16
     check_same_run(tmp_path, config, task)  # the unresolved config is the same run
-    assert _finished_result(tmp_path, config, task) is not None
+    assert finished_result(tmp_path, config, task) is not None
     with pytest.raises(ValueError, match="model.max_len: 16 -> 32"):
         check_same_run(tmp_path, tiny("run.steps=2", "model.max_len=32"), task)
-    assert _finished_result(tmp_path, tiny("run.steps=2", "model.max_len=32"), task) is None
+    assert finished_result(tmp_path, tiny("run.steps=2", "model.max_len=32"), task) is None
     # a config saved before runs resolved it (nulls, the options given only) is the same run as the resolved one
     old = to_dict(config)
     assert old["model"]["max_len"] is None and "p_ignore_train" not in old["task"]["options"]
@@ -84,6 +84,6 @@ def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({**result, "config": old}), encoding="utf-8")
     check_same_run(tmp_path, resolved, task)
     check_same_run(tmp_path, config, task)
-    assert _finished_result(tmp_path, resolved, task) is not None
+    assert finished_result(tmp_path, resolved, task) is not None
     with pytest.raises(ValueError, match="model.max_len: 16 -> 32"):
         check_same_run(tmp_path, tiny("run.steps=2", "model.max_len=32"), task)

@@ -541,9 +541,9 @@ def compare_encodings(
         task, model = validate_config(config, next((t for c, t in built if c == config.task), None))
         built.append((config.task, task))
         for seed in seeds:
-            run_config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
+            run_config = seed_config(config, seed)
             run_dir = workdir / config.model.pe / f"seed{seed}"
-            finished = _finished_result(run_dir, run_config, task)
+            finished = finished_result(run_dir, run_config, task)
             if finished is None:
                 check_same_run(run_dir, run_config, task)  # the corpus too (check_same_corpus)
             else:
@@ -653,7 +653,12 @@ def _fitting(groups: list[list[Any]], most: int | None) -> list[list[Any]]:
     return [group[i:i + most] for group in groups for i in range(0, len(group), most)]
 
 
-def _finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
+def seed_config(config: TrainConfig, seed: int) -> TrainConfig:
+    """`config` with run.seed = `seed`: the run of one seed of a comparison."""
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
+
+
+def finished_result(run_dir: pathlib.Path, config: TrainConfig, task: Task) -> dict[str, Any] | None:
     """result.json of a run in run_dir that finished with `config` (its saved config read back equals it, both
     resolved with `task`, but for REUSABLE_RESULT_FIELDS and RESUMABLE_MODEL_FIELDS: how the same maths ran), else
     None."""
