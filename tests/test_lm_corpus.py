@@ -16,6 +16,7 @@ from jaxpe.train import cli
 from jaxpe.train.config import build_config
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 from jaxpe.train.tasks import make_task
+from jaxpe.train.tasks.counting import write_jsonl
 from jaxpe.train.workdir import check_same_corpus, write_corpus
 
 SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
@@ -124,6 +125,26 @@ def test_empty_files(tmp_path):
     with pytest.raises(ValueError, match=r"the test split .* has 0 bytes .*; raise task\.test_fraction"):
         make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
 
+
+
+def test_a_data_path_from_the_home_directory(tmp_path, monkeypatch):
+    """`task.source=~/texts` and `task.data_dir=~/data`, words a shell leaves as they are (no variable assignment),
+    are read from the home directory and saved as its absolute path, not taken as a folder named ~ here."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "texts").mkdir(parents=True)
+    (home / "texts" / "book.txt").write_bytes(document("b", 400))
+    for split in ("train", "valid"):
+        write_jsonl(home / "data" / f"{split}.jsonl", [{"context": "a = 0 ;", "question": "print a", "answer": "0"}])
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    for source, saved in (("~/texts", str(home / "texts")), ('["~/texts/book.txt"]', [str(home / "texts/book.txt")])):
+        options = build_config(task="lm", overrides=[f"task.source={source}"]).task.options
+        task = make_task("lm", **{**options, **SMALL})
+        assert task.corpus["source"] == saved and task.streams["train"].tobytes() == document("b", 320)
+    options = build_config(task="counting", overrides=["task.data_dir=~/data"]).task.options
+    assert make_task("counting", **options).corpus["source"] == str(home / "data")
+    assert list(elsewhere.iterdir()) == []
 
 def blake2b_of(files: dict[str, pathlib.Path]) -> str:
     """The fingerprint worked out here: blake2b-256 over each document's name and bytes, each led by its length as 8

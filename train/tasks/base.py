@@ -290,6 +290,12 @@ def config_from_options(config_cls: type, task_name: str, options: Mapping[str, 
     return config_cls(**options)
 
 
+def absolute_path(path: str | os.PathLike) -> str:
+    """`path` made absolute as a task saves its data's path: a leading `~` expanded (a shell leaves it as it is in
+    `task.source=~/texts`, a word that is no variable assignment), a relative path taken from the current directory."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def json_object(text: str, where: str) -> dict[str, Any]:
     """The JSON object `text` holds; a ValueError starting with `where` when it is not valid JSON or not an object."""
     try:

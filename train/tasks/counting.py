@@ -38,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, WordVocab, check_ints, content_fingerprint, derive_seed,
-                                   epoch_indices, host_memory_bytes, json_object, make_batch, pad_and_shift)
+from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, WordVocab, absolute_path, check_ints,
+                                   content_fingerprint, derive_seed, epoch_indices, host_memory_bytes, json_object,
+                                   make_batch, pad_and_shift)
 
 Sample = dict[str, str]  # {"context": ..., "question": ..., "answer": ...}
 
@@ -72,7 +73,7 @@ class CountingConfig:
         if self.data_dir is not None and not str(self.data_dir).strip():
             raise ValueError(f"data_dir={self.data_dir!r} names no directory (an empty path would be the current one)")
         if self.data_dir is not None:  # absolute: a run reads its data from any directory
-            object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
+            object.__setattr__(self, "data_dir", absolute_path(self.data_dir))
 
 
 def generate_samples(n: int, *, nvars: int, min_steps: int, max_steps: int, max_value: int = 10,

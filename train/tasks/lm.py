@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, check_int, check_probability, check_step,
+from jaxpe.train.tasks.base import (CONTENT_HASH, Batch, Split, absolute_path, check_int, check_probability, check_step,
                                    content_fingerprint, derive_seed, make_batch, name_bytes)
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class LMConfig:
         if any(not str(path).strip() for path in (self.source if isinstance(self.source, tuple) else (self.source,))):
             raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
         if self.source != "stdlib" and not _is_hf(self):  # absolute: a run reads its files from any directory
-            paths = tuple(os.path.abspath(path) for path in (self.source if isinstance(self.source, tuple)
+            paths = tuple(absolute_path(path) for path in (self.source if isinstance(self.source, tuple)
                                                              else (self.source,)))
             object.__setattr__(self, "source", paths if isinstance(self.source, tuple) else paths[0])
         if not all(isinstance(s, str) for s in self.suffixes):
