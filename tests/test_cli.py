@@ -226,6 +226,27 @@ def test_an_empty_workdir_is_a_usage_error_not_the_current_directory(main, monke
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("main", [cli.train_main, cli.eval_main, cli.compare_main])
+def test_a_path_from_the_home_directory_after_an_equals_sign(main, monkeypatch, tmp_path, capsys):
+    """--workdir=~/runs, --preset=~/p.json, --config=~/c.json: a shell expands no ~ after a flag's '='; the command
+    does, rather than make (or look for) a folder named ~ in the current directory."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    home.mkdir()
+    (home / "runs").write_text("")  # a file: each command refuses it as a workdir, naming it, before anything runs
+    (home / "p.json").write_text(json.dumps({"model": {"d_model": 24}}))
+    (home / "c.json").write_text(json.dumps({"model": {"num_layers": 3}}))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert main([*([] if main is cli.eval_main else TINY), "--workdir=~/runs"]) == 2
+    assert f"error: workdir {str(home / 'runs')!r} exists and is not a directory" in capsys.readouterr().err
+    if main is not cli.eval_main:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--show-config", "--preset=~/p.json", "--config=~/c.json", "--pe=rope"])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and "model.d_model=24 " in out and "model.num_layers=3 " in out
+    assert list(here.iterdir()) == []
+
 @pytest.mark.parametrize("error", [MemoryError("Unable to allocate 186. TiB for an array with shape (10**11, 256)"),
                                    RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2 TiB.\n"
                                                 "more lines")])

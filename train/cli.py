@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import pathlib
 import shlex
 import sys
@@ -48,10 +49,10 @@ RUN_OUTPUTS = ("config.json", "corpus.json", "metrics.jsonl", "result.json", "re
 def _config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=PRECEDENCE)
     parser.add_argument("--task", choices=TASK_NAMES, metavar="TASK", help=f"task: {', '.join(TASK_NAMES)}")
-    parser.add_argument("--preset", metavar="NAME|FILE", help=f"preset: {', '.join(preset_names())}; "
+    parser.add_argument("--preset", type=path_arg, metavar="NAME|FILE", help=f"preset: {', '.join(preset_names())}; "
                         "or a path to a JSON preset file (one that ends in .json or exists)")
-    parser.add_argument("--config", metavar="FILE", help="start from a run's saved config.json (reruns it; "
-                        "--preset, --task, --pe and key=value apply on top)")
+    parser.add_argument("--config", type=path_arg, metavar="FILE", help="start from a run's saved config.json "
+                        "(reruns it; --preset, --task, --pe and key=value apply on top)")
     parser.add_argument("--workdir", type=directory,
                         help="directory for checkpoints, metrics and results (not with --show-config)")
     parser.add_argument("--show-config", action="store_true",
@@ -93,11 +94,17 @@ def _no_repeats(values: Sequence[object], text: str) -> None:
         raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(repeated)}: give each once")
 
 
+def path_arg(text: str) -> str:
+    """A path flag (argparse type): a leading ~ is the home directory, which a shell does not expand after a flag's
+    '=' (--workdir=~/runs)."""
+    return os.path.expanduser(text)
+
+
 def directory(text: str) -> str:
-    """A --workdir: a path, not empty (an empty one would be the current directory; argparse type)."""
+    """A --workdir: a path (`path_arg`), not empty (an empty one would be the current directory; argparse type)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} names no directory; give a path (. for the current directory)")
-    return text
+    return path_arg(text)
 
 
 def seconds(text: str) -> float:
