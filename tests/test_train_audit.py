@@ -16,7 +16,7 @@ import pytest
 from jaxpe.train import cli, experiments
 from jaxpe.train.config import build_config, to_dict
 from jaxpe.train.loop import MetricsLog
-from jaxpe.train.tasks import make_task
+from jaxpe.train.tasks import base, make_task
 from jaxpe.train.tasks.counting import generate_samples, write_jsonl
 from jaxpe.train.workdir import write_json
 
@@ -272,6 +272,25 @@ def test_counting_programs_past_the_host_memory_are_refused_before_generating(op
     status = exit_status(cli.train_main, ["--task", "counting", "--workdir", "unused", option])
     assert status == 2 and "GiB of text, more than this host's memory" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("own, limited", [("0::/job/step\n", "job/memory.max"),
+                                          ("4:memory:/job/step\n0::/\n", "memory/job/memory.limit_in_bytes")])
+def test_a_model_past_its_control_groups_memory_is_refused(own, limited, tmp_path, monkeypatch, capsys):
+    """In a container or a batch job whose control group (cgroup v2, or v1's memory hierarchy) holds less than the
+    host's physical memory, a model past the group's limit passed the check and was killed by the kernel without a
+    word (exit 137); the limit is read from the process's group up (its own here says "max": no limit)."""
+    group_limit = tmp_path / "fs" / limited
+    for path, text in ((group_limit, f"{2**20}\n"), (group_limit.parent / "step" / group_limit.name, "max\n")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "cgroup").write_text(own)
+    monkeypatch.setattr(base, "CGROUP_ROOT", tmp_path / "fs")
+    monkeypatch.setattr(base, "OWN_CGROUPS", tmp_path / "cgroup")
+    assert base.host_memory_bytes() == 2**20
+    status = exit_status(cli.train_main, ["--task", "flipflop", "--pe", "rope", "--workdir", str(tmp_path / "run"),
+                                          *TINY, "model.d_model=256"])
+    assert status == 2 and "GiB of memory here; lower model.d_model" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 def test_compare_reuses_a_finished_run_that_differs_in_display_and_cadence_only(tmp_path, capsys):
     """A rerun with run.progress or the log cadence changed retrained every finished run (from scratch where it kept no

@@ -19,10 +19,14 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")  # where Linux mounts the control groups
+OWN_CGROUPS = pathlib.Path("/proc/self/cgroup")  # this process's control group in each hierarchy
 
 Batch = dict[str, np.ndarray]
 """{"inputs": int32 [B, L], "targets": int32 [B, L], "weights": float32 [B, L]}."""
@@ -96,8 +100,34 @@ class FixedTrainSet(Protocol):
 
 
 def host_memory_bytes() -> int:
-    """The host's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The host memory this process may take, in bytes: the physical memory, or less where a control group limits it
+    (a container's, a batch job's: cgroup_limits)."""
+    return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), *cgroup_limits())
+
+
+def cgroup_limits() -> list[int]:
+    """The memory limits in bytes of this process's control groups and those above them, as OWN_CGROUPS names them
+    under CGROUP_ROOT: cgroup v2's memory.max, v1's memory.limit_in_bytes ("max" and absent files are no limit; none
+    at all outside Linux)."""
+    try:
+        lines = OWN_CGROUPS.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)  # "0::/path" (v2), "4:memory:/path" (v1)
+        if controllers and "memory" not in controllers.split(","):
+            continue
+        base, name = (CGROUP_ROOT, "memory.max") if not controllers else (CGROUP_ROOT / "memory",
+                                                                          "memory.limit_in_bytes")
+        for directory in (group, *map(str, pathlib.PurePosixPath(group).parents)):
+            try:
+                text = (base / directory.lstrip("/") / name).read_text(encoding="utf-8").strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return limits
 
 
 def make_batch(inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> Batch:
