@@ -282,8 +282,8 @@ def test_a_model_past_its_control_groups_memory_is_refused(own, limited, tmp_pat
     group_limit = tmp_path / "fs" / limited
     for path, text in ((group_limit, f"{2**20}\n"), (group_limit.parent / "step" / group_limit.name, "max\n")):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    (tmp_path / "cgroup").write_text(own)
+        path.write_text(text, encoding="utf-8")
+    (tmp_path / "cgroup").write_text(own, encoding="utf-8")
     monkeypatch.setattr(base, "CGROUP_ROOT", tmp_path / "fs")
     monkeypatch.setattr(base, "OWN_CGROUPS", tmp_path / "cgroup")
     assert base.host_memory_bytes() == 2**20

@@ -104,7 +104,7 @@ class LMConfig:
             raise ValueError(f"source={self.source!r} names no file (an empty path would be the current directory)")
         if self.source != "stdlib" and not _is_hf(self):  # absolute: a run reads its files from any directory
             paths = tuple(absolute_path(path) for path in (self.source if isinstance(self.source, tuple)
-                                                             else (self.source,)))
+                                                           else (self.source,)))
             object.__setattr__(self, "source", paths if isinstance(self.source, tuple) else paths[0])
         if not all(isinstance(s, str) for s in self.suffixes):
             raise TypeError(f"suffixes={self.suffixes!r} must be file endings such as '.txt' (strings)")
