@@ -294,3 +294,19 @@ def test_a_setting_of_two_metrics_is_refused(tmp_path):
     _write_run(tmp_path, "mixed", "rope", 0, [(100, 2.0)], task="lm")
     with pytest.raises(ValueError, match="setting 'mixed' mixes metrics"):
         curves.collect(tmp_path)
+
+
+def test_paths_from_the_home_directory_after_an_equals_sign(tmp_path, monkeypatch, capsys):
+    """--out=~/out: a shell expands no ~ after a flag's '='; the command does, rather than make a folder named ~ in
+    the current directory. Errors name the command as it is run."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    _write_run(home / "runs", "counting_3var", "cope", 0, [(100, 0.5)])
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert curves.main(["~/runs", "--out=~/out"]) == 0
+    assert list(json.loads((home / "out" / "curves.json").read_text(encoding="utf-8"))["settings"]) == ["counting_3var"]
+    assert list(here.iterdir()) == []
+    with pytest.raises(SystemExit):
+        curves.main(["~/runs", "--out=~/out", "--seeds", "0,x"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith("python -m jaxpe.train.curves: error:")

@@ -158,3 +158,23 @@ def test_merge_adds_encodings_and_replaces_those_run_again(tmp_path):
                         task="copy")
     with pytest.raises(ValueError, match="different settings"):
         tables.merge_comparisons(merged, json.loads((longer / "compare.json").read_text(encoding="utf-8")))
+
+
+def test_paths_from_the_home_directory_after_an_equals_sign(tmp_path, monkeypatch, capsys):
+    """--merge-into=~/merged: a shell expands no ~ after a flag's '='; the command does, rather than make a folder
+    named ~ in the current directory."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    home.mkdir()
+    new = comparison(home, "new", "seq_error", runs=[configured_run("cope", 0, 0.1), configured_run("cope", 1, 0.2)],
+                     task="copy")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert report.main(["--merge-into=~/merged", "~/new"]) == 0
+    assert json.loads((home / "merged" / "compare.json").read_text(encoding="utf-8"))["rows"] == json.loads(
+        (new / "compare.json").read_text(encoding="utf-8"))["rows"]
+    assert list(here.iterdir()) == []
+    with pytest.raises(SystemExit):
+        report.main(["~/missing"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith(  # the command as it is run, the path expanded
+        f"python -m jaxpe.train.report: error: '{home}/missing")

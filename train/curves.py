@@ -26,6 +26,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxpe.train.cli import path_arg
 from jaxpe.train.plots import learning_curves, read_metrics
 from jaxpe.train.tables import PERCENT_METRICS, metric_label, metric_scale, show
 from jaxpe.train.tasks import TASKS
@@ -262,10 +263,12 @@ def summary(data: Mapping[str, Any], window: tuple[int, int] | None = None) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
-    parser.add_argument("roots", nargs="+", help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs, or "
+    parser = argparse.ArgumentParser(prog="python -m jaxpe.train.curves",
+                                     description="Learning curves of jaxpe-compare runs: JSON, table and figure.")
+    parser.add_argument("roots", nargs="+", type=path_arg,
+                        help="folder(s) of <setting>/<pe>/seed<k>/metrics.jsonl runs, or "
                         "jaxpe-compare workdirs (<pe>/seed<k>/metrics.jsonl)")
-    parser.add_argument("--out", required=True, help="folder for curves.json, curves.md and curves.png")
+    parser.add_argument("--out", required=True, type=path_arg, help="folder for curves.json, curves.md and curves.png")
     parser.add_argument("--pes", default="",
                         help="only these encodings, each one the roots hold (comma-separated; default all)")
     parser.add_argument("--window", default="", help="FIRST:LAST: a column of the mean error over those steps")

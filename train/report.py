@@ -16,6 +16,7 @@ import argparse
 import pathlib
 from collections.abc import Sequence
 
+from jaxpe.train.cli import path_arg
 from jaxpe.train.experiments import write_comparison
 from jaxpe.train.tables import comparison_table, load_comparison, merge_comparisons, show
 
@@ -35,12 +36,14 @@ def merge_into(directory: str | pathlib.Path, paths: Sequence[str | pathlib.Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="One Markdown table from several jaxpe-compare results.")
-    parser.add_argument("paths", nargs="+", help="jaxpe-compare workdirs or compare.json files")
+    parser = argparse.ArgumentParser(prog="python -m jaxpe.train.report",
+                                     description="One Markdown table from several jaxpe-compare results.")
+    parser.add_argument("paths", nargs="+", type=path_arg, help="jaxpe-compare workdirs or compare.json files")
     parser.add_argument("--splits", default="",
                         help="comma-separated splits to show, each one the comparisons have (default: all)")
     parser.add_argument("--labels", default="", help="comma-separated column labels (default: directory names)")
-    parser.add_argument("--merge-into", metavar="DIR", help="merge the comparisons into DIR's instead of printing")
+    parser.add_argument("--merge-into", metavar="DIR", type=path_arg,
+                        help="merge the comparisons into DIR's instead of printing")
     args = parser.parse_args(argv)
     try:
         if args.merge_into:
