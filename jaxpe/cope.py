@@ -48,9 +48,9 @@ from jaxpe.softmax_attention import (causal_mask, causal_query_blocks, fold_padd
                                     qk_logits, resolve_sm_scale, reverse_cumsum, visibility_mask, warn_dense_logits)
 from jaxpe.tables import context_relative_logits, gather_table_row_pairs
 from jaxpe.validation import (as_bool, check_array, check_attention_mask, check_bool, check_choice,
-                              check_cope_inputs, check_impl, check_int, check_npos, check_padding_mask,
-                              check_pos_emb, check_positive_number, check_qkv, check_queries_last,
-                              check_sm_scale, open_attention)
+                              check_cope_inputs, check_gate_k, check_impl, check_int, check_npos,
+                              check_padding_mask, check_pos_emb, check_positive_number, check_qkv,
+                              check_queries_last, check_sm_scale, open_attention)
 
 GATE_SOURCES = ("keys", "sep_keys", "values")
 
@@ -114,7 +114,7 @@ def _check_position_inputs(q: jax.Array, k: jax.Array, gate_k: jax.Array | None,
     check_qkv(q, k, k)
     check_npos(npos)
     if gate_k is not None:
-        check_qkv(q, gate_k, gate_k)
+        check_gate_k(gate_k, k)
     check_talking_heads(talking_heads, q.shape[2])
     check_attention_mask(mask, q.shape[0], q.shape[1], k.shape[1])
     check_queries_last(q, k, mask)

@@ -198,6 +198,20 @@ def test_position_functions_check_causal_and_sm_scale(op):
         fn(sm_scale=-1.0)
 
 
+@pytest.mark.parametrize("gate_k, error, message", [
+    (jnp.ones((2, 5, 4, 8)), ValueError, r"gate_k must match k's shape, got gate_k.shape=\(2, 5, 4, 8\)"),
+    (jnp.ones((2, 8, 1, 8)), ValueError, r"gate_k must match k's shape, got gate_k.shape=\(2, 8, 1, 8\)"),
+    (jnp.ones((2, 8, 4, 8), jnp.bfloat16), TypeError, "gate_k must match k's dtype, got gate_k.dtype=bfloat16"),
+])
+def test_cope_positions_checks_gate_k_against_k_as_cope_attention_does(gate_k, error, message):
+    """Gate keys of another length (once a broadcasting error naming no argument), other key/value heads (once
+    counted silently with another grouping of the query heads) or another dtype are refused naming gate_k."""
+    with pytest.raises(error, match=message):
+        jaxpe.cope_positions(_Q, _Q, npos=8, gate_k=gate_k)
+    with pytest.raises(error, match=message):
+        jaxpe.cope_attention(_Q, _Q, _Q, _TABLE, gate_k=gate_k)
+
+
 def test_mileage_without_causality_needs_one_length():
     with pytest.raises(ValueError, match="causal=False is self-attention: q and k must have the same length"):
         jaxpe.corope_mileage(_Q[:, :4], _Q, causal=False, mask=jnp.ones((1, 4, 8), bool))
