@@ -19,7 +19,7 @@ from jaxpe.attention_core import AttentionContext
 from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import check_float_dtype, is_int
+from jaxpe.validation import as_positions, check_float_dtype, is_int
 
 
 def alibi_slopes(num_heads: int, dtype: Any = jnp.float32) -> jax.Array:
@@ -42,15 +42,18 @@ def alibi_bias(q_pos: jax.Array, k_len: int, num_heads: int, *, k_pos: jax.Array
     0..Lk−1)."""
     if not (is_int(k_len, 0) or jax.export.is_symbolic_dim(k_len)):  # a symbolic length under jax.export
         raise ValueError(f"{k_len=} must be an int >= 0 (the number of keys)")
-    q_pos = jnp.asarray(q_pos)
+    q_pos = as_positions("q_pos", q_pos)
     if q_pos.ndim == 1:
         q_pos = q_pos[None]
     if q_pos.ndim != 2:
         raise ValueError(f"q_pos must have shape [B, Lq] or [Lq], got q_pos.shape={tuple(q_pos.shape)}")
     if k_pos is None:
         k_pos = jnp.arange(k_len)[None]
-    elif jnp.ndim(k_pos) != 2 or jnp.shape(k_pos)[1] != k_len:
-        raise ValueError(f"k_pos must have shape [B|1, Lk={k_len}], got k_pos.shape={jnp.shape(k_pos)}")
+    else:
+        k_pos = as_positions("k_pos", k_pos)
+        if k_pos.ndim != 2 or k_pos.shape[1] != k_len or len({k_pos.shape[0], q_pos.shape[0]} - {1}) > 1:
+            raise ValueError(f"k_pos must have shape [B|1, Lk={k_len}] with B={q_pos.shape[0]} (q_pos's batch), got "
+                             f"k_pos.shape={tuple(k_pos.shape)}")
     dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(dtype)  # [B, Lq, Lk]
     return -alibi_slopes(num_heads, dtype)[None, :, None, None] * dist[:, None]
 

@@ -21,7 +21,7 @@ from jaxpe.base import compute_dtype
 from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import attend
-from jaxpe.validation import (check_bool, check_even_head_dim, check_positive_number, check_rank,
+from jaxpe.validation import (as_positions, check_bool, check_even_head_dim, check_positive_number, check_rank,
                               check_wide_float)
 
 
@@ -41,9 +41,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0, ro
         check_rotary_dim(rotary_dim, x.shape[-1])
     if not isinstance(interleaved, bool):
         raise ValueError(f"{interleaved=} must be a bool")
-    positions = jnp.asarray(positions)
-    if not (jnp.issubdtype(positions.dtype, jnp.integer) or jnp.issubdtype(positions.dtype, jnp.floating)):
-        raise TypeError(f"positions must be an integer or floating-point array, got positions.dtype={positions.dtype}")
+    positions = as_positions("positions", positions)
     if positions.ndim not in (1, 2) or positions.shape[-1] != x.shape[1]:
         raise ValueError(f"positions must have shape [B, L] or [L] with L={x.shape[1]}, got {positions.shape=}")
     if positions.ndim == 1:

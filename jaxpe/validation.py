@@ -16,7 +16,7 @@ from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask
                         check_padding_mask, check_pos_emb, check_positive, check_qkv, check_rank, check_segment_ids,
                         check_sm_scale, check_wide_float, check_window, is_int, open_attention)
 
-__all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "check_array", "check_attention_mask", "check_bool", "check_choice",
+__all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "as_positions", "check_array", "check_attention_mask", "check_bool", "check_choice",
            "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
            "check_float_dtype", "check_fraction", "check_gate_k", "check_impl", "check_int", "check_npos",
            "check_optional_int", "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number",
@@ -47,6 +47,15 @@ def as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}={value!r} must be a bool")
     return bool(value)
+
+
+def as_positions(name: str, positions: Any) -> jax.Array:
+    """`positions` (an array, or nested lists of numbers) as a jax array; TypeError naming it unless its entries are
+    integers or floats (a bool, a string or a complex number is no position)."""
+    dtype = positions.dtype if hasattr(positions, "dtype") else np.asarray(positions).dtype
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"{name} must be an integer or floating-point array, got {name}.dtype={dtype}")
+    return jnp.asarray(positions)
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

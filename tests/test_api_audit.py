@@ -83,6 +83,37 @@ def test_alibi_bias_key_positions_must_have_the_key_length():
         jaxpe.alibi_bias(jnp.arange(3), 3, 2, k_pos=jnp.arange(4)[None])
 
 
+@pytest.mark.parametrize("k_pos", [jnp.zeros((3, 4), jnp.int32), jnp.zeros((2, 4, 1), jnp.int32)])
+def test_alibi_bias_key_positions_must_have_a_batch_of_one_or_the_queries(k_pos):
+    """Key positions of a third batch were a broadcasting error that named no argument."""
+    with pytest.raises(ValueError, match=r"k_pos must have shape \[B\|1, Lk=4\] with B=2 \(q_pos's batch\)"):
+        jaxpe.alibi_bias(jnp.zeros((2, 3), jnp.int32), 4, 2, k_pos=k_pos)
+
+
+@pytest.mark.parametrize("name", ["q_pos", "k_pos"])
+@pytest.mark.parametrize("positions, dtype", [(np.ones((1, 3), bool), "bool"), (np.array([["a", "b", "c"]]), "<U1"),
+                                              (np.ones((1, 3), np.complex64), "complex64")])
+def test_alibi_bias_positions_must_be_numbers(name, positions, dtype):
+    """Bool positions were taken as 0 and 1, strings and complex ones failed inside jax naming no argument."""
+    arguments = dict(q_pos=jnp.arange(3)[None], k_pos=jnp.arange(3)[None]) | {name: positions}
+    with pytest.raises(TypeError, match=f"^{name} must be an integer or floating-point array, got {name}.dtype="
+                                        f"{dtype}$"):
+        jaxpe.alibi_bias(arguments["q_pos"], 3, 2, k_pos=arguments["k_pos"])
+
+
+def test_alibi_bias_takes_key_positions_as_nested_lists_and_broadcasts_a_batch_of_one():
+    """−slope_h·(i − j) by hand (slopes 2^−4, 2^−8 of two heads) for lists of positions, each side's batch of one
+    broadcast to the other's."""
+    q_pos, k_pos = [[5, 6], [7, 8]], [[0, 2, 4]]
+    got = np.asarray(jaxpe.alibi_bias(q_pos, 3, 2, k_pos=k_pos))
+    dist = np.asarray(q_pos)[:, :, None] - np.asarray(k_pos)[:, None, :]
+    want = -np.array([2.0**-4, 2.0**-8])[None, :, None, None] * dist[:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jaxpe.alibi_bias(q_pos[:1], 3, 2, k_pos=[[0, 2, 4], [1, 2, 3]]))[1],
+                               -np.array([2.0**-4, 2.0**-8])[:, None, None] * (np.array([5, 6])[:, None]
+                                                                              - np.array([1, 2, 3])[None]), rtol=1e-6)
+
+
 def test_alibi_bias_with_numpy_sizes_is_the_bias():
     want = jaxpe.alibi_bias(jnp.arange(3), 3, 6)
     np.testing.assert_array_equal(jaxpe.alibi_bias(jnp.arange(3), np.int64(3), np.int32(6)), want)
