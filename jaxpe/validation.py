@@ -16,10 +16,10 @@ from jaxpe.base import (bidirectional_refusal, check_array, check_attention_mask
                         check_padding_mask, check_pos_emb, check_positive, check_qkv, check_rank, check_segment_ids,
                         check_sm_scale, check_wide_float, check_window, is_int, open_attention)
 
-__all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "as_positions", "check_array", "check_attention_mask", "check_bool", "check_choice",
-           "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number", "check_float",
-           "check_float_dtype", "check_fraction", "check_gate_k", "check_impl", "check_int", "check_npos",
-           "check_optional_int", "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number",
+__all__ = ["FUSED_IMPLS", "IMPLS", "as_bool", "as_positions", "check_array", "check_attention_mask", "check_bool",
+           "check_choice", "check_cope_inputs", "check_corope_inputs", "check_even_head_dim", "check_finite_number",
+           "check_float", "check_float_dtype", "check_fraction", "check_gate_k", "check_impl", "check_int",
+           "check_npos", "check_optional_int", "check_padding_mask", "check_pos_emb", "check_positive", "check_positive_number",
            "check_qkv", "check_queries_last", "check_rank", "check_segment_ids", "check_sm_scale", "check_token_ids",
            "check_wide_float", "check_window", "is_finite_number", "is_int", "open_attention"]
 

@@ -233,7 +233,7 @@ def test_a_path_from_the_home_directory_after_an_equals_sign(main, monkeypatch, 
     home, here = tmp_path / "home", tmp_path / "here"
     here.mkdir()
     home.mkdir()
-    (home / "runs").write_text("", encoding="utf-8")  # a file: each command refuses it as a workdir before anything runs
+    (home / "runs").write_text("", encoding="utf-8")  # a file: each command refuses it as a workdir, first
     (home / "p.json").write_text(json.dumps({"model": {"d_model": 24}}), encoding="utf-8")
     (home / "c.json").write_text(json.dumps({"model": {"num_layers": 3}}), encoding="utf-8")
     monkeypatch.setenv("HOME", str(home))
