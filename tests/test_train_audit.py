@@ -186,7 +186,7 @@ def test_a_kill_while_a_resume_trims_metrics_jsonl_loses_no_record(tmp_path, mon
     write_text = pathlib.Path.write_text
 
     def killed_halfway(self: pathlib.Path, text: str, *args, **kwargs) -> int:
-        write_text(self, text[:len(text) // 2], *args, **kwargs, encoding="utf-8")
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
         raise KeyboardInterrupt  # the process dies here
 
     monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
