@@ -182,6 +182,11 @@ def check_corope_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: floa
     check_sm_scale(sm_scale)
 
 
+def scale_or_default(sm_scale: float | jax.Array | None, head_dim: int) -> float | jax.Array:
+    """sm_scale, or where it is None the default of every attention function and kernel: head_dim^−½."""
+    return head_dim ** -0.5 if sm_scale is None else sm_scale
+
+
 def check_sm_scale(sm_scale: float | jax.Array | None) -> None:
     """sm_scale: None (the default D^−½) or a real scalar > 0. A traced scalar (a learned temperature, or one computed
     under jit) is accepted: its value is checked only where it is concrete."""

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxpe.base import GATE_PRECISION, compute_dtype, document_ids
+from jaxpe.base import GATE_PRECISION, compute_dtype, document_ids, scale_or_default
 from jaxpe.validation import check_qkv
 
 
@@ -20,8 +20,7 @@ def resolve_sm_scale(sm_scale: float | jax.Array | None, q: jax.Array) -> float 
     """sm_scale as a Python float (None: D^−½) where it is concrete, else the traced scalar in q's `compute_dtype`:
     float32 maths stay float32 under jax_enable_x64 whatever the scale's dtype (a NumPy float64 such as
     1 / np.sqrt(D) too), and float64 inputs keep float64 maths."""
-    if sm_scale is None:
-        return q.shape[-1] ** -0.5
+    sm_scale = scale_or_default(sm_scale, q.shape[-1])
     try:
         return float(sm_scale)
     except jax.errors.ConcretizationTypeError:

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpe.base import scale_or_default
+
 MAX_HEAD_DIM = 256  # the largest head dim D the fused kernels take (tiles pad D to a power of two)
 MIN_COMPUTE_CAPABILITY = 8.0  # Ampere: Triton's bfloat16 tensor-core dots
 MIN_BLOCK = 16  # the smallest tile side: Triton's dots need operands of at least 16 in each dimension
@@ -133,10 +135,11 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
-def fold_scale(q: jax.Array, sm_scale: float | jax.Array) -> tuple[jax.Array, float]:
-    """(q, sm_scale) as the fused kernels take them, sm_scale a Python float compiled in: a traced sm_scale (a learned
-    temperature) multiplies q instead (every logit is linear in sm_scale·q; in q's dtype, so a bfloat16 q is rounded
-    once more) and the kernels get 1.0."""
+def fold_scale(q: jax.Array, sm_scale: float | jax.Array | None) -> tuple[jax.Array, float]:
+    """(q, sm_scale) as the fused kernels take them, sm_scale a Python float compiled in (None: D^−½): a traced
+    sm_scale (a learned temperature) multiplies q instead (every logit is linear in sm_scale·q; in q's dtype, so a
+    bfloat16 q is rounded once more) and the kernels get 1.0."""
+    sm_scale = scale_or_default(sm_scale, q.shape[-1])
     try:
         return q, float(sm_scale)
     except jax.errors.ConcretizationTypeError:

@@ -52,7 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpe.base import GATE_PRECISION, check_cope_inputs, check_positive_int, compute_dtype, open_attention
+from jaxpe.base import (GATE_PRECISION, check_cope_inputs, check_positive_int, compute_dtype, open_attention,
+                        scale_or_default)
 from jaxpe.kernels._common import MASK_VALUE, Interpolation, carry_init, interpolate, vary_alike
 
 
@@ -436,14 +437,14 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, kg: jax.Array, pos_emb:
 
 
 def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
-                             gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array, causal: bool = True,
-                             block_k: int = 128, block_q: int = 512, segment_ids: jax.Array | None = None,
-                             window: int | None = None) -> jax.Array:
+                             gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array | None,
+                             causal: bool = True, block_k: int = 128, block_q: int = 512,
+                             segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """CoPE attention in O(L·block) memory, differentiable (custom VJP), twice as well (jax.grad of jax.grad).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), pos_emb [P, D] or [Hq, P, D], gate_k [B, L, Hkv, D] or None
     (gates from k) -> [B, L, Hq, D] in q's dtype (any floating dtype; float32 inside, float64 for float64 inputs).
-    sm_scale: a number > 0 or a traced scalar (a learned temperature; differentiable).
+    sm_scale: None (D^−½), a number > 0 or a traced scalar (a learned temperature; differentiable).
     causal=False: bidirectional, positions count gates both ways from the query (module docstring).
     block_k: keys per scan step; block_q: query rows per chunk (rounded to a multiple of block_k). A symbolic length
     (jax.export) is padded to a multiple of the chunk.
@@ -458,5 +459,6 @@ def cope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: 
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     kg = k if gate_k is None else gate_k
-    operands = vary_alike(q, k, v, kg, pos_emb, jnp.asarray(sm_scale, compute_dtype(q, k, v, kg)), segment_ids)
+    scale = jnp.asarray(scale_or_default(sm_scale, q.shape[3]), compute_dtype(q, k, v, kg))
+    operands = vary_alike(q, k, v, kg, pos_emb, scale, segment_ids)
     return _attention(*operands, _Config(int(block_k), int(block_q), window), causal)

@@ -420,8 +420,8 @@ _cope_pallas_jit = jax.jit(_cope_pallas, static_argnums=(6,))
 
 
 def open_cope_fused(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array, gate_k: jax.Array | None, *,
-                    impl: str, sm_scale: float | jax.Array, block_sizes: BlockSizes | None, num_warps: int | None,
-                    num_stages: int | None, segment_ids: jax.Array | None, window: int | None
+                    impl: str, sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None,
+                    num_warps: int | None, num_stages: int | None, segment_ids: jax.Array | None, window: int | None
                     ) -> tuple[jax.Array, float, jax.Array | None, int | None] | None:
     """The opening of both fused CoPE entries (impl "pallas" and "triton"): every input checked, then (q, sm_scale,
     segment_ids, window) as the kernels take them (`fold_scale`), or None when there is no query."""
@@ -436,7 +436,7 @@ def open_cope_fused(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
 
 
 def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
-                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array,
+                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array | None,
                           block_sizes: BlockSizes | None = None,
                           interpret: bool | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, segment_ids: jax.Array | None = None,
@@ -451,9 +451,9 @@ def cope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
-    sm_scale: a number > 0, or a traced scalar (a learned temperature), which multiplies q before the kernels (in
-    q's dtype: a bfloat16 q is rounded once more). Differentiable once (jax.grad, not jax.grad of jax.grad nor
-    jax.jvp); static shapes only (no symbolic jax.export dims).
+    sm_scale: None (D^−½), a number > 0 or a traced scalar (a learned temperature), which multiplies q before the
+    kernels (in q's dtype: a bfloat16 q is rounded once more). Differentiable once (jax.grad, not jax.grad of
+    jax.grad nor jax.jvp); static shapes only (no symbolic jax.export dims).
     """
     opened = open_cope_fused(q, k, v, pos_emb, gate_k, impl="pallas", sm_scale=sm_scale, block_sizes=block_sizes,
                              num_warps=num_warps, num_stages=num_stages, segment_ids=segment_ids, window=window)

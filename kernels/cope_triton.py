@@ -537,7 +537,7 @@ _cope_triton_jit = jax.jit(_cope_triton, static_argnums=(6,))
 
 
 def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array,
-                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array,
+                          gate_k: jax.Array | None = None, *, sm_scale: float | jax.Array | None,
                           block_sizes: BlockSizes | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, segment_ids: jax.Array | None = None,
                           window: int | None = None) -> jax.Array:
@@ -552,7 +552,7 @@ def cope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax
     segment_ids [B, L] int: packed documents (a key is visible only from queries with the same id; positions
     restart at each document); window: each query sees itself and the window − 1 keys before it (key blocks
     outside are skipped).
-    sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels (in q's dtype).
+    sm_scale: None (D^−½), a number > 0 or a traced scalar, which then multiplies q before the kernels (in q's dtype).
     Differentiable once (jax.grad, not jax.grad of jax.grad nor jax.jvp); static shapes only.
     """
     opened = open_cope_fused(q, k, v, pos_emb, gate_k, impl="triton", sm_scale=sm_scale, block_sizes=block_sizes,

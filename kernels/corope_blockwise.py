@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from jaxpe.base import (GATE_PRECISION, check_corope_inputs, check_positive_int, compute_dtype, open_attention,
-                        rotary_frequencies)
+                        rotary_frequencies, scale_or_default)
 from jaxpe.kernels._common import MASK_VALUE, carry_init, sincos, vary_alike
 
 
@@ -420,7 +420,7 @@ def _merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array) -
 
 
 def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
-                               sm_scale: float | jax.Array, block_k: int = 128, causal: bool = True,
+                               sm_scale: float | jax.Array | None, block_k: int = 128, causal: bool = True,
                                segment_ids: jax.Array | None = None, window: int | None = None,
                                inv_freq: jax.Array | None = None) -> jax.Array:
     """Co-RoPE attention in query/key blocks of `block_k`. q [B, L, Hq, D], k/v [B, L, Hkv, D] (any floating dtype)
@@ -430,7 +430,7 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
     window: int >= 1, query i sees keys with |i − j| < window (key blocks outside it are never visited), None: all.
     inv_freq: float [D/2] rotary frequencies replacing θ^(−2d/D) (`theta` is then unused); a constant, not
-    differentiated (its gradient is zero). sm_scale: a number or a traced scalar (differentiable).
+    differentiated (its gradient is zero). sm_scale: None (D^−½), a number > 0 or a traced scalar (differentiable).
     Float32 gates, cumsums, trig and softmax statistics whatever the input dtype (float64 for float64 inputs:
     `compute_dtype`); differentiable in q, k, v and
     sm_scale (custom VJP, O(L·block_k·D) memory per step), twice at a static length. A symbolic length
@@ -446,7 +446,7 @@ def corope_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, thet
     block = min(int(block_k), length) if isinstance(length, int) else int(block_k)
     config = _Config(float(theta), block, window)
     dtype = compute_dtype(q, k, v)
-    q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(sm_scale, dtype))
+    q, k, v, sm_scale = vary_alike(q, k, v, jnp.asarray(scale_or_default(sm_scale, q.shape[3]), dtype))
     omega = caller_frequencies(inv_freq, dtype)
     o, lse = _corope_blockwise_jit(q, k, v, sm_scale, segment_ids, omega, config)
     if causal:

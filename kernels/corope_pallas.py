@@ -469,9 +469,9 @@ def pallas_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
     return fused_refusal(q, impl="pallas", dtypes=KERNEL_DTYPES, causal=causal)
 
 
-def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float, sm_scale: float | jax.Array,
-                            block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None,
+def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
+                            sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None = None,
+                            interpret: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
                             segment_ids: jax.Array | None = None, window: int | None = None,
                             inv_freq: jax.Array | None = None, causal: bool = True) -> jax.Array:
     """Fused causal Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32 or bfloat16) -> [B, L, Hq, D].
@@ -483,9 +483,9 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     Differentiable in q, k, v (one fused backward kernel). interpret: run the kernels in the Pallas interpreter
     (default: unless the backend is a GPU); block_sizes (None fields: defaults for D and dtype), num_warps and
     num_stages tune the Triton lowering (defaults: `BlockSizes.default`, `default_num_warps`, 2 stages).
-    sm_scale: a number > 0, or a traced scalar (a learned temperature), which then multiplies q before the kernels
-    (gates and scores depend on q and sm_scale only through sm_scale·q). causal=False, other dtypes and symbolic
-    shapes raise (`pallas_refusal`); x64 mode changes nothing (the kernels index in int32).
+    sm_scale: None (D^−½), a number > 0 or a traced scalar (a learned temperature), which then multiplies q before
+    the kernels (gates and scores depend on q and sm_scale only through sm_scale·q). causal=False, other dtypes and
+    symbolic shapes raise (`pallas_refusal`); x64 mode changes nothing (the kernels index in int32).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_inv_freq(inv_freq, q.shape[3])

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jaxpe.base import check_corope_inputs, rotary_frequencies
+from jaxpe.base import check_corope_inputs, rotary_frequencies, scale_or_default
 from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
                                    check_block_sizes, filled, first_order_only, next_power_of_two, output_struct,
@@ -606,7 +606,7 @@ def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
         num_warps=num_warps or default_num_warps(q.shape[3], backward=False),
         num_warps_bwd=num_warps or default_num_warps(q.shape[3], backward=True),
         num_stages=num_stages or DEFAULT_NUM_STAGES, window=window)
-    scale = jnp.reshape(jnp.asarray(q.shape[3] ** -0.5 if sm_scale is None else sm_scale, jnp.float32), (1,))
+    scale = jnp.reshape(jnp.asarray(scale_or_default(sm_scale, q.shape[3]), jnp.float32), (1,))
     q, k, v, scale = vary_alike(q, k, v, scale)  # one manual-axis type inside the kernels under shard_map
     omega = caller_frequencies(inv_freq)
     if omega is None:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpe.kernels import _key_blocks as kb
-from jaxpe.base import check_positive_int, compute_dtype
+from jaxpe.base import check_positive_int, compute_dtype, scale_or_default
 from jaxpe.kernels._common import MASK_VALUE, carry_init, vary_alike
 
 
@@ -155,16 +155,17 @@ _fox_blockwise_jit = jax.jit(_fox_blockwise, static_argnums=(6,))  # eager calls
 
 
 def forgetting_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate_cumsum: jax.Array, *,
-                                   sm_scale: float | jax.Array, causal: bool = True, block: int = 128,
+                                   sm_scale: float | jax.Array | None, causal: bool = True, block: int = 128,
                                    segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Forgetting attention in O(L·block) memory, differentiable (custom VJP).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq), log_fgate_cumsum [B, L, Hq] the running sum over positions
-    of the log forget gates (float32) -> [B, L, Hq, D] in q's dtype. sm_scale: a number > 0 or a traced scalar.
-    causal=False: bidirectional (the gates between key and query, either way). block: queries and keys per block.
-    segment_ids [B, L] int32: packed documents; window: |i − j| < window. Inputs are trusted (jaxpe.fox checks
-    them).
+    of the log forget gates (float32) -> [B, L, Hq, D] in q's dtype. sm_scale: None (D^−½), a number > 0 or a traced
+    scalar. causal=False: bidirectional (the gates between key and query, either way). block: queries and keys per
+    block. segment_ids [B, L] int32: packed documents; window: |i − j| < window. Inputs are trusted (jaxpe.fox
+    checks them).
     """
     check_positive_int("block", block)
-    operands = vary_alike(q, k, v, log_fgate_cumsum, jnp.asarray(sm_scale, compute_dtype(q, k, v)), segment_ids)
+    scale = jnp.asarray(scale_or_default(sm_scale, q.shape[3]), compute_dtype(q, k, v))
+    operands = vary_alike(q, k, v, log_fgate_cumsum, scale, segment_ids)
     return _fox_blockwise_jit(*operands, _Config(int(block), causal, window)).astype(q.dtype)

@@ -237,7 +237,7 @@ _fox_pallas_jit = jax.jit(_fox_pallas, static_argnums=(5,))
 
 
 def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate_cumsum: jax.Array, *,
-                                sm_scale: float | jax.Array, block_sizes: BlockSizes | None = None,
+                                sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None = None,
                                 interpret: bool | None = None, num_warps: int | None = None,
                                 num_stages: int | None = None, segment_ids: jax.Array | None = None,
                                 window: int | None = None) -> jax.Array:
@@ -247,8 +247,8 @@ def forgetting_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_fg
     the running sum of the log forget gates -> [B, L, Hq, D] in q's dtype. block_sizes: None fields take
     `BlockSizes.default(D, dtype)`; interpret: the Pallas interpreter (default: unless the backend is a GPU);
     num_warps (default `default_num_warps`) / num_stages tune the Triton lowering. segment_ids [B, L] int32: packed
-    documents; window: i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the
-    kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
+    documents; window: i − j < window. sm_scale: None (D^−½), a number > 0 or a traced scalar, which then multiplies
+    q before the kernels. Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.fox checks them).
     """
     q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
                             default_warps=default_num_warps, interpret=interpret, num_warps=num_warps,

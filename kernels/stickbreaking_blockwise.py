@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpe.kernels import _key_blocks as kb
-from jaxpe.base import check_positive_int, compute_dtype
+from jaxpe.base import check_positive_int, compute_dtype, scale_or_default
 from jaxpe.kernels._common import carry_init, vary_alike
 
 
@@ -151,18 +151,19 @@ _sb_blockwise.defvjp(_sb_fwd, _sb_bwd)
 _sb_blockwise_jit = jax.jit(_sb_blockwise, static_argnums=(5,))  # eager calls reuse one compiled program
 
 
-def stickbreaking_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array,
-                                      attend_current: bool = False, block: int = 128,
-                                      segment_ids: jax.Array | None = None, window: int | None = None
-                                      ) -> tuple[jax.Array, jax.Array]:
+def stickbreaking_attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                                      sm_scale: float | jax.Array | None, attend_current: bool = False,
+                                      block: int = 128, segment_ids: jax.Array | None = None,
+                                      window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Stick-breaking attention in O(L·block) memory, differentiable (custom VJP).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D] (Hkv divides Hq) -> (out [B, L, Hq, D], remainder [B, L, Hq]), both in q's
-    dtype. sm_scale: a number > 0 or a traced scalar. attend_current: key i is attended by query i too.
-    block: queries and keys per block. segment_ids [B, L] int32: packed documents; window: i − j < window.
+    dtype. sm_scale: None (D^−½), a number > 0 or a traced scalar. attend_current: key i is attended by query i
+    too. block: queries and keys per block. segment_ids [B, L] int32: packed documents; window: i − j < window.
     Inputs are trusted (jaxpe.stickbreaking checks them).
     """
     check_positive_int("block", block)
-    operands = vary_alike(q, k, v, jnp.asarray(sm_scale, compute_dtype(q, k, v)), segment_ids)
+    scale = jnp.asarray(scale_or_default(sm_scale, q.shape[3]), compute_dtype(q, k, v))
+    operands = vary_alike(q, k, v, scale, segment_ids)
     out, remainder = _sb_blockwise_jit(*operands, _Config(int(block), attend_current, window))
     return out.astype(q.dtype), remainder.astype(q.dtype)

@@ -254,7 +254,7 @@ _sb_pallas.defvjp(_sb_pallas_fwd, _sb_pallas_bwd)
 _sb_pallas_jit = jax.jit(_sb_pallas, static_argnums=(4,))
 
 
-def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array,
+def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array | None,
                                    attend_current: bool = False, block_sizes: BlockSizes | None = None,
                                    interpret: bool | None = None, num_warps: int | None = None,
                                    num_stages: int | None = None, segment_ids: jax.Array | None = None,
@@ -265,8 +265,8 @@ def stickbreaking_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, 
     dtype, remainder [B, L, Hq] float32). block_sizes: None fields take `BlockSizes.default(D, dtype)`; interpret:
     the Pallas interpreter (default: unless the backend is a GPU); num_warps (default `default_num_warps`) /
     num_stages tune the Triton lowering. segment_ids [B, L] int32: packed documents; window: i − j < window.
-    sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels. Differentiable once;
-    static shapes only. Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
+    sm_scale: None (D^−½), a number > 0 or a traced scalar, which then multiplies q before the kernels.
+    Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
     """
     q, settings = open_rows(q, sm_scale=sm_scale, block_sizes=block_sizes, blocks_type=BlockSizes,
                             default_warps=default_num_warps, interpret=interpret, num_warps=num_warps,

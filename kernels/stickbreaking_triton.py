@@ -299,7 +299,7 @@ _sb_triton.defvjp(_sb_triton_fwd, _sb_triton_bwd)
 _sb_triton_jit = jax.jit(_sb_triton, static_argnums=(4,))
 
 
-def stickbreaking_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array,
+def stickbreaking_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float | jax.Array | None,
                                    attend_current: bool = False, block_sizes: BlockSizes | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
                                    segment_ids: jax.Array | None = None, window: int | None = None
@@ -311,7 +311,7 @@ def stickbreaking_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, 
     fields (or None) taking `default_blocks(D, dtype)`; num_warps (default `default_num_warps`) / num_stages (2 in
     the forward, 1 in the backward) tune Triton's compilation. Without a GPU the kernels run in Triton's interpreter
     (TRITON_INTERPRET=1 set before triton is imported). segment_ids [B, L] int32: packed documents; window:
-    i − j < window. sm_scale: a number > 0, or a traced scalar, which then multiplies q before the kernels.
+    i − j < window. sm_scale: None (D^−½), a number > 0 or a traced scalar, which then multiplies q before the kernels.
     Differentiable once; static shapes only. Inputs are otherwise trusted (jaxpe.stickbreaking checks them).
     """
     require()

@@ -445,3 +445,37 @@ def test_bfloat16_in_the_triton_interpreter_is_the_float32_result_rounded(op):
     np.testing.assert_allclose(np.asarray(got[0], np.float32), want[0], atol=3e-2, rtol=2e-2)
     for g, w in zip(got[1](cotangent.astype(jnp.bfloat16)), want[1](cotangent)):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=6e-2, rtol=3e-2)
+
+
+def _kernel_entry(module: str, name: str) -> Callable[..., jax.Array]:
+    """jaxpe.kernels.<module>.<name>, skipped where its path cannot run here (a native Triton kernel without
+    triton: on CPU, Triton's interpreter runs it)."""
+    if module.endswith("_triton"):
+        pytest.importorskip("triton")
+    return getattr(__import__(f"jaxpe.kernels.{module}", fromlist=[name]), name)
+
+
+@pytest.mark.parametrize("module", ["cope_blockwise", "cope_pallas", "cope_triton", "corope_blockwise",
+                                    "corope_pallas", "corope_triton", "fox_blockwise", "fox_pallas",
+                                    "stickbreaking_blockwise", "stickbreaking_pallas", "stickbreaking_triton"])
+def test_every_kernel_entry_takes_sm_scale_none_as_the_default(module):
+    """sm_scale=None at a kernel's own entry is D^−½, what the public functions' reference path takes by default
+    (their input check let None through, and the entries then failed inside a float() or jnp.asarray)."""
+    encoding = module.rsplit("_", 1)[0]
+    name = {"fox": "forgetting_attention"}.get(encoding, f"{encoding}_attention") + "_" + module.rsplit("_", 1)[1]
+    entry = _kernel_entry(module, name)
+    keys = jax.random.split(jax.random.PRNGKey(7), 5)
+    q = jax.random.normal(keys[0], (1, 20, 4, 16))
+    k, v = (jax.random.normal(key, (1, 20, 2, 16)) for key in keys[1:3])
+    table = 0.3 * jax.random.normal(keys[3], (5, 16))
+    log_fgate = -jax.nn.softplus(jax.random.normal(keys[4], (1, 20, 4)))
+    if encoding == "cope":
+        got, want = entry(q, k, v, table, sm_scale=None), jaxpe.cope_attention(q, k, v, table, impl="reference")
+    elif encoding == "corope":
+        got, want = entry(q, k, v, theta=10000.0, sm_scale=None), jaxpe.corope_attention(q, k, v, impl="reference")
+    elif encoding == "fox":
+        got = entry(q, k, v, jnp.cumsum(log_fgate, axis=1), sm_scale=None)
+        want = jaxpe.forgetting_attention(q, k, v, log_fgate, impl="reference")
+    else:
+        got, want = entry(q, k, v, sm_scale=None)[0], jaxpe.stickbreaking_attention(q, k, v, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
