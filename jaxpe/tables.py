@@ -63,7 +63,8 @@ def gather_positions(table: jax.Array, positions: jax.Array | None, length: int)
             raise ValueError(f"sequence length L={length} exceeds the position table's max_len={max_len}")
         return table[None, :length]
     if not isinstance(positions, jax.core.Tracer) and positions.size:
-        low, high = int(np.min(positions)), int(np.max(positions))
+        values = np.asarray(positions)  # on the host: a jax reduction of a concrete array is staged under jit
+        low, high = int(values.min()), int(values.max())
         if low < 0 or high >= max_len:
             raise ValueError(f"positions must be in [0, max_len={max_len}) to read the position table, got positions "
                              f"from {low} to {high}")

@@ -322,6 +322,25 @@ def test_an_additive_table_refuses_positions_outside_it(name, position):
     assert np.isfinite(traced[0, 0]).all() and np.isnan(traced[0, 1]).all()
 
 
+@pytest.mark.parametrize("pe", sorted(ADDITIVE))
+def test_a_jitted_model_takes_constant_positions_for_its_additive_table(pe):
+    """Positions closed over by a jitted function stay concrete arrays inside it, where a jax reduction of them is
+    staged: their range check read them with one (a ConcretizationTypeError). They select the table's rows: the
+    logits equal the eager call's, and an out-of-range one is still refused by name."""
+    config = jaxpe.ModelConfig(vocab_size=11, d_model=8, num_heads=2, num_layers=1, max_len=16, pe=pe, dropout=0.0)
+    model = jaxpe.TransformerLM(config)
+    tokens = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    params = model.init(jax.random.key(0), tokens)
+    positions = jnp.array([[3, 4, 5, 6], [0, 1, 2, 15]], jnp.int32)
+    jitted = jax.jit(lambda params: model.apply(params, tokens, positions=positions))(params)
+    eager = model.apply(params, tokens, positions=positions)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), atol=1e-6)
+    assert not np.allclose(np.asarray(eager), np.asarray(model.apply(params, tokens)), atol=1e-3)
+    outside = positions + 1
+    with pytest.raises(ValueError, match=r"positions must be in \[0, max_len=16\).* from 1 to 16"):
+        jax.jit(lambda params: model.apply(params, tokens, positions=outside))(params)
+
+
 @pytest.mark.parametrize("length", ["5", True, jnp.array([5, 6])])
 def test_apply_rope_length_must_be_a_number(length):
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2}
