@@ -412,15 +412,17 @@ class CoPECore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
         pos_emb = ctx.pos_emb
+        shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
+            (self.npos, d), ("positions", "head_dim"))
         if pos_emb is not None:  # a table shared by all layers, passed in by the caller
             check_pos_emb(pos_emb, hq, d)
+            if self.shared_table and tuple(pos_emb.shape) != shape:
+                raise ValueError(f"pos_emb.shape={tuple(pos_emb.shape)}, but this CoPE (shared_table=True, "
+                                 f"npos={self.npos}, per_head={self.per_head}) reads a shared table of shape {shape}")
         elif self.shared_table:
-            shape = (hq, self.npos, d) if self.per_head else (self.npos, d)
             raise ValueError(f"pos_emb is None, but this CoPE (shared_table=True) shares one position table {shape} "
                              "across layers, owned by the model: pass it as pos_emb")
         else:
-            shape, names = ((hq, self.npos, d), ("heads", "positions", "head_dim")) if self.per_head else (
-                (self.npos, d), ("positions", "head_dim"))
             pos_emb = self.param("pos_emb", partitioned(nn.initializers.normal(0.02), *names), shape,
                                  ctx.table_dtype)
         gate_k = None

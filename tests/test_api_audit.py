@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,23 @@ def test_a_layer_of_a_shared_cope_table_needs_the_table(per_head):
     np.testing.assert_allclose(_attention(pe=shared).apply(params, x, pos_emb=table), own.apply(owning, x),
                                rtol=1e-6, atol=1e-6)
     assert "pe" not in params["params"] or "pos_emb" not in params["params"]["pe"]
+
+
+@pytest.mark.parametrize("per_head, shape", [(False, (5, 8)), (False, (4, 6, 8)), (True, (6, 8)),
+                                             (True, (4, 7, 8))])
+def test_a_shared_cope_table_must_have_the_shape_the_config_gives(per_head, shape):
+    """A table of other rows clamped positions at its own last row, not npos − 1; one without the heads axis ignored
+    per_head: the layer silently ran another CoPE than its config. Both linen and NNX name the shapes."""
+    shared = jaxpe.pe_config("cope", npos=6, shared_table=True, per_head=per_head)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    table = jnp.zeros(shape)
+    want = r"pos_emb.shape=%s, but this CoPE \(shared_table=True, npos=6, per_head=%s\) reads a shared table of " \
+           r"shape \(%s6, 8\)" % (re.escape(str(shape)), per_head, "4, " if per_head else "")
+    with pytest.raises(ValueError, match=want):
+        _attention(pe=shared).init(jax.random.key(1), x, pos_emb=table)
+    layer = jaxpe.nnx.Attention(32, num_heads=4, num_kv_heads=2, head_dim=8, pe=shared, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=want):
+        layer(x, pos_emb=table)
 
 
 @pytest.mark.parametrize("pe, options, message", [
