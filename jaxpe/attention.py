@@ -92,11 +92,11 @@ class Attention(nn.Module):
         if decode and not self.causal:
             raise ValueError("decode=True needs causal attention, but this layer has causal=False (bidirectional: "
                              "every token sees the tokens after it, which a decoder has not produced yet)")
-        if decode:
-            check_cache(self)
         deterministic = resolve_deterministic(self.deterministic, deterministic)
         if x.ndim != 3:
             raise ValueError(f"x must have shape [B, L, d_model], got x.shape={tuple(x.shape)}")
+        if decode:
+            check_cache(self, x.shape[0], "cached_key")
         check_float("x", x)
         b, length, d_model = x.shape
         if self.check_inputs:

@@ -13,15 +13,25 @@ import jax
 import jax.numpy as jnp
 
 
-def check_cache(module: nn.Module) -> None:
-    """ValueError, in words, where a decoding call (decode=True) cannot write its cache: not initialising and the
-    "cache" collection not mutable (flax would raise ScopeCollectionNotFound, or refuse the write to an immutable
-    collection)."""
-    if module.is_initializing() or module.is_mutable_collection("cache"):
+def check_cache(module: nn.Module, batch: int, batched: str) -> None:
+    """ValueError, in words, where a decoding call (decode=True) of `batch` sequences cannot write its cache: not
+    initialising and the "cache" collection not mutable (flax would raise ScopeCollectionNotFound, or refuse the write
+    to an immutable collection), or a cache made for another batch size (jax would fail on the shapes of a slice
+    update or a broadcast). `batched` names a cache variable of `module` whose first axis is the batch."""
+    if module.is_initializing():
         return
-    raise ValueError("decode=True needs the 'cache' collection, mutable: each call writes its keys and values there; "
-                     "model.apply({'params': params, 'cache': cache}, ..., decode=True, mutable=['cache']), with "
-                     "the cache from jaxpe.init_cache(model, batch_size, length) or from init(..., decode=True)")
+    if not module.is_mutable_collection("cache"):
+        raise ValueError("decode=True needs the 'cache' collection, mutable: each call writes its keys and values "
+                         "there; model.apply({'params': params, 'cache': cache}, ..., decode=True, mutable=['cache']), "
+                         "with the cache from jaxpe.init_cache(model, batch_size, length) or from init(..., "
+                         "decode=True)")
+    if module.has_variable("cache", batched):
+        cached = module.get_variable("cache", batched).shape[0]
+        if cached != batch:
+            raise ValueError(f"decode=True with a batch of B={batch} sequences, but the cache was made for "
+                             f"batch_size={cached}: each row of the batch goes on from its own cached row; make a "
+                             f"cache for this batch (jaxpe.init_cache(model, {batch}, length), or init_cache({batch}, "
+                             "length) of a jaxpe.nnx layer)")
 
 
 def update_cache(module: nn.Module, name: str, new: jax.Array, index: jax.Array) -> jax.Array:

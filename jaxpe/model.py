@@ -342,7 +342,7 @@ class TransformerLM(nn.Module):
         check_token_inputs(b, length, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
         segments = fold_padding(segment_ids, padding_mask)
         if decode:
-            check_cache(self)
+            check_cache(self, b, "position")
             positions = self._decode_positions(positions, segments, b, length)
         else:
             positions = default_positions(positions, segments, b)

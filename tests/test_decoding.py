@@ -215,6 +215,35 @@ def test_decoding_past_the_cache_end_is_an_error(rope_lm):
     assert np.isnan(np.asarray(logits)).all()
 
 
+@pytest.mark.parametrize("batch", [1, B + 1])
+def test_decoding_another_batch_than_the_cache_names_both(rope_lm, batch):
+    """A cache made for B rows, called with another number of sequences: jax failed on a slice update's or a
+    broadcast's shapes (a TypeError or ValueError naming no argument); now the linen and NNX model and layer say
+    which batch sizes differ, under jit too, and a call of the cache's batch still decodes."""
+    model, params = rope_lm
+    want = rf"decode=True with a batch of B={batch} sequences, but the cache was made for batch_size={B}"
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    step = lambda cache, tokens: model.apply({"params": params, "cache": cache}, tokens, decode=True,  # noqa: E731
+                                             mutable=["cache"])
+    cache = jaxpe.init_cache(model, B, P)
+    for run in (step, jax.jit(step)):
+        with pytest.raises(ValueError, match=want):
+            run(cache, tokens)
+    assert np.isfinite(np.asarray(step(cache, prompt_for(0)[:, :1])[0])).all()
+    layer = jaxpe.Attention(num_heads=2, num_kv_heads=1, head_dim=8, pe="cope")
+    variables = layer.init(jax.random.PRNGKey(0), jnp.zeros((B, P, 16)), decode=True)
+    with pytest.raises(ValueError, match=want):
+        layer.apply(variables, jnp.zeros((batch, 1, 16)), decode=True, mutable=["cache"])
+    nnx_layer = jaxpe.nnx.Attention(16, num_heads=2, num_kv_heads=1, head_dim=8, pe="cope", rngs=nnx.Rngs(0))
+    nnx_layer.init_cache(B, P)
+    with pytest.raises(ValueError, match=want):
+        nnx_layer(jnp.zeros((batch, 1, 16)), decode=True)
+    nnx_model = jaxpe.nnx.TransformerLM(make_config(), rngs=nnx.Rngs(0))
+    nnx_model.init_cache(B, P)
+    with pytest.raises(ValueError, match=want):
+        nnx_model(tokens, decode=True)
+
+
 def test_nnx_generate_takes_the_same_options(rope_lm):
     model, params = rope_lm
     nnx_model = nnx.jit(lambda: jaxpe.nnx.TransformerLM(make_config(), rngs=nnx.Rngs(0)))()
