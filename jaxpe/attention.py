@@ -54,7 +54,8 @@ class Attention(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     window: int | None = None  # sliding window: each query sees itself and the window − 1 keys before it
-    param_dtype: Any = jnp.float32  # the projections' weights; position tables stay float32 (float64 if this is)
+    # the projections' weights; position parameters (tables, gate networks) stay float32 (float64 if this is)
+    param_dtype: Any = jnp.float32
     check_inputs: bool = True  # False where the caller has checked inputs and parameters once (TransformerLM)
     causal: bool = True  # False: bidirectional attention (an encoder layer; no decoding)
     deterministic: bool | None = None  # dropout off; a call's `deterministic` overrides it; None: True

@@ -34,7 +34,8 @@ class AttentionContext:
     pos_emb: jax.Array | None = None  # a position table shared by all layers (owned by the model), or None
     # True when q_pos and k_pos are known to be 0..L−1 in every row (no caller positions, documents or cache)
     indexed: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    # the dtype of the position tables a core owns: float32, float64 when the layer's param_dtype is float64
+    # the dtype of the position parameters a core owns (tables, gate networks): float32, float64 when the layer's
+    # param_dtype is float64
     table_dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
     # False: bidirectional self-attention (an encoder), every key of the query's document within the window
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))

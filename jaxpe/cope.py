@@ -429,7 +429,8 @@ class CoPECore(nn.Module):
         if self.gates == "values":
             gate_k = v
         elif self.gates == "sep_keys":
-            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, name="gate_key",
+            gate_k = nn.DenseGeneral((k.shape[2], d), use_bias=False, dtype=q.dtype, param_dtype=ctx.table_dtype,
+                                     name="gate_key",
                                      kernel_init=partitioned(nn.initializers.lecun_normal(), "embed", "kv_heads",
                                                              "head_dim"))(ctx.x)
             if ctx.decode:

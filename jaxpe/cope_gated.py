@@ -62,7 +62,8 @@ class GatedCoPECore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq, d = q.shape[2], q.shape[3]
         gate = nn.Dense(hq, kernel_init=partitioned(nn.initializers.normal(0.02), "embed", "gates"),
-                        bias_init=partitioned(nn.initializers.zeros, "gates"), name="gate")
+                        bias_init=partitioned(nn.initializers.zeros, "gates"), param_dtype=ctx.table_dtype,
+                        name="gate")
         gate_logits = gate(ctx.x)  # [B, Lq, H]
         gates = jax.nn.sigmoid(gate_logits.astype(compute_dtype(gate_logits)))
         index = ctx.cache_index
@@ -75,7 +76,7 @@ class GatedCoPECore(nn.Module):
                            (self.max_pos, d), ctx.table_dtype)
         q_proj = nn.DenseGeneral(d, use_bias=False,
                                  kernel_init=partitioned(nn.initializers.normal(0.02), "head_dim", None),
-                                 dtype=q.dtype, name="pos_query")(q)
+                                 dtype=q.dtype, param_dtype=ctx.table_dtype, name="pos_query")(q)
         bias = gated_cope_bias(q_proj, interpolate_table(table, key_positions))
         if self.rope:
             q = apply_rope(q, ctx.q_pos, theta=self.theta)

@@ -166,7 +166,8 @@ class FoXCore(nn.Module):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttentionContext) -> jax.Array:
         hq = q.shape[2]
         gate = nn.Dense(hq, kernel_init=partitioned(nn.initializers.normal(0.02), "embed", "heads"),
-                        bias_init=partitioned(nn.initializers.zeros, "heads"), name="fgate")
+                        bias_init=partitioned(nn.initializers.zeros, "heads"), param_dtype=ctx.table_dtype,
+                        name="fgate")
         logits = gate(ctx.x)  # [B, Lq, Hq]
         c = forget_gate_cumsum(jax.nn.log_sigmoid(logits.astype(compute_dtype(logits))))
         c_k = c

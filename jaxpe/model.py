@@ -64,7 +64,7 @@ class ModelConfig:
     pe_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()  # that encoding's config fields, e.g. {"npos": 64}
     layer_pe: tuple[str, ...] = ()  # encoding of each layer's attention, cycled, e.g. ("cope", "none"); () = pe in all
     dtype: str = "float32"  # compute dtype: float32, bfloat16, float16 (not in jaxpe.train); logits, positions float32
-    param_dtype: str = "float32"  # dtype of the weights (as dtype); position tables stay float32
+    param_dtype: str = "float32"  # dtype of the weights (as dtype); position parameters stay float32
     impl: str = "auto"  # implementation of CoPE/Co-RoPE attention: auto, reference, blockwise, pallas
     window: int | None = None  # sliding-window attention: each token sees itself and the window − 1 before it
     causal: bool = True  # False: bidirectional attention in every layer (an encoder; no decoding)

@@ -132,18 +132,19 @@ def test_float32_inputs_stay_float32_under_x64(pe):
 
 @pytest.mark.parametrize("param_dtype, want", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
                                                (jnp.float64, jnp.float64)])
-def test_position_tables_are_float32_unless_param_dtype_is_float64(param_dtype, want):
-    """Under x64 too (where flax's initializers default to float64): a layer's tables take
-    promote_types(float32, param_dtype), as flax's own layers take param_dtype; the embeddings' are float32."""
+def test_position_parameters_are_float32_unless_param_dtype_is_float64(param_dtype, want):
+    """Under x64 too (where flax's initializers default to float64): a layer's tables and gate networks take
+    promote_types(float32, param_dtype), as flax's own layers take param_dtype (a float64 model's gates were
+    float32); the embeddings' are float32."""
     with jax.enable_x64(True):
         x = normal(1, (1, 4, 16), jnp.float32)
         for pe, options in (("relative", {}), ("cope", dict(talking_heads=True, add_relative=True)),
-                            ("cope_gated", {})):
+                            ("cope", dict(gates="sep_keys")), ("cope_gated", {}), ("fox", {})):
             layer = jaxpe.Attention(num_heads=2, num_kv_heads=2, head_dim=8, pe=jaxpe.pe_config(pe, **options),
                                     max_len=16, param_dtype=param_dtype)
-            tables = nn.meta.unbox(layer.init(jax.random.PRNGKey(0), x)["params"]["pe"])
-            tables = {name: value for name, value in tables.items() if not isinstance(value, dict)}  # not Dense
-            assert tables and {name: value.dtype for name, value in tables.items()} == dict.fromkeys(tables, want)
+            found = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(layer.init(jax.random.PRNGKey(0), x)["params"]))
+            dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in found if path[0].key == "pe"}
+            assert dtypes and dtypes == dict.fromkeys(dtypes, want), (pe, options)
         for pe in ("learned", "amspe"):
             embedding = jaxpe.pe_config(pe).embedding(d_model=16, max_len=16)
             leaves = jax.tree_util.tree_leaves(nn.meta.unbox(embedding.init(jax.random.PRNGKey(0), x)))
