@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import pathlib
 import re
+import subprocess
+import sys
 from typing import Callable
 
 import jax
@@ -204,3 +208,29 @@ def test_the_stacked_dispatch_of_the_training_package_lowers_for_cuda(pe):
             lowering_platforms=("cuda",)).as_text()
         assert sum(kernel_calls(module, target) for target in JAX_TRITON_CALLS) == 2 * NUM_LAYERS  # fwd, bwd
         assert kernel_calls(module, PALLAS_CALL) == 0 and "stablehlo.while" in module
+
+
+FUSION_PROBE = """
+import hashlib, sys, jax, jax.numpy as jnp, jaxpe
+sys.path.insert(0, {tests!r})
+from test_cuda_lowering import on_abstract_h100
+q, kv = jax.ShapeDtypeStruct((1, 128, 2, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 128, 1, 32), jnp.bfloat16)
+loss = lambda q, k, v, e: jnp.sum(jaxpe.cope_attention(q, k, v, e, impl="triton").astype(jnp.float32))
+step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+with jax.sharding.use_abstract_mesh(on_abstract_h100()):
+    module = step.trace(q, kv, kv, jax.ShapeDtypeStruct((16, 32), jnp.float32)).lower(lowering_platforms=("cuda",))
+print(hashlib.sha256(module.as_text().encode()).hexdigest())
+"""
+
+
+def test_native_kernels_ask_for_fp_fusion_whatever_tritons_default():
+    """The native kernels are compiled with FMA contraction, as they were timed, whatever Triton's default: jax-triton
+    0.4 leaves it to that default, which Triton 3.10 turns off (TRITON_DEFAULT_FP_FUSION=0 sets it so today), so each
+    launch asks for it by name. Each setting lowers in a process of its own (jax-triton keeps compiled kernels)."""
+    if (reason := triton_skip_reason()) is not None:
+        pytest.skip(reason)
+    probe = FUSION_PROBE.format(tests=str(pathlib.Path(__file__).parent))
+    runs = [subprocess.run([sys.executable, "-c", probe], env={**os.environ, "TRITON_DEFAULT_FP_FUSION": flag},
+                           capture_output=True, text=True) for flag in ("0", "1")]
+    assert [run.returncode for run in runs] == [0, 0], [run.stderr[-1000:] for run in runs]
+    assert runs[0].stdout == runs[1].stdout
