@@ -107,7 +107,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
         finite = [i for i, config in enumerate(configs) if config.run.seed not in error.seeds]
         if not error.seeds or not finite or len(finite) == len(configs):
             raise
-        log.warning("seed(s) %s: loss or gradient NaN/inf; training seed(s) %s on without them",
+        log.warning("seed(s) %s: loss, gradient or parameters NaN/inf; training seed(s) %s on without them",
                     ", ".join(map(str, error.seeds)), ", ".join(str(configs[i].run.seed) for i in finite))
         train_seeds([given[i] for i in finite], [workdirs[i] for i in finite], task=task, model=model,
                     time_limit=None if deadline is None else max(deadline - time.time(), 0.0))

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm became NaN/inf; the run stopped. `seeds`: the run.seed of each run whose did (of
-    seeds trained together, the members that failed; () where not told)."""
+    """The loss, the gradient norm or the updated parameters became NaN/inf; the run stopped. `seeds`: the run.seed
+    of each run whose did (of seeds trained together, the members that failed; () where not told)."""
 
     def __init__(self, message: str, seeds: Sequence[int] = ()):
         super().__init__(message)
@@ -225,8 +225,9 @@ class TrainLog(Hook):
         if bad:
             last_good = "none" if self.checkpointing is None else self.checkpointing.last_good()
             losses = ", ".join(f"{float(sums['nll'])}" for sums in members)
-            raise NonFiniteLossError(f"loss or gradient became NaN/inf by step {step} (seed {', '.join(map(str, bad))};"
-                                     f" loss sum {losses}); stopped. Last good checkpoint: {last_good}", seeds=bad)
+            raise NonFiniteLossError(f"loss, gradient or parameters became NaN/inf by step {step} (seed "
+                                     f"{', '.join(map(str, bad))}; loss sum {losses}); stopped. Last good checkpoint: "
+                                     f"{last_good}", seeds=bad)
         seconds = max(time.perf_counter() - self.clock, 1e-9)
         records = []
         for metrics_log, sums in zip(self.metrics_logs, members, strict=True):

@@ -61,7 +61,8 @@ def weighted_loss(logits_fn: Callable[[Any, jax.Array, jax.Array], jax.Array]) -
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accum: int = 1) -> StepFn:
-    """train_step(state, batch) -> (state, metrics); pure, jit it with the state donated.
+    """train_step(state, batch) -> (state, metrics); pure, jit it with the state donated. metrics["nonfinite"] is 1
+    where the loss, the gradient norm or an updated parameter is NaN/inf.
 
     The batch [B, L] is scanned as `grad_accum` micro-batches of B / grad_accum rows (micro-batch
     a holds rows a, a + grad_accum, ...); gradients of the weighted NLL sums add up and are
@@ -90,7 +91,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accu
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(sums["nll"]) & jnp.isfinite(optax.tree.norm(grads))
+        # the new parameters too: an update that overflows (a learning rate past float32's range) leaves NaN/inf
+        # parameters after a finite loss and gradient, and the state of this step is the one a checkpoint saves
+        finite = (jnp.isfinite(sums["nll"]) & jnp.isfinite(optax.tree.norm(grads))
+                  & jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
         metrics = {**sums, "nonfinite": (~finite).astype(jnp.int32)}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=next_key), metrics
 
