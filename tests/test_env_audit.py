@@ -1,6 +1,7 @@
 """jaxpe where users run it: under an ASCII locale (every text file UTF-8 whatever the locale, printed tables with
 backslash escapes where the terminal's encoding has no character, a corpus whose file names are not ASCII), a
-workdir path the checkpoint library cannot take, and a printed TensorBoard command for a path with spaces."""
+workdir path the checkpoint library cannot take, a printed TensorBoard command for a path with spaces, and extras that
+install on every Python the package supports."""
 from __future__ import annotations
 
 import io
@@ -10,8 +11,10 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import tomllib
 
-from tiny_config import cli_command, cli_env
+from packaging.requirements import Requirement
+from tiny_config import ROOT, cli_command, cli_env
 
 from jaxpe.train import cli
 from jaxpe.train.tables import show
@@ -111,3 +114,15 @@ def test_the_tensorboard_command_printed_quotes_a_path_with_spaces(tmp_path, cap
     line = capsys.readouterr().err.strip()
     command = line[line.index("(tensorboard ") + 1: -1]
     assert shlex.split(command) == ["tensorboard", "--logdir", str(workdir)]
+
+
+def test_every_extra_that_pins_jax_admits_the_lowest_jax_of_the_package():
+    """The package supports jax from its lowest release, the line Python 3.11 gets (jax >= 0.11 needs Python >= 3.12):
+    an extra pinning jax above it (`pip install 'jaxpe[gpu]'`) would find no jax to install on Python 3.11."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    (jax,) = [req for req in map(Requirement, project["dependencies"]) if req.name == "jax"]
+    (lowest,) = [spec.version for spec in jax.specifier if spec.operator == ">="]
+    pins = {f"{extra}: {req}": req.specifier for extra, reqs in project["optional-dependencies"].items()
+            for req in map(Requirement, reqs) if req.name == "jax"}
+    assert pins, "no extra pins jax"
+    assert not [pin for pin, specifier in pins.items() if lowest not in specifier], f"jax {lowest}: {pins}"
