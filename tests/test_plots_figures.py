@@ -1,6 +1,9 @@
 """jaxpe.train.plots figures: the plotted data must be the data given (read back from the Figure's artists)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -67,3 +70,17 @@ def test_benchmark_curves_rejects_empty_selection_and_incomplete_records():
         figures.benchmark_curves(RECORDS, x="length", y="ms", label="impl", where={"op": "alibi"})
     with pytest.raises(ValueError, match="lacks x='seq'"):
         figures.benchmark_curves(RECORDS, x="seq", y="ms", label="impl")
+
+
+def test_the_training_package_imports_matplotlib_only_to_draw():
+    """Importing jaxpe.train, its command line and the curves tool loads no matplotlib, whose releases before 3.10.7
+    warn of deprecation on import under pyparsing >= 3.3 (`python -W error -c "import jaxpe.train"` failed); drawing a
+    figure loads it."""
+    code = ("import sys, jaxpe.train, jaxpe.train.cli, jaxpe.train.curves\n"
+            "loaded = lambda: sorted(m for m in sys.modules if m.partition('.')[0] == 'matplotlib')\n"
+            "print(loaded())\n"
+            "jaxpe.train.plots.benchmark_curves([{'x': 1, 'y': 2.0, 'l': 'a'}], x='x', y='y', label='l')\n"
+            "print('matplotlib.figure' in loaded())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout

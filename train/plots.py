@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from jaxpe.train.tables import metric_label, metric_scale
 from jaxpe.train.tasks.base import json_object
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _canvas(width: float, height: float) -> Figure:
+    """An empty figure `width` x `height` inches on the Agg canvas."""
+    # matplotlib loads when a figure is drawn, not with jaxpe.train: importing it takes a second, and its releases
+    # before 3.10.7 warn of deprecation on import under pyparsing >= 3.3 (an error under -W error)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # drawing only (above)
+    from matplotlib.figure import Figure  # drawing only (above)
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
 
 def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1) -> tuple[Figure, list[Any]]:
     """A figure `width` inches wide of nrows x ncols panels, each row `height` inches; its axes row by row."""
-    fig = Figure(figsize=(width, height * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _canvas(width, height * nrows)
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(ncols * nrows)]
     return fig, axes
 
@@ -152,8 +164,7 @@ def heatmap_panels(
     limits = {}
     if shared_scale:
         limits = dict(vmin=float(np.nanmin(values)), vmax=float(np.nanmax(values)))
-    fig = Figure(figsize=(panel_size * n + 0.8, panel_size), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _canvas(panel_size * n + 0.8, panel_size)
     for i in range(n):
         ax = fig.add_subplot(1, n, i + 1)
         image = ax.imshow(values[i], aspect="auto", interpolation="nearest", cmap=cmap, **limits)
@@ -196,8 +207,7 @@ def benchmark_curves(
         lines.setdefault(str(record[label]), []).append((float(record[x]), float(value)))
     if not lines:
         raise ValueError(f"no record matches {where=} with a number for {y=}")
-    fig = Figure(figsize=(6, 4), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _canvas(6, 4)
     ax = fig.add_subplot(1, 1, 1)
     for name, points in lines.items():
         xs, ys = zip(*sorted(points))
