@@ -344,7 +344,7 @@ def test_triton_without_triton_names_the_extra(monkeypatch, encoding):
         run(*inputs(16))
 
 
-def test_jaxpe_imports_and_runs_without_triton():
+def test_jaxpe_imports_and_runs_without_triton(tmp_path):
     """jaxpe imports and runs without triton installed; impl="triton" names the extra, from a model config too."""
     code = """
 import sys
@@ -361,7 +361,7 @@ except ValueError as error:
     print(error)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=tmp_path)  # not the checkout's jaxpe/
     assert result.returncode == 0, result.stderr
     assert "pip install 'jaxpe[triton]'" in result.stdout, result.stdout
 

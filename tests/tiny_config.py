@@ -29,13 +29,16 @@ def tiny(*overrides: str, pe: str = "rope") -> TrainConfig:
 
 def cli_command(workdir: pathlib.Path, *overrides: str) -> list[str]:
     """jaxpe-train of the tiny config (rope) in `workdir`, `key=value` overrides on top."""
-    return [sys.executable, "-c", CLI, "--task", "flipflop", "--pe", "rope", "--workdir", str(workdir),
+    # -P: the working directory (the checkout's root when pytest runs there) not on sys.path, as for jaxpe-train
+    return [sys.executable, "-P", "-c", CLI, "--task", "flipflop", "--pe", "rope", "--workdir", str(workdir),
             *TINY, *overrides]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """This process's environment, the checkout importable, `extra` set."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    """This process's environment, `extra` set: the child imports jaxpe from where this process does (an editable
+    install, or a wheel in site-packages). The checkout on PYTHONPATH would put its jaxpe/ folder, which lacks
+    jaxpe.kernels and jaxpe.train (kernels/ and train/ beside it), before an installed wheel's."""
+    return {**os.environ, **extra}
 
 
 def xla_flags(devices: int) -> str:
