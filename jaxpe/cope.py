@@ -345,7 +345,7 @@ def _cope_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
                 soft_onehot_temp, talking_heads, mask, extra_logits)
     choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="cope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=call.dense_only,
-                          kernel_refusal=lambda fused: refusal("cope", fused, call))
+                          kernel_refusal=lambda fused: refusal(fused, call))
     return run_chosen("cope", choice, call)
 
 

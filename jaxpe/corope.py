@@ -15,7 +15,8 @@ causal=False); with every ω_d = 0 it is plain attention.
 
 What each impl supports beyond jit, vmap and grad: "reference" (dense autodiff, forward mode and higher orders as far
 as `masked_softmax_attention` allows), "blockwise" (custom VJP: reverse mode, twice at a static length; no forward
-mode) and "pallas" and "triton" (custom VJP: reverse mode once; float32/bfloat16, causal, static shapes) all run
+mode) and "pallas" and "triton" (custom VJP: reverse mode once; float32, bfloat16 or float16, causal, static
+shapes) all run
 under shard_map (default checks), x64 mode and with a traced sm_scale (a learned temperature, differentiable);
 "reference" and "blockwise" export with symbolic batch and length (jax.export).
 """
@@ -202,7 +203,7 @@ def _corope_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
     call = Call(q, k, v, theta, resolve_sm_scale(sm_scale, q), causal, segment_ids, window, inv_freq, mask)
     choice = resolve_impl(impl, q.shape[1], q.shape[3], encoding="corope", batch_heads=q.shape[0] * q.shape[2],
                           causal=causal, dense=mask is not None,
-                          kernel_refusal=lambda fused: refusal("corope", fused, call))
+                          kernel_refusal=lambda fused: refusal(fused, call))
     return run_chosen("corope", choice, call)
 
 
@@ -236,13 +237,6 @@ def triton_path(call: Call, compiled: bool) -> jax.Array:
     from jaxpe.kernels.corope_triton import corope_attention_triton  # Triton loads only when this path runs
 
     return corope_attention_triton(call.q, call.k, call.v, **call.options())
-
-
-def pallas_refusal(call: Call) -> Exception | None:
-    """Why the Pallas kernels refuse this call (`kernels.corope_pallas.pallas_refusal`), None where they take it."""
-    from jaxpe.kernels.corope_pallas import pallas_refusal as refused  # loads Pallas
-
-    return refused(call.q, causal=call.causal)
 
 
 class CoRoPECore(nn.Module):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal
+from jaxpe.kernels._checks import fused_refusal
 from jaxpe.kernels._common import pallas_unsupported
 from jaxpe.validation import check_impl
 
@@ -42,7 +42,7 @@ CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # jax's CUDA plugins 
 # (Pallas and Triton load only for their own paths). One signature, path(call, compiled) -> the operation's output:
 # `call` is the operation's checked inputs and options (its module's `Call`), `compiled` True where the call is lowered
 # for CUDA (the Pallas kernels then compile rather than interpret). A new operation adds its paths here and its rows
-# of REFUSALS and ENCODINGS or UNFUSED_KERNELS.
+# of ENCODINGS or UNFUSED_KERNELS.
 PATHS = {
     ("cope", "reference"): "jaxpe.cope:reference_path",
     ("cope", "blockwise"): "jaxpe.cope:blockwise_path",
@@ -60,14 +60,6 @@ PATHS = {
     ("stickbreaking", "pallas"): "jaxpe.stickbreaking:pallas_path",
     ("stickbreaking", "triton"): "jaxpe.stickbreaking:triton_path",
 }
-# The fused paths that refuse some inputs "auto" would otherwise give them: (operation, impl) -> "module:function",
-# refusal(call) -> the error that path raises for these inputs, or None. "auto" runs "blockwise" instead.
-REFUSALS = {
-    ("cope", "triton"): "jaxpe.dispatch:native_triton_refusal",
-    ("corope", "pallas"): "jaxpe.corope:pallas_refusal",
-    ("corope", "triton"): "jaxpe.dispatch:native_triton_refusal",
-    ("stickbreaking", "triton"): "jaxpe.dispatch:native_triton_refusal",
-}
 
 
 def _load(name: str) -> Callable[..., Any]:
@@ -81,10 +73,14 @@ def run_path(operation: str, impl: str, call: Any, compiled: bool = False) -> An
     return _load(PATHS[(operation, impl)])(call, compiled)
 
 
-def refusal(operation: str, impl: str, call: Any) -> Exception | None:
-    """The error path `impl` of `operation` raises for this call (REFUSALS), None where it takes it."""
-    name = REFUSALS.get((operation, impl))
-    return None if name is None else _load(name)(_as_jax_arrays(call))
+def refusal(impl: str, call: Any) -> Exception | None:
+    """The error path `impl` of any operation raises for this call (its q and causal), None where it takes it: every
+    fused path ("pallas", "triton") refuses what kernels/_checks.fused_refusal does, the check its entry makes (asked
+    here without loading Pallas or Triton: bidirectional calls, float64, symbolic shapes); "auto" runs "blockwise"
+    instead. The other paths take every checked call."""
+    if impl not in ("pallas", "triton"):
+        return None
+    return fused_refusal(_as_jax_arrays(call).q, impl=impl, causal=call.causal)
 
 
 def _as_jax_arrays(call: Any) -> Any:
@@ -92,13 +88,6 @@ def _as_jax_arrays(call: Any) -> Any:
     float32 without jax_enable_x64, as the XLA paths take it, so that the fused paths, which check their dtype
     before any jax operation, see the same (they refused it as float64)."""
     return type(call)(*(jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in call))
-
-
-def native_triton_refusal(call: Any) -> Exception | None:
-    """Why the native Triton kernels (impl="triton") refuse a call of any operation (its q and causal): they are
-    causal and take float32, bfloat16 and float16 and static shapes (kernels/_checks.fused_refusal, the check their
-    entries make), asked without loading Triton."""
-    return fused_refusal(call.q, impl="triton", dtypes=TRITON_DTYPES, causal=call.causal)
 
 
 def run_chosen(operation: str, choice: Choice, call: Any) -> Any:

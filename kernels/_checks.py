@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from jaxpe.base import bidirectional_refusal, open_attention
 from jaxpe.kernels._common import check_head_dim
 
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Co-RoPE Pallas kernels take
-TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what the native Triton kernels take
+# What every fused kernel (Pallas and native Triton) takes, as cuDNN's attention does: float32 and 16-bit inputs, which
+# they compute in float32. float64 (x64 mode) runs on the XLA paths, which compute in float64 for it.
+FUSED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | None, num_stages: int | None
@@ -24,18 +25,17 @@ def check_pallas_settings(block_sizes: object, kind: type, *, num_warps: int | N
             raise ValueError(f"{name}={value!r} must be a positive int or None")
 
 
-def fused_refusal(q: jax.Array, *, impl: str, dtypes: tuple[type, ...] | None, causal: bool = True
-                  ) -> Exception | None:
-    """The error the fused path `impl` ("pallas" or "triton") raises for these inputs, None when it takes them: the
-    fused kernels are causal, take `dtypes` (None: every dtype the operation takes) and static shapes, not
-    jax.export's symbolic ones. impl='reference' takes them all (impl='auto' picks a path that does)."""
+def fused_refusal(q: jax.Array, *, impl: str, causal: bool = True) -> Exception | None:
+    """The error the fused path `impl` ("pallas" or "triton") of any operation raises for these inputs, None when it
+    takes them: the fused kernels are causal, take FUSED_DTYPES and static shapes, not jax.export's symbolic ones.
+    impl='reference' takes them all (impl='auto' picks a path that does)."""
     if not causal:
         return bidirectional_refusal(impl)
-    if dtypes is not None and q.dtype not in dtypes:
-        names = [jnp.dtype(dtype).name for dtype in dtypes]
-        takes = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        return TypeError(f"q.dtype={q.dtype} is not supported by impl={impl!r}, which takes {takes} "
-                         f"(impl='blockwise' and impl='reference' take any floating dtype)")
+    if q.dtype not in FUSED_DTYPES:
+        names = [jnp.dtype(dtype).name for dtype in FUSED_DTYPES]
+        return TypeError(f"q.dtype={q.dtype} is not supported by impl={impl!r}, which takes {', '.join(names[:-1])} "
+                         f"or {names[-1]}: impl='blockwise' and impl='reference' take any floating dtype, float64 "
+                         f"included, and impl='auto' runs one of them for these inputs")
     if not all(isinstance(size, int) for size in q.shape):
         return ValueError(f"q.shape={tuple(q.shape)} is symbolic (jax.export), and impl={impl!r} needs static "
                           f"shapes: impl='auto' and impl='reference' export with a symbolic batch and length")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpe.kernels._checks import TRITON_DTYPES, check_fused, fused_refusal
+from jaxpe.kernels._checks import check_fused, fused_refusal
 from jaxpe.kernels._common import BlockSizes, filled, fold_scale, resolve_interpret, tile_extent, triton_compiler_params
 
 
@@ -81,7 +81,7 @@ def open_rows(q: jax.Array, *, sm_scale: float | jax.Array, block_sizes: BlockSi
     and tuning checks, then (q, the `RowConfig` fields but the window) with a traced sm_scale folded into q
     (`fold_scale`), blocks fitted to the length (None fields: `defaults`, else `blocks_type.default` for D and
     dtype) and num_warps (both kernels') by default the kernel's `default_warps(D, dtype, backward=...)`."""
-    check_fused(q, fused_refusal(q, impl=impl, dtypes=TRITON_DTYPES), block_sizes=block_sizes,
+    check_fused(q, fused_refusal(q, impl=impl), block_sizes=block_sizes,
                 blocks_type=blocks_type, num_warps=num_warps, num_stages=num_stages)
     q, sm_scale = fold_scale(q, sm_scale)
     blocks = block_sizes or blocks_type()

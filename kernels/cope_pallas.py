@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpe.base import check_cope_inputs
-from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal, open_fused
+from jaxpe.kernels._checks import fused_refusal, open_fused
 from jaxpe.kernels._common import BlockSizes as SharedBlockSizes
 from jaxpe.kernels._common import (MASK_VALUE, dot, first_order_only, fold_scale, next_power_of_two, output_struct,
                                    resolve_interpret, tile_extent, triton_compiler_params, vary_alike)
@@ -426,8 +426,7 @@ def open_cope_fused(q: jax.Array, k: jax.Array, v: jax.Array, pos_emb: jax.Array
     """The opening of both fused CoPE entries (impl "pallas" and "triton"): every input checked, then (q, sm_scale,
     segment_ids, window) as the kernels take them (`fold_scale`), or None when there is no query."""
     check_cope_inputs(q, k, v, pos_emb, gate_k, sm_scale=sm_scale)
-    dtypes = TRITON_DTYPES if impl == "triton" else None  # the native kernels' pointers: no float64
-    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl=impl, dtypes=dtypes), block_sizes=block_sizes,
+    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl=impl), block_sizes=block_sizes,
                                             blocks_type=BlockSizes, num_warps=num_warps, num_stages=num_stages,
                                             segment_ids=segment_ids, window=window)
     if empty:

@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxpe.base import check_corope_inputs, rotary_frequencies
-from jaxpe.kernels._checks import KERNEL_DTYPES, fused_refusal, open_fused
+from jaxpe.kernels._checks import fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
                                    output_struct, fori_loop32, resolve_interpret, sincos, tile_extent,
                                    triton_compiler_params, vary_alike)
@@ -463,18 +463,13 @@ _corope_pallas.defvjp(_corope_pallas_fwd, _corope_pallas_bwd)
 _corope_pallas_jit = jax.jit(_corope_pallas, static_argnums=(5,))
 
 
-def pallas_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
-    """The error impl='pallas' raises for these inputs (None when it takes them): `fused_refusal` (causal, float32 or
-    bfloat16, static shapes). impl='blockwise' takes them all."""
-    return fused_refusal(q, impl="pallas", dtypes=KERNEL_DTYPES, causal=causal)
-
-
 def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float,
                             sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None = None,
                             interpret: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
                             segment_ids: jax.Array | None = None, window: int | None = None,
                             inv_freq: jax.Array | None = None, causal: bool = True) -> jax.Array:
-    """Fused causal Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32 or bfloat16) -> [B, L, Hq, D].
+    """Fused causal Co-RoPE attention. q [B, L, Hq, D], k/v [B, L, Hkv, D] (float32, bfloat16 or float16)
+    -> [B, L, Hq, D].
 
     segment_ids: int [B, L] document ids (packed documents; padding as an id of its own), None: one document.
     window: int >= 1, query i sees keys i − window < j ≤ i (tiles outside it are never visited), None: all.
@@ -485,11 +480,11 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     num_stages tune the Triton lowering (defaults: `BlockSizes.default`, `default_num_warps`, 2 stages).
     sm_scale: None (D^−½), a number > 0 or a traced scalar (a learned temperature), which then multiplies q before
     the kernels (gates and scores depend on q and sm_scale only through sm_scale·q). causal=False, other dtypes and
-    symbolic shapes raise (`pallas_refusal`); x64 mode changes nothing (the kernels index in int32).
+    symbolic shapes raise (`fused_refusal`); x64 mode changes nothing (the kernels index in int32).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_fused(q, pallas_refusal(q, causal=causal),
+    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl="pallas", causal=causal),
                                             block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
                                             num_stages=num_stages, causal=causal, segment_ids=segment_ids,
                                             window=window)

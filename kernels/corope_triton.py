@@ -59,7 +59,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from jaxpe.base import check_corope_inputs, rotary_frequencies, scale_or_default
-from jaxpe.kernels._checks import TRITON_DTYPES, fused_refusal, open_fused
+from jaxpe.kernels._checks import fused_refusal, open_fused
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
                                    check_block_sizes, filled, first_order_only, next_power_of_two, output_struct,
                                    tile_extent, vary_alike)
@@ -569,12 +569,6 @@ _corope_triton.defvjp(_corope_triton_fwd, _corope_triton_bwd)
 _corope_triton_jit = jax.jit(_corope_triton, static_argnums=(6,))
 
 
-def triton_refusal(q: jax.Array, *, causal: bool = True) -> Exception | None:
-    """The error impl='triton' raises for these inputs (None when it takes them): `fused_refusal` (causal, float32,
-    bfloat16 or float16, static shapes). impl='blockwise' takes them all."""
-    return fused_refusal(q, impl="triton", dtypes=TRITON_DTYPES, causal=causal)
-
-
 def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: float = 10000.0,
                             sm_scale: float | jax.Array | None, block_sizes: BlockSizes | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
@@ -590,13 +584,14 @@ def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     differentiated. Differentiable once in q, k, v and sm_scale (one fused backward kernel). block_sizes (None
     fields: `BlockSizes.default`), num_warps (both kernels; default `default_num_warps`) and num_stages (default 2)
     tune the compiled kernels; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1 before triton is
-    imported). causal=False, other dtypes and symbolic shapes raise (`triton_refusal`).
+    imported). causal=False, other dtypes and symbolic shapes raise (`fused_refusal`).
     """
     check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
     check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_fused(q, triton_refusal(q, causal=causal), block_sizes=block_sizes,
-                                            blocks_type=BlockSizes, num_warps=num_warps, num_stages=num_stages,
-                                            causal=causal, segment_ids=segment_ids, window=window)
+    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl="triton", causal=causal),
+                                            block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
+                                            num_stages=num_stages, causal=causal, segment_ids=segment_ids,
+                                            window=window)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     require()

@@ -84,8 +84,8 @@ def test_auto_on_cuda_is_triton_with_jax_triton_else_pallas(monkeypatch, cuda_pl
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
 def test_auto_asks_the_triton_kernels_what_they_refuse(monkeypatch, encoding):
-    """On a GPU with jax-triton, "auto" asks the native kernels whether they take the inputs (not float64 under
-    x64: those run blockwise): the refusal comes from the entry point itself, not from a list kept here."""
+    """On a GPU with jax-triton, "auto" asks the fused kernels whether they take the inputs (not float64 under
+    x64: those run blockwise): the refusal is the one their entry points make, not a list kept here."""
     pytest.importorskip("triton")
     fake_backend(monkeypatch, "gpu", "9.0", jax_triton=True)
     asked = []
@@ -98,7 +98,9 @@ def test_auto_asks_the_triton_kernels_what_they_refuse(monkeypatch, encoding):
     with jax.enable_x64(True):
         q, k, v, e = (x.astype(jnp.float64) for x in inputs(16))
         attention(encoding)(q, k, v, e)
-    assert isinstance(asked[-1]["triton"], TypeError) and "float64" in str(asked[-1]["triton"])
+    for fused in ("triton", "pallas"):
+        assert isinstance(asked[-1][fused], TypeError) and f"float64 is not supported by impl='{fused}'" in str(
+            asked[-1][fused])
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -281,15 +283,16 @@ def test_auto_lowers_the_fused_kernels_for_cuda_and_the_cpu_choice_for_cpu(monke
 
 
 @pytest.mark.parametrize("jax_triton", [False, True])
-def test_auto_lowered_for_cuda_never_picks_pallas_where_triton_is_installed(monkeypatch, jax_triton):
-    """CoPE at float64 under x64, which the Pallas kernels take and the native ones refuse, lowered for CUDA: without
-    jax-triton "auto" stages the Pallas kernels (forward and backward), with it blockwise (no kernel at all)."""
+@pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
+def test_auto_lowered_for_cuda_runs_float64_blockwise(monkeypatch, encoding, jax_triton):
+    """float64 under x64, which every fused kernel refuses, lowered for CUDA: "auto" stages blockwise there, no kernel
+    at all, with jax-triton (the native kernels first) or without (the Pallas ones; CoPE's once staged them)."""
     monkeypatch.setattr(dispatch, "_cuda_plugin_installed", lambda: True)
     monkeypatch.setattr(dispatch, "triton_compiles", lambda: jax_triton)
     with jax.enable_x64(True), jax.sharding.use_abstract_mesh(on_abstract_h100()):
         args = tuple(x.astype(jnp.float64) for x in inputs(64))
-        cuda = jax.jit(grads("cope")).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert cuda.count(PALLAS_CALL) == (0 if jax_triton else 2)
+        cuda = jax.jit(grads(encoding)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert PALLAS_CALL not in cuda and "f64" in cuda
 
 
 @pytest.mark.parametrize("encoding", dispatch.ENCODINGS)
@@ -481,13 +484,12 @@ def test_triton_refusals_under_transformations_on_cpu(encoding):
 
 def test_one_table_holds_every_path_of_every_contextual_operation():
     """jaxpe.dispatch.PATHS: each operation has "reference" and "blockwise", CoPE and Co-RoPE both fused paths, FoX and
-    stick-breaking the ones UNFUSED_KERNELS names, and nothing else; every entry (and every refusal) loads as a
-    function of the one signature path(call, compiled) (refusal(call))."""
+    stick-breaking the ones UNFUSED_KERNELS names, and nothing else; every entry loads as a function of the one
+    signature path(call, compiled)."""
     fused = {op: ("pallas", "triton") for op in dispatch.ENCODINGS} | dict(dispatch.UNFUSED_KERNELS)
     want = {(op, impl) for op, kernels in fused.items() for impl in ("reference", "blockwise", *kernels)}
     assert set(dispatch.PATHS) == want
-    assert set(dispatch.REFUSALS) <= want and all(impl in ("pallas", "triton") for _, impl in dispatch.REFUSALS)
-    for name in (*dispatch.PATHS.values(), *dispatch.REFUSALS.values()):
+    for name in dispatch.PATHS.values():
         module, function = name.split(":")
         assert callable(getattr(importlib.import_module(module), function)), name
     for key, name in dispatch.PATHS.items():

@@ -163,9 +163,5 @@ def test_bad_inputs_raise(kernel):
         attention(q[..., :31], kv[..., :31], kv[..., :31], theta=THETA, sm_scale=0.2)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         attention(q[:, :, :3], kv, kv, theta=THETA, sm_scale=0.2)
-    if kernel == "pallas":  # blockwise takes float16 (tests/test_transformations_corope.py)
-        with pytest.raises(TypeError, match="float16"):
-            attention(q.astype(jnp.float16), kv.astype(jnp.float16), kv.astype(jnp.float16), theta=THETA,
-                      sm_scale=0.2)
     with pytest.raises(ValueError, match="theta=-1.0"):
         attention(q, kv, kv, theta=-1.0, sm_scale=0.2)

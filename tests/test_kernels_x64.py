@@ -1,9 +1,9 @@
 """The fused paths under jax_enable_x64: impl "pallas" and "triton" of CoPE, Co-RoPE and stick-breaking attention,
-and FoX's Pallas one, take float32 and 16-bit inputs
-and give, forward and backward, what they give without x64 (as jax.nn.dot_product_attention does); their kernels
-index in int32 (no 64-bit value is computed inside a Pallas kernel or handed to one), and the Pallas kernels' gradient
-lowers for CUDA. On CPU: Pallas in interpret mode, Triton in its interpreter (which multiplies bfloat16 dots wrongly,
-so its 16-bit case is float16)."""
+and FoX's Pallas one, take float32 and 16-bit inputs (float64 is a TypeError, which "auto" never meets) and give,
+forward and backward, what they give without x64 (as jax.nn.dot_product_attention does); their kernels index in int32
+(no 64-bit value is computed inside a Pallas kernel or handed to one), and the Pallas kernels' gradient lowers for
+CUDA. On CPU: Pallas in interpret mode, Triton in its interpreter (which multiplies bfloat16 dots wrongly, so its 16-bit
+case is float16)."""
 from __future__ import annotations
 
 import functools
@@ -115,11 +115,20 @@ def test_pallas_gradient_lowers_for_cuda_under_x64(encoding):
     assert module.count("@__gpu$xla.gpu.triton(") == 2
 
 
-@pytest.mark.parametrize("encoding", ["cope", "corope", "stickbreaking"])
-def test_native_kernels_refuse_float64_naming_what_takes_it(encoding):
-    """impl="triton" takes float32 and 16-bit inputs: float64 (x64 mode) is a TypeError naming the impl and the paths
-    that run it, before any kernel runs (CoPE's native forward used to run it, and its backward fail in Triton)."""
+@pytest.mark.parametrize(("encoding", "impl"), [("cope", "pallas"), ("cope", "triton"), ("corope", "pallas"),
+                                               ("corope", "triton"), ("fox", "pallas"), ("stickbreaking", "pallas"),
+                                               ("stickbreaking", "triton")])
+def test_fused_kernels_refuse_float64_naming_what_takes_it(encoding, impl):
+    """Every fused entry takes float32 and 16-bit inputs: float64 (x64 mode) is a TypeError naming q's dtype, the
+    impl and the paths that run it, before any kernel runs (CoPE's native forward used to run it, and its backward
+    fail in Triton; CoPE's Pallas kernels ran it while the others refused it); "auto" runs it, as the reference
+    does."""
     with jax.enable_x64(True):
         args = [x.astype(jnp.float64) for x in inputs(jnp.float32)[:4]]
-        with pytest.raises(TypeError, match="q.dtype=float64 is not supported by impl='triton'.*impl='blockwise'"):
-            jax.grad(lambda q: attention(encoding, "triton")(q, *args[1:]).sum())(args[0])
+        with pytest.raises(TypeError, match=f"q.dtype=float64 is not supported by impl='{impl}'.*impl='blockwise' and "
+                                            f"impl='reference'.*impl='auto'"):
+            jax.grad(lambda q: attention(encoding, impl)(q, *args[1:]).sum())(args[0])
+        got, want = (attention(encoding, path)(*args) for path in ("auto", "reference"))
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-12, rtol=1e-12)
+
