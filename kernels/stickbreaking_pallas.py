@@ -9,12 +9,13 @@ keys (visible and j < i, or j ≤ i with attend_current), log A_ij = log σ(z_ij
 out_i = Σ_j A_ij v_j, remainder exp(R_i), R_i = Σ_k log σ(−z_ik).
 
 Forward: one program per (query block, batch, head) walks the key blocks in reverse from the diagonal, carrying R
-(the suffix sum over the keys already walked); inside a tile the suffix sums over keys are the row's total less a
-running sum (Pallas-Triton lowers a running sum, not a reverse one), and R grows by the tile's row sums. Without a
-window or documents, the key blocks wholly before the query block, which every row attends in full, run without the
-mask (a loop of their own, as forgetting attention's forward splits its tiles). The logarithms are to base 2 (log2 e
-folded into sm_scale; exp2 and, compiled for a GPU, the softplus's ex2 and lg2 are the SFU's own instructions, where
-exp and log1p compile to long libdevice sequences). It keeps out and R [B, Hq, Lp].
+(the suffix sum over the keys already walked); a tile holds its keys in reverse order (loaded from the last key
+down), so that the suffix sums over keys inside it are running sums (Pallas-Triton lowers a running sum, not a
+reverse one), and R grows by the tile's row sums. Without a window or documents, the key blocks wholly before the
+query block, which every row attends in full, run without the mask (a loop of their own, as forgetting attention's
+forward splits its tiles). The logarithms are to base 2 (log2 e folded into sm_scale; exp2 and, compiled for a GPU,
+the softplus's ex2 and lg2 are the SFU's own instructions, where exp and log1p compile to long libdevice sequences).
+It keeps out and R [B, Hq, Lp].
 Backward: the same reverse walk and split, carrying R and S_i (the suffix sum of A·(do·vᵀ) over the keys walked):
 ∂L/∂z_ij = A_ij·w_ij·σ(−z_ij) − σ(z_ij)·(do_i·o_i + ρ_i − S_ij), w = do·vᵀ, ρ_i the remainder's cotangent times
 it, σ(±z) powers of 2 of the tile's logarithms. dq stays in registers; dk, dv are atomic adds into float32
@@ -94,25 +95,27 @@ def _exp2(x: jax.Array, interpret: bool) -> jax.Array:
     return jnp.exp2(x) if interpret else _asm(EXP2_PTX, x)
 
 
-def _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config: _Config, masked: bool):
-    """One tile in base 2 (log2 e folded into the scale): z2 = z·log2 e (MASK_VALUE where not attended; `masked`
-    off: every key of the tile is attended by every row), A, −log2 σ(−z) = softplus2(z2) (A and softplus2 0 where not
-    attended) and R / ln 2 over the keys from the tile's first on; r2 [block_q] is R / ln 2 over the keys after the
-    tile.
+def _reversed_keys(index: jax.Array, block_k: int) -> jax.Array:
+    """The keys of key block `index`, last first [block_k] int32: the order a tile holds them in."""
+    return (index + 1) * block_k - 1 - jnp.arange(block_k, dtype=jnp.int32)
 
-    With P the running sum of softplus2 over the tile's keys and S its total, Σ_{t > j} log2 σ(−z_t) = P_j − S and
-    log2 A_j = log2 σ(z_j) + r2 + P_j − S = z2_j − softplus2(z2_j) + P_j + (r2 − S). P_j − S costs a few float32
-    ulps of S (Pallas-Triton lowers a running sum, not the reverse one that would not subtract)."""
+
+def _tile(q, k, rows, cols, r2, seg_rows, seg_k_ref, config: _Config, masked: bool):
+    """One tile in base 2 (log2 e folded into the scale), its keys `cols` last first (`_reversed_keys`; k [block_k,
+    Dp] in that order): z2 = z·log2 e (MASK_VALUE where not attended; `masked` off: every key of the tile is attended
+    by every row), A, −log2 σ(−z) = softplus2(z2) (A and softplus2 0 where not attended) and R / ln 2 over the keys
+    from the tile's first on; r2 [block_q] is R / ln 2 over the keys after the tile.
+
+    log2 A_j = log2 σ(z_j) + Σ_{t > j} log2 σ(−z_t) + r2 = z2_j − Σ_{t ≥ j} softplus2(z2_t) + r2, the sum a running
+    sum along the reversed tile: as accurate as its own terms (the tile's total less a running sum in key order
+    would lose float32 ulps of the total, large where the logits are)."""
     z2 = (config.sm_scale * _LOG2E) * dot(q, k, trans_b=True)
     if masked:  # a key not attended breaks nothing: z2 = MASK_VALUE gives softplus2 0 and A 0
-        cols = index * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        keys = pl.ds(index * block_k, block_k)
-        mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[keys])
+        mask = visible(rows, cols, config.window, seg_rows, None if seg_k_ref is None else seg_k_ref[cols])
         z2 = jnp.where(mask & (cols[None, :] < rows[:, None] + int(config.attend_current)), z2, MASK_VALUE)
     lost = _softplus2(z2, config.interpret)
-    r2 = r2 - lost.sum(axis=1)
-    a = _exp2((z2 - lost) + (jnp.cumsum(lost, axis=1) + r2[:, None]), config.interpret)
-    return z2, a, lost, r2
+    a = _exp2(z2 - jnp.cumsum(lost, axis=1) + r2[:, None], config.interpret)
+    return z2, a, lost, r2 - lost.sum(axis=1)
 
 
 def _walk(tile, init, row0, block_q: int, block_k: int, config: _Config, has_segments: bool):
@@ -139,9 +142,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, o_ref, r_ref, *, 
 
     def tile(index, carry, masked):
         acc, r2 = carry
-        keys = pl.ds(index * block_k, block_k)
-        _, a, _, r2 = _tile(q, k_ref[keys, :], rows, index, block_k, r2, seg_rows, seg_k_ref, config, masked)
-        v = v_ref[keys, :]
+        cols = _reversed_keys(index, block_k)
+        _, a, _, r2 = _tile(q, k_ref[cols, :], rows, cols, r2, seg_rows, seg_k_ref, config, masked)
+        v = v_ref[cols, :]
         return acc + dot(a.astype(v.dtype), v), r2
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
@@ -164,19 +167,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, do_ref, before_r
 
     def tile(index, carry, masked):
         dq, r2, s = carry
-        keys = pl.ds(index * block_k, block_k)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        z2, a, lost, r2 = _tile(q, k, rows, index, block_k, r2, seg_rows, seg_k_ref, config, masked)
+        cols = _reversed_keys(index, block_k)
+        k, v = k_ref[cols, :], v_ref[cols, :]
+        z2, a, lost, r2 = _tile(q, k, rows, cols, r2, seg_rows, seg_k_ref, config, masked)
         aw = a * dot(do, v, trans_b=True)
-        # S_ij = Σ_{j' ≥ j} A_ij'·w_ij' (with the keys after the tile: s) = s + total − running sum + aw
-        s = s + aw.sum(axis=1)
-        from_key = s[:, None] - jnp.cumsum(aw, axis=1) + aw
+        # S_ij = Σ_{j' ≥ j} A_ij'·w_ij' (with the keys after the tile: s), a running sum along the reversed tile
+        from_key = s[:, None] + jnp.cumsum(aw, axis=1)
         # σ(−z) = 2^−softplus2(z2), σ(z) = 2^(z2 − softplus2(z2))
         dz = (aw * _exp2(-lost, config.interpret)
               - _exp2(z2 - lost, config.interpret) * (before[:, None] - from_key))  # 0 where not attended
-        jax.ref.addupdate(dk_ref, (keys, slice(None)), sm_scale * dot(dz.astype(q.dtype), q, trans_a=True))
-        jax.ref.addupdate(dv_ref, (keys, slice(None)), dot(a.astype(do.dtype), do, trans_a=True))
-        return dq + sm_scale * dot(dz.astype(k.dtype), k), r2, s
+        jax.ref.addupdate(dk_ref, (cols, slice(None)), sm_scale * dot(dz.astype(q.dtype), q, trans_a=True))
+        jax.ref.addupdate(dv_ref, (cols, slice(None)), dot(a.astype(do.dtype), do, trans_a=True))
+        return dq + sm_scale * dot(dz.astype(k.dtype), k), r2, s + aw.sum(axis=1)
 
     zeros = jnp.zeros((block_q,), jnp.float32)
     dq, _, _ = _walk(tile, (jnp.zeros(q.shape, jnp.float32), zeros, zeros), row0, block_q, block_k, config,

@@ -5,8 +5,9 @@ sliding windows.
 The algorithm is `stickbreaking_pallas.py`'s (its docstring states the maths, in base 2, and the reverse walk from the
 diagonal); here it is written with explicit pointers and masks (`_triton_rows.py`), so no input is padded, and two
 things differ:
-- Inside a tile the suffix sums over keys are Triton's reverse running sums (`tl.cumsum(..., reverse=True)`), which
-  add no cancellation: log2 A_ij = z2_ij − Σ_{attended t ≥ j in the tile} softplus2(z2_it) + r2_i.
+- Inside a tile the suffix sums over keys are Triton's reverse running sums (`tl.cumsum(..., reverse=True)`) over
+  keys in their order (the Pallas tiles hold their keys last first, for lack of a reverse running sum in Pallas):
+  log2 A_ij = z2_ij − Σ_{attended t ≥ j in the tile} softplus2(z2_it) + r2_i.
 - The backward's dk and dv are relaxed atomic adds (no fences: Pallas's atomics are acquire-release, each with a
   GPU-scope fence) into zero-initialised float32 [B, L, Hkv, D] outputs, from one query-major program per
   (query block, batch, query head): a key block's gradients need each row's R and S over the keys after it, which
