@@ -134,12 +134,12 @@ def _launch_compiled(kernel: Any, args: Sequence[jax.Array | int | float], *,
                      out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...], num_warps: int,
                      num_stages: int, zeroed: Sequence[int], name: str, **constexprs: Any) -> list[jax.Array]:
     jt = _jax_triton()
-    new_api = "out_type" in jt.triton_call.__code__.co_varnames
-    shapes = {"out_type" if new_api else "out_shape": list(out_shapes)}
+    parameters = inspect.signature(jt.triton_call).parameters  # jax-triton 0.4's API, or 0.3's
+    shapes = {"out_type" if "out_type" in parameters else "out_shape": list(out_shapes)}
     # FMA contraction asked for by name, as the kernels were timed: jax-triton 0.3 passes enable_fp_fusion=True itself,
     # 0.4 leaves it to Triton's default, which Triton 3.10 turns off
-    fusion = ({"backend_options": {"enable_fp_fusion": True}}
-              if "backend_options" in inspect.signature(jt.triton_call).parameters else {"enable_fp_fusion": True})
+    fusion = ({"backend_options": {"enable_fp_fusion": True}} if "backend_options" in parameters
+              else {"enable_fp_fusion": True})
     is_array = [isinstance(a, jax.Array) or hasattr(a, "shape") for a in args]
 
     def call(*arrays: jax.Array) -> list[jax.Array]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -252,7 +253,6 @@ def test_jax_triton_is_imported_with_the_driver_name_triton_3_6_lacks(monkeypatc
     torch 2.11 pins), silently drops its whole CUDA backend. The name is supplied with Triton 3.7's value before
     jax_triton is imported, and a Triton that has it keeps its own."""
     import sys
-    import types
 
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     if present:
@@ -263,6 +263,39 @@ def test_jax_triton_is_imported_with_the_driver_name_triton_3_6_lacks(monkeypatc
     monkeypatch.setitem(sys.modules, "jax_triton", fake)
     assert _triton_launch._import_jax_triton() is fake
     assert driver.TMA_TF32 == (99 if present else 11)
+
+
+def jax_triton_03_call(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None,
+                       compute_capability=None, enable_fp_fusion=True, zeroed_outputs=(), **metaparams):
+    """jax-triton 0.3.1's triton_call: the parameters a launch passes."""
+
+
+def jax_triton_04_call(*args, kernel, out_type=None, grid, name="", num_warps=None, num_stages=None,
+                       compute_capability=None, backend_options=None, zeroed_outputs=(), **kwargs):
+    """jax-triton 0.4.1's triton_call: the parameters a launch passes."""
+
+
+@pytest.mark.parametrize("api, output, fusion", [
+    (jax_triton_03_call, "out_shape", ("enable_fp_fusion", True)),
+    (jax_triton_04_call, "out_type", ("backend_options", {"enable_fp_fusion": True}))])
+def test_compiled_launch_speaks_the_installed_jax_triton_api(monkeypatch, api, output, fusion) -> None:
+    """A compiled launch names the output types and FP fusion as the installed triton_call's signature does: 0.3's
+    out_shape and enable_fp_fusion, 0.4's out_type and backend_options. Both are read from its one
+    `inspect.signature`, so also through a wrapper (functools.wraps), whose own code names neither."""
+    passed = {}
+
+    @functools.wraps(api)
+    def triton_call(*args, **kwargs):
+        passed.update(kwargs)
+        return [jnp.zeros(s.shape, s.dtype) for s in kwargs.get("out_type") or kwargs["out_shape"]]
+
+    monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
+    out_shapes = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    out = _triton_launch._launch_compiled(lambda: None, [jnp.ones(4)], out_shapes=out_shapes, grid=(1,), num_warps=4,
+                                          num_stages=2, zeroed=(), name="probe", BLOCK=4)
+    assert [x.shape for x in out] == [(4,)]
+    api_names = {"out_shape", "out_type", "enable_fp_fusion", "backend_options"}
+    assert {name: passed[name] for name in api_names & set(passed)} == {output: out_shapes, fusion[0]: fusion[1]}
 
 
 @pytest.mark.parametrize("rows, warps, want", [(64, 4, True), (128, 4, True), (32, 4, False), (16, 1, True),
