@@ -115,6 +115,31 @@ def test_binary_files_and_the_suffix_filter(tmp_path):
         make_task("lm", source=str(tmp_path), suffixes=[], max_bytes=5, **SMALL)
 
 
+def test_links_to_directories_are_followed_once(tmp_path):
+    """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
+    up the walked path (to the corpus or to itself) is not walked again; two links to one directory name its files
+    twice, an error."""
+    library, corpus = tmp_path / "library", tmp_path / "corpus"
+    (library / "shelf").mkdir(parents=True)
+    (library / "a.txt").write_bytes(document("a", 300))
+    (library / "shelf" / "b.txt").write_bytes(document("b", 300))
+    corpus.mkdir()
+    (corpus / "readme.txt").write_bytes(document("r", 300))
+    (corpus / "books").symlink_to(library, target_is_directory=True)
+    (library / "shelf" / "up").symlink_to(corpus, target_is_directory=True)
+    (corpus / "here").symlink_to(".", target_is_directory=True)
+    task = make_task("lm", source=str(corpus), **SMALL)
+    files = {"corpus/readme.txt": corpus / "readme.txt", "corpus/books/a.txt": library / "a.txt",
+             "corpus/books/shelf/b.txt": library / "shelf" / "b.txt"}
+    assert task.fingerprint == blake2b_of(files)
+    assert b"".join(task.streams[split].tobytes() for split in ("train", "valid", "test")) == b"".join(
+        files[name].read_bytes() for name in sorted(files))  # split by bytes, files in name order
+    (corpus / "again").symlink_to(library, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'corpus/again/a\.txt' and "
+                                         r"'corpus/books/a\.txt'\); give it once"):
+        make_task("lm", source=str(corpus), **SMALL)
+
+
 def test_empty_files(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"holds no bytes: its 1 file\(s\) are empty"):

@@ -4,7 +4,8 @@ Tokens are bytes (vocab 256). Sources (`source` option):
 - `"stdlib"` (default, no download): the running interpreter's standard-library
   `.py` files (site-packages, test directories and caches left out);
 - local files or directories (a path or a tuple of paths; directories are
-  walked for files ending in one of `suffixes`, `()` for every file);
+  walked for files ending in one of `suffixes`, `()` for every file, links to
+  directories followed);
 - `"hf:<name>[:<config>]"`: a Hugging Face dataset (`pip install datasets`),
   either a directory written by `save_to_disk` or a hub name; its `text_field`
   column holds the documents (one a row).
@@ -173,11 +174,16 @@ def stdlib_files() -> tuple[Path, list[str]]:
     return root, _walk(root, (".py",))
 
 
-def _walk(root: Path, suffixes: Sequence[str]) -> list[str]:
-    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted."""
-    names = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith("."))
+def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) -> list[str]:
+    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted.
+    follow_links: descend into links to directories too, but not into one that leads back to a directory on the path
+    walked to it (a loop)."""
+    names, above = [], {str(root): {root.resolve()}}  # directory walked -> the real directories on the path to it
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
+        real = {d: (Path(dirpath) / d).resolve() for d in dirnames}
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith(".")
+                             and real[d] not in above[dirpath])
+        above |= {os.path.join(dirpath, d): above[dirpath] | {real[d]} for d in dirnames}
         rel = Path(dirpath).relative_to(root)
         names += [(rel / f).as_posix() for f in filenames if not suffixes or f.endswith(tuple(suffixes))]
     return sorted(names)
@@ -189,7 +195,7 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for path in map(Path, paths):
         if path.is_dir():
-            found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes)}
+            found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes, follow_links=True)}
             if not found:
                 raise ValueError(_no_suffix_match(path, config.suffixes))
         elif path.is_file():
@@ -210,7 +216,7 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
 
 def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
     """Why a walked directory gave no document, and the setting that takes its files."""
-    others = _walk(directory, ())
+    others = _walk(directory, (), follow_links=True)
     if not others:
         return f"source directory {str(directory)!r} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
     endings = sorted({Path(name).suffix for name in others})
