@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import platform
 import re
 import shutil
 import struct
@@ -209,6 +210,27 @@ def test_an_edit_that_keeps_every_size_is_a_changed_corpus(tmp_path):
     (workdir / "corpus.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(f"{str(workdir / 'corpus.json')!r} is not valid JSON")):
         check_same_corpus(workdir, task)
+
+
+def test_a_standard_library_run_under_another_python_says_so(tmp_path):
+    """The default corpus is the running Python's standard library: a run begun under another Python (its corpus.json
+    naming that version and another fingerprint) is refused naming both versions and what to do, not "restore that
+    data"; the same version with other files says that its files changed."""
+    task = make_task("lm", source="stdlib", max_bytes=400_000, **SMALL)
+    write_corpus(tmp_path, task)
+    saved = json.loads((tmp_path / "corpus.json").read_text(encoding="utf-8"))
+    assert saved["python"] == platform.python_version()
+    check_same_corpus(tmp_path, task)
+    (tmp_path / "corpus.json").write_text(json.dumps({**saved, "python": "3.9.1", "fingerprint": "0" * 64}),
+                                          encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(
+            f"that data comes with the Python that runs the command, here {platform.python_version()}, and the run "
+            "began under Python 3.9.1: resume it with that Python, or use a new workdir")):
+        check_same_corpus(tmp_path, task)
+    (tmp_path / "corpus.json").write_text(json.dumps({**saved, "fingerprint": "0" * 64}), encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"comes with Python {platform.python_version()}, whose files "
+                                                   "changed since the run began; use a new workdir")):
+        check_same_corpus(tmp_path, task)
 
 
 def _lm_config(source, steps: int):

@@ -51,6 +51,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -360,12 +361,13 @@ class LMTask:
     @property
     def corpus(self) -> dict[str, object]:
         """What identifies the corpus: {"option", "source", "fingerprint", "hash", "bytes"} (JSON values; bytes over
-        every split; tasks.base.Task)."""
+        every split; tasks.base.Task), and for the standard library "python", the version whose library it is."""
         source = self.config.source
         return {"option": "task.source",
                 "source": str(source) if isinstance(source, (str, os.PathLike)) else [str(s) for s in source],
                 "fingerprint": self.fingerprint, "hash": CONTENT_HASH,
-                "bytes": sum(int(s.size) for s in self.streams.values())}
+                "bytes": sum(int(s.size) for s in self.streams.values()),
+                **({"python": platform.python_version()} if source == "stdlib" else {})}
 
     def _too_short(self, split: str, count: int) -> str:
         """Why `split` holds nothing to predict, and the settings that fix it."""
