@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import platform
 import re
@@ -151,6 +152,19 @@ def test_empty_files(tmp_path):
     with pytest.raises(ValueError, match=r"the test split .* has 0 bytes .*; raise task\.test_fraction"):
         make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
 
+
+
+def test_a_pipe_is_refused_not_read(tmp_path):
+    """A named pipe as task.source (what a shell's <(zcat corpus.gz) passes) or inside a walked directory is refused
+    as no regular file: reading it would wait for a writer, and a resumed run could not read it again."""
+    (tmp_path / "text.txt").write_bytes(document("t", 400))
+    os.mkfifo(tmp_path / "pipe.txt")
+    refused = (r"source holds 1 path\(s\) that are no regular file \(a pipe, a socket or a device\), "
+               r"e\.g\. '\S*pipe\.txt': a run reads its corpus again to resume; save the text to a file")
+    with pytest.raises(ValueError, match=refused):
+        make_task("lm", source=str(tmp_path / "pipe.txt"), **SMALL)
+    with pytest.raises(ValueError, match=refused):
+        make_task("lm", source=str(tmp_path), **SMALL)
 
 
 def test_a_data_path_from_the_home_directory(tmp_path, monkeypatch):

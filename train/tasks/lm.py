@@ -199,8 +199,8 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
             found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes, follow_links=True)}
             if not found:
                 raise ValueError(_no_suffix_match(path, config.suffixes))
-        elif path.is_file():
-            found = {path.name: path}
+        elif path.exists():
+            found = {path.name: path}  # a file (one that is no regular file is refused below)
         else:
             raise ValueError(f"source path {str(path)!r} does not exist")
         if clash := sorted(found.keys() & files.keys()):
@@ -208,6 +208,9 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
         files.update(found)
     if broken := sorted(str(path) for path in files.values() if not path.exists()):
         raise ValueError(f"source holds {len(broken)} link(s) to no file, e.g. {broken[0]!r}: mend or remove them")
+    if odd := sorted(str(path) for path in files.values() if not path.is_file()):  # reading a pipe waits for a writer
+        raise ValueError(f"source holds {len(odd)} path(s) that are no regular file (a pipe, a socket or a device), "
+                         f"e.g. {odd[0]!r}: a run reads its corpus again to resume; save the text to a file")
     seen: dict[Path, str] = {}
     for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
         if (other := seen.setdefault(path.resolve(), name)) != name:
