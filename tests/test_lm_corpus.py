@@ -117,6 +117,22 @@ def test_binary_files_and_the_suffix_filter(tmp_path):
         make_task("lm", source=str(tmp_path), suffixes=[], max_bytes=5, **SMALL)
 
 
+def test_files_left_out_by_max_bytes_are_warned_about(tmp_path, caplog):
+    """A corpus of more bytes than task.max_bytes takes whole files while they fit, and says how much it left out
+    (the standard library, a sample by design, says nothing)."""
+    for letter, size in (("a", 600), ("b", 500), ("c", 400)):
+        (tmp_path / f"{letter}.txt").write_bytes(document(letter, size))
+    task = make_task("lm", source=str(tmp_path), max_bytes=1000, **SMALL)
+    taken = sum(task.streams[split].size for split in ("train", "valid", "test"))
+    assert taken in (900, 1000)  # two of the three files, whichever the pseudo-random order takes
+    assert (f"source holds 1500 bytes in 3 files, more than task.max_bytes=1000: the corpus takes {taken} bytes, 2 "
+            "whole files; raise task.max_bytes") in caplog.text
+    caplog.clear()
+    make_task("lm", source=str(tmp_path), max_bytes=1500, **SMALL)
+    make_task("lm", source="stdlib", max_bytes=400_000, **SMALL)
+    assert "more than task.max_bytes" not in caplog.text
+
+
 def test_links_to_directories_are_followed_once(tmp_path):
     """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
     up the walked path (to the corpus or to itself) is not walked again; two links to one directory name its files

@@ -249,6 +249,10 @@ def _file_documents(config: LMConfig) -> list[Document]:
                          f"smallest, {smallest!r}, has {sizes[smallest]} bytes); raise task.max_bytes")
     if total == 0:
         raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
+    if config.source != "stdlib" and len(chosen) < len(files):  # the standard library is a sample by design
+        log.warning("task lm: source holds %d bytes in %d files, more than task.max_bytes=%d: the corpus takes %d "
+                    "bytes, %d whole files; raise task.max_bytes to take them all", sum(sizes.values()), len(files),
+                    config.max_bytes, total, len(chosen))
     return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
 
 
