@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
+import platform
 import re
 import shutil
 import struct
@@ -115,6 +117,47 @@ def test_binary_files_and_the_suffix_filter(tmp_path):
         make_task("lm", source=str(tmp_path), suffixes=[], max_bytes=5, **SMALL)
 
 
+def test_files_left_out_by_max_bytes_are_warned_about(tmp_path, caplog):
+    """A corpus of more bytes than task.max_bytes takes whole files while they fit, and says how much it left out
+    (the standard library, a sample by design, says nothing)."""
+    for letter, size in (("a", 600), ("b", 500), ("c", 400)):
+        (tmp_path / f"{letter}.txt").write_bytes(document(letter, size))
+    task = make_task("lm", source=str(tmp_path), max_bytes=1000, **SMALL)
+    taken = sum(task.streams[split].size for split in ("train", "valid", "test"))
+    assert taken in (900, 1000)  # two of the three files, whichever the pseudo-random order takes
+    assert (f"source holds 1500 bytes in 3 files, more than task.max_bytes=1000: the corpus takes {taken} bytes, 2 "
+            "whole files; raise task.max_bytes") in caplog.text
+    caplog.clear()
+    make_task("lm", source=str(tmp_path), max_bytes=1500, **SMALL)
+    make_task("lm", source="stdlib", max_bytes=400_000, **SMALL)
+    assert "more than task.max_bytes" not in caplog.text
+
+
+def test_links_to_directories_are_followed_once(tmp_path):
+    """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
+    up the walked path (to the corpus or to itself) is not walked again; two links to one directory name its files
+    twice, an error."""
+    library, corpus = tmp_path / "library", tmp_path / "corpus"
+    (library / "shelf").mkdir(parents=True)
+    (library / "a.txt").write_bytes(document("a", 300))
+    (library / "shelf" / "b.txt").write_bytes(document("b", 300))
+    corpus.mkdir()
+    (corpus / "readme.txt").write_bytes(document("r", 300))
+    (corpus / "books").symlink_to(library, target_is_directory=True)
+    (library / "shelf" / "up").symlink_to(corpus, target_is_directory=True)
+    (corpus / "here").symlink_to(".", target_is_directory=True)
+    task = make_task("lm", source=str(corpus), **SMALL)
+    files = {"corpus/readme.txt": corpus / "readme.txt", "corpus/books/a.txt": library / "a.txt",
+             "corpus/books/shelf/b.txt": library / "shelf" / "b.txt"}
+    assert task.fingerprint == blake2b_of(files)
+    assert b"".join(task.streams[split].tobytes() for split in ("train", "valid", "test")) == b"".join(
+        files[name].read_bytes() for name in sorted(files))  # split by bytes, files in name order
+    (corpus / "again").symlink_to(library, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'corpus/again/a\.txt' and "
+                                         r"'corpus/books/a\.txt'\); give it once"):
+        make_task("lm", source=str(corpus), **SMALL)
+
+
 def test_empty_files(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"holds no bytes: its 1 file\(s\) are empty"):
@@ -125,6 +168,19 @@ def test_empty_files(tmp_path):
     with pytest.raises(ValueError, match=r"the test split .* has 0 bytes .*; raise task\.test_fraction"):
         make_task("lm", source=str(tmp_path), seq_len=16, valid_fraction=0.1, test_fraction=0.001)
 
+
+
+def test_a_pipe_is_refused_not_read(tmp_path):
+    """A named pipe as task.source (what a shell's <(zcat corpus.gz) passes) or inside a walked directory is refused
+    as no regular file: reading it would wait for a writer, and a resumed run could not read it again."""
+    (tmp_path / "text.txt").write_bytes(document("t", 400))
+    os.mkfifo(tmp_path / "pipe.txt")
+    refused = (r"source holds 1 path\(s\) that are no regular file \(a pipe, a socket or a device\), "
+               r"e\.g\. '\S*pipe\.txt': a run reads its corpus again to resume; save the text to a file")
+    with pytest.raises(ValueError, match=refused):
+        make_task("lm", source=str(tmp_path / "pipe.txt"), **SMALL)
+    with pytest.raises(ValueError, match=refused):
+        make_task("lm", source=str(tmp_path), **SMALL)
 
 
 def test_a_data_path_from_the_home_directory(tmp_path, monkeypatch):
@@ -184,6 +240,27 @@ def test_an_edit_that_keeps_every_size_is_a_changed_corpus(tmp_path):
     (workdir / "corpus.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(f"{str(workdir / 'corpus.json')!r} is not valid JSON")):
         check_same_corpus(workdir, task)
+
+
+def test_a_standard_library_run_under_another_python_says_so(tmp_path):
+    """The default corpus is the running Python's standard library: a run begun under another Python (its corpus.json
+    naming that version and another fingerprint) is refused naming both versions and what to do, not "restore that
+    data"; the same version with other files says that its files changed."""
+    task = make_task("lm", source="stdlib", max_bytes=400_000, **SMALL)
+    write_corpus(tmp_path, task)
+    saved = json.loads((tmp_path / "corpus.json").read_text(encoding="utf-8"))
+    assert saved["python"] == platform.python_version()
+    check_same_corpus(tmp_path, task)
+    (tmp_path / "corpus.json").write_text(json.dumps({**saved, "python": "3.9.1", "fingerprint": "0" * 64}),
+                                          encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(
+            f"that data comes with the Python that runs the command, here {platform.python_version()}, and the run "
+            "began under Python 3.9.1: resume it with that Python, or use a new workdir")):
+        check_same_corpus(tmp_path, task)
+    (tmp_path / "corpus.json").write_text(json.dumps({**saved, "fingerprint": "0" * 64}), encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"comes with Python {platform.python_version()}, whose files "
+                                                   "changed since the run began; use a new workdir")):
+        check_same_corpus(tmp_path, task)
 
 
 def _lm_config(source, steps: int):

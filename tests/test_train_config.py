@@ -14,6 +14,7 @@ from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig,
                                 apply_overrides, build_config, build_model, build_task, field_comments, format_config,
                                 from_dict, load_config, load_preset, longest_length, preset_names, resolve_task,
                                 to_dict)
+from jaxpe.train.experiments import compare_encodings, train_and_evaluate
 from jaxpe.train.tasks import make_task
 from jaxpe.train.trainer import Trainer
 
@@ -319,3 +320,26 @@ def test_seeds_outside_32_bits_are_refused(seed, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RunConfig(seed=seed)
     assert RunConfig(seed=2**31 - 1).seed == 2**31 - 1
+
+
+def test_configs_built_from_dicts_in_python_are_refused_with_the_way_to_build_them(tmp_path):
+    """A notebook's TrainConfig(run={"steps": 5}) (which the dataclass took as it was, to fail deep in training),
+    TrainConfig(model={...}), build_config(overrides="run.steps=5") (a string: its characters taken as overrides)
+    and train_and_evaluate or compare_encodings given a dict are TypeErrors naming the argument and the way to build a
+    config; from_dict builds the one that was meant."""
+    for section, cls in (("run", RunConfig), ("model", ModelConfig), ("optim", OptimConfig), ("task", TaskConfig)):
+        with pytest.raises(TypeError, match=re.escape(f"TrainConfig's {section}={{'steps': 5}} must be a "
+                                                      f"{cls.__name__}; a config from nested dicts is "
+                                                      "jaxpe.train.config.from_dict")):
+            TrainConfig(**{section: {"steps": 5}})
+    assert from_dict({"run": {"steps": 5}}) == dataclasses.replace(TrainConfig(), run=RunConfig(steps=5))
+    with pytest.raises(TypeError, match=re.escape("overrides='run.steps=5' must be a list of key=value strings, "
+                                                  "e.g. ['run.steps=5']")):
+        build_config(overrides="run.steps=5")
+    assert build_config(overrides=("run.steps=5",)).run.steps == 5
+    no_config = re.escape("{'run': {'steps': 5}} is no TrainConfig; make one with jaxpe.train.build_config")
+    with pytest.raises(TypeError, match="config: " + no_config):
+        train_and_evaluate({"run": {"steps": 5}}, tmp_path / "run")
+    with pytest.raises(TypeError, match="configs: " + no_config):
+        compare_encodings([{"run": {"steps": 5}}], [0], tmp_path / "cmp")
+    assert not any(tmp_path.iterdir())  # refused before anything is written

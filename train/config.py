@@ -159,6 +159,11 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)  # how long, how often, where
 
     def __post_init__(self):
+        for name, section in typing.get_type_hints(TrainConfig).items():  # TrainConfig(run={"steps": 5}) in a notebook
+            if not isinstance(getattr(self, name), section):
+                raise TypeError(f"TrainConfig's {name}={getattr(self, name)!r} must be a {section.__name__}; a config "
+                                "from nested dicts is jaxpe.train.config.from_dict({...}), or build_config(overrides="
+                                f"['{name}.<field>=<value>'])")
         if not self.model.causal:
             raise ValueError("model.causal=False: every task trains next-token prediction, which bidirectional "
                              "attention would answer by reading the target; keep model.causal=true (encoder "
@@ -253,6 +258,8 @@ def build_config(
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
     """Applies `section.field=value` strings (last wins), all together; ValueError names a bad key or value."""
+    if isinstance(overrides, str):  # a string is a sequence too: of one-character "overrides"
+        raise TypeError(f"overrides={overrides!r} must be a list of key=value strings, e.g. [{overrides!r}]")
     tree: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")

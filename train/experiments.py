@@ -60,6 +60,7 @@ def train_and_evaluate(
     Returns the result dict. Raises NonFiniteLossError on a NaN/inf loss (the last checkpoint written is the
     last good one).
     """
+    check_configs([config], "config")
     if task is None:
         task, built = validate_config(config)
         model = built if model is None else model
@@ -82,6 +83,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     raised after; the failed run's workdir keeps a note of it (NONFINITE_NAME, until it finishes), so that
     compare_encodings trains it apart, after the others."""
     check_time_limit(time_limit)
+    check_configs(configs, "configs")
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
@@ -130,6 +132,14 @@ def _train_seeds_locked(configs: Sequence[TrainConfig], workdirs: Sequence[pathl
         trainer = Trainer(model=model, config=configs[0], seq_len=task.seq_len,
                           seeds=None if len(configs) == 1 else tuple(seeds))
         return _train_members(trainer, configs, workdirs, task, is_main, deadline=deadline)
+
+
+def check_configs(configs: Sequence[Any], argument: str) -> None:
+    """TypeError naming `argument` when one of `configs` is no TrainConfig (a nested dict, say)."""
+    for config in configs:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"{argument}: {config!r:.80} is no TrainConfig; make one with jaxpe.train.build_config"
+                            "(...), or from nested dicts with jaxpe.train.config.from_dict({...})")
 
 
 def check_time_limit(time_limit: float | None) -> None:
@@ -521,6 +531,7 @@ def compare_encodings(
     TimeLimitReached (run it again to go on); runs not begun by then wait for the next call; None: no limit.
     """
     check_time_limit(time_limit)
+    check_configs(configs, "configs")
     if not configs or not seeds:
         raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
     if any(c.task != configs[0].task for c in configs):

@@ -168,11 +168,19 @@ def check_same_corpus(workdir: pathlib.Path, task: Task) -> None:
     else:
         now, kind = getattr(task, "names_fingerprint", None), "names and sizes (saved before they hashed contents)"
     if saved.get("fingerprint") != now:
+        remedy = "restore that data to resume the run, or use a new workdir"
+        if "python" in corpus:  # the data comes with the interpreter: another Python reads other data
+            began = f"Python {saved['python']}" if "python" in saved else "another Python (or this one's files changed)"
+            remedy = (f"that data comes with the Python that runs the command, here {corpus['python']}, and the run "
+                      f"began under {began}: resume it with that Python, or use a new workdir"
+                      if saved.get("python") != corpus["python"] else
+                      f"that data comes with Python {corpus['python']}, whose files changed since the run began; "
+                      "use a new workdir")
         raise ValueError(
             f"the corpus of the run in {str(workdir)!r} changed: {corpus['option']}={corpus['source']!r} now gives "
             f"fingerprint {str(now)[:12]} ({corpus['bytes']} bytes), the run began on "
             f"{str(saved.get('fingerprint'))[:12]} ({saved.get('bytes')} bytes; fingerprints hash the documents' "
-            f"{kind}, {CORPUS_NAME}); restore that data to resume the run, or use a new workdir")
+            f"{kind}, {CORPUS_NAME}); {remedy}")
 
 
 def check_outside_data(workdir: pathlib.Path, task: Task) -> None:

@@ -62,8 +62,9 @@ class Split:
 class Task(Protocol):
     """What the training loop needs from a task. A task whose data is read from outside (lm's corpus, counting's
     data_dir) may also have `corpus`, a JSON dict with the "option" that names the data (e.g. "task.source"), its
-    "source", the "fingerprint" of the data (content_fingerprint, "hash": CONTENT_HASH) and its "bytes": a run saves
-    it and refuses to go on when the fingerprint changed (jaxpe.train.workdir.check_same_corpus). A task that saved
+    "source", the "fingerprint" of the data (content_fingerprint, "hash": CONTENT_HASH) and its "bytes", and for data
+    that comes with the interpreter (lm's standard library) the "python" version: a run saves it and refuses to go on
+    when the fingerprint changed (jaxpe.train.workdir.check_same_corpus). A task that saved
     fingerprints of another kind before has `names_fingerprint` too, that older kind, to check such a run by."""
 
     name: str

@@ -4,7 +4,8 @@ Tokens are bytes (vocab 256). Sources (`source` option):
 - `"stdlib"` (default, no download): the running interpreter's standard-library
   `.py` files (site-packages, test directories and caches left out);
 - local files or directories (a path or a tuple of paths; directories are
-  walked for files ending in one of `suffixes`, `()` for every file);
+  walked for files ending in one of `suffixes`, `()` for every file, links to
+  directories followed);
 - `"hf:<name>[:<config>]"`: a Hugging Face dataset (`pip install datasets`),
   either a directory written by `save_to_disk` or a hub name; its `text_field`
   column holds the documents (one a row).
@@ -50,6 +51,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,11 +175,16 @@ def stdlib_files() -> tuple[Path, list[str]]:
     return root, _walk(root, (".py",))
 
 
-def _walk(root: Path, suffixes: Sequence[str]) -> list[str]:
-    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted."""
-    names = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith("."))
+def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) -> list[str]:
+    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted.
+    follow_links: descend into links to directories too, but not into one that leads back to a directory on the path
+    walked to it (a loop)."""
+    names, above = [], {str(root): {root.resolve()}}  # directory walked -> the real directories on the path to it
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
+        real = {d: (Path(dirpath) / d).resolve() for d in dirnames}
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith(".")
+                             and real[d] not in above[dirpath])
+        above |= {os.path.join(dirpath, d): above[dirpath] | {real[d]} for d in dirnames}
         rel = Path(dirpath).relative_to(root)
         names += [(rel / f).as_posix() for f in filenames if not suffixes or f.endswith(tuple(suffixes))]
     return sorted(names)
@@ -189,11 +196,11 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for path in map(Path, paths):
         if path.is_dir():
-            found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes)}
+            found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes, follow_links=True)}
             if not found:
                 raise ValueError(_no_suffix_match(path, config.suffixes))
-        elif path.is_file():
-            found = {path.name: path}
+        elif path.exists():
+            found = {path.name: path}  # a file (one that is no regular file is refused below)
         else:
             raise ValueError(f"source path {str(path)!r} does not exist")
         if clash := sorted(found.keys() & files.keys()):
@@ -201,6 +208,9 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
         files.update(found)
     if broken := sorted(str(path) for path in files.values() if not path.exists()):
         raise ValueError(f"source holds {len(broken)} link(s) to no file, e.g. {broken[0]!r}: mend or remove them")
+    if odd := sorted(str(path) for path in files.values() if not path.is_file()):  # reading a pipe waits for a writer
+        raise ValueError(f"source holds {len(odd)} path(s) that are no regular file (a pipe, a socket or a device), "
+                         f"e.g. {odd[0]!r}: a run reads its corpus again to resume; save the text to a file")
     seen: dict[Path, str] = {}
     for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
         if (other := seen.setdefault(path.resolve(), name)) != name:
@@ -210,7 +220,7 @@ def _local_files(config: LMConfig) -> dict[str, Path]:
 
 def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
     """Why a walked directory gave no document, and the setting that takes its files."""
-    others = _walk(directory, ())
+    others = _walk(directory, (), follow_links=True)
     if not others:
         return f"source directory {str(directory)!r} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
     endings = sorted({Path(name).suffix for name in others})
@@ -239,6 +249,10 @@ def _file_documents(config: LMConfig) -> list[Document]:
                          f"smallest, {smallest!r}, has {sizes[smallest]} bytes); raise task.max_bytes")
     if total == 0:
         raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
+    if config.source != "stdlib" and len(chosen) < len(files):  # the standard library is a sample by design
+        log.warning("task lm: source holds %d bytes in %d files, more than task.max_bytes=%d: the corpus takes %d "
+                    "bytes, %d whole files; raise task.max_bytes to take them all", sum(sizes.values()), len(files),
+                    config.max_bytes, total, len(chosen))
     return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
 
 
@@ -354,12 +368,13 @@ class LMTask:
     @property
     def corpus(self) -> dict[str, object]:
         """What identifies the corpus: {"option", "source", "fingerprint", "hash", "bytes"} (JSON values; bytes over
-        every split; tasks.base.Task)."""
+        every split; tasks.base.Task), and for the standard library "python", the version whose library it is."""
         source = self.config.source
         return {"option": "task.source",
                 "source": str(source) if isinstance(source, (str, os.PathLike)) else [str(s) for s in source],
                 "fingerprint": self.fingerprint, "hash": CONTENT_HASH,
-                "bytes": sum(int(s.size) for s in self.streams.values())}
+                "bytes": sum(int(s.size) for s in self.streams.values()),
+                **({"python": platform.python_version()} if source == "stdlib" else {})}
 
     def _too_short(self, split: str, count: int) -> str:
         """Why `split` holds nothing to predict, and the settings that fix it."""
