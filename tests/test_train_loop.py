@@ -185,13 +185,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the rate cast to float32
 def test_an_update_that_overflows_stops_before_its_state_is_saved(tmp_path):
-    """A learning rate past float32's range (1e39, no warmup) turns the parameters NaN in the first update while that
-    step's loss and gradient are finite: the NaN/inf check of that step stops the run there, with no checkpoint
-    (the step's NaN state was saved at step 1 and named the last good checkpoint, found only by step 2's loss)."""
+    """A learning rate near float32's largest (3e38, no warmup) times a weight decay of 10 overflows the first update
+    (lr · (adam + 10 · param) > 3.4e38 for |param| > 0.1) while that step's loss and gradient are finite: the NaN/inf
+    check of that step stops the run there, with no checkpoint (the step's inf state was saved at step 1 and named
+    the last good checkpoint, found only by step 2's loss). A rate past float32's range is refused by the config."""
     config = tiny("run.steps=4", "run.checkpoint_every=1", "run.async_checkpoints=false",
-                  "optim.learning_rate=1e39", "optim.warmup_steps=0")
+                  "optim.learning_rate=3e38", "optim.weight_decay=10", "optim.warmup_steps=0")
     with pytest.raises(NonFiniteLossError, match=r"parameters became NaN/inf by step 1 .*Last good checkpoint: none"):
         train_and_evaluate(config, tmp_path)
     assert not list((tmp_path / "checkpoints").iterdir())
