@@ -29,8 +29,8 @@ from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TaskConfig, TrainConfig, build_model, build_task, from_dict, load_config,
                                 longest_length, resolve_config, to_dict)
-from jaxpe.train.loop import (Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TimeLimitReached, TrainLog,
-                              progress_bar, train_loop)
+from jaxpe.train.loop import (UNLOGGED, Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TimeLimitReached,
+                              TrainLog, progress_bar, train_loop)
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
@@ -248,13 +248,12 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
     splits = task.eval_splits()
     best_split = "valid" if "valid" in splits else next(iter(splits))
 
-    checkpoints, states, problems = [], [], [[] for _ in configs]
+    checkpoints, problems = [], [[] for _ in configs]
+    resumed, metas = None, []
     if run.checkpoint_every:
         checkpoints = [Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
                                    async_save=run.async_checkpoints) for workdir in workdirs]
-        resumed = _restore_members(trainer, configs, task, checkpoints, problems)
-    else:
-        resumed = None
+        resumed, metas = _restore_members(trainer, configs, task, checkpoints, problems)
     resumed_from = None if resumed is None else int(distributed.to_host(resumed.step).max())
     if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
         for c in checkpoints:
@@ -279,7 +278,8 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
         configs=[to_dict(c) for c in configs])
     train_log = TrainLog(trainer, metrics_logs, periods=(run.log_every, run.checkpoint_every),
                          tokens_per_step=trainer.config.optim.batch_size * task.seq_len, start=start,
-                         checkpointing=checkpointing, progress=progress)
+                         checkpointing=checkpointing, progress=progress,
+                         unlogged=[meta.get(UNLOGGED) for meta in metas])
     hooks = [train_log, evaluation, *([checkpointing] if checkpointing is not None else [])]
     try:
         state = train_loop(trainer, task, state, start=start, train_log=train_log, hooks=hooks, progress=progress,
@@ -316,38 +316,41 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
 
 
 def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Task,
-                     checkpoints: Sequence[Checkpoints], problems: list[list[dict[str, Any]]]) -> TrainState | None:
-    """The members' newest common checkpoint, stacked as the trainer holds its state, or None (start afresh).
+                     checkpoints: Sequence[Checkpoints], problems: list[list[dict[str, Any]]]
+                     ) -> tuple[TrainState | None, list[dict[str, Any]]]:
+    """The members' newest common checkpoint, stacked as the trainer holds its state, with each member's meta; or
+    (None, []): start afresh.
 
     Each member's newest readable checkpoint is read (unreadable ones are quarantined and noted in its `problems`);
     when they stand at different steps (a save cut between members), every member is read again at the oldest of
     them, and a member without a checkpoint there sends all back to the start. A member's checkpoints past the step
     all resume from are deleted: the members train those steps again and save them anew."""
     abstract = trainer.abstract_state()
-    found = []
+    found, metas = [], []
     for member, (config, ckpt) in enumerate(zip(configs, checkpoints, strict=True)):
         state, meta, member_problems = ckpt.restore_latest(abstract)
         problems[member] += member_problems
         if state is not None:
             _check_checkpoint_config(meta, config, task, ckpt.directory, lambda: [c.close() for c in checkpoints])
         found.append(state)
+        metas.append(meta)
     if any(state is None for state in found):
         _rewind(checkpoints, 0)
-        return None
+        return None, []
     steps = [int(distributed.to_host(state.step)) for state in found]
     if len(set(steps)) > 1:
         common = min(steps)
         log.warning("the members' checkpoints stand at steps %s; resuming all from step %d", steps, common)
         for member, ckpt in enumerate(checkpoints):
             if steps[member] != common:
-                state, _, member_problems = ckpt.restore_latest(abstract, max_step=common)
+                state, metas[member], member_problems = ckpt.restore_latest(abstract, max_step=common)
                 problems[member] += member_problems
                 if state is None or int(distributed.to_host(state.step)) != common:
                     _rewind(checkpoints, 0)
-                    return None
+                    return None, []
                 found[member] = state
         _rewind(checkpoints, common)
-    return trainer.stack(found)
+    return trainer.stack(found), metas
 
 
 def _rewind(checkpoints: Sequence[Checkpoints], step: int) -> None:
