@@ -35,7 +35,7 @@ from jaxpe.train.tables import comparison_heading, results_markdown, summarize_s
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
-from jaxpe.train.trainer import Trainer, run_mesh
+from jaxpe.train.trainer import Trainer, batch_sizes, run_mesh
 from jaxpe.train.workdir import (NONFINITE_NAME, RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus,
                                  check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
                                  config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
@@ -428,8 +428,11 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     previous one used, as training does, but left in place), or at checkpoint `step`.
 
     The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
-    (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
-    chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
+    (None: the run's run.num_devices where this process has that many, else the most of this process's devices
+    that split the run's batches evenly, on any platform: a run of batch 4 on a host of 3 accelerators is read on 2
+    of them, where run.num_devices=0 would take all 3 and refuse the batch; a multi-process run, all of them).
+    Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in) and
+    run.num_devices set to the count used, so
     `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits. A ValueError when the
     run's corpus changed since it began (jaxpe.train.workdir.check_same_corpus): Run.task would be other data.
     """
@@ -444,7 +447,9 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
-        num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
+        saved = config.run.num_devices
+        num_devices = (saved if 0 < saved <= jax.device_count() else 0 if jax.process_count() > 1
+                       else distributed.dividing_count(jax.device_count(), tuple(batch_sizes(config).values())))
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
     check_same_corpus(workdir, task)  # the task rebuilt on a changed corpus is other data than the run's
