@@ -35,7 +35,7 @@ from jaxpe.train.tables import comparison_heading, results_markdown, summarize_s
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
-from jaxpe.train.trainer import Trainer, batch_sizes, run_mesh
+from jaxpe.train.trainer import Trainer, batch_sizes, members_at_once, run_mesh
 from jaxpe.train.workdir import (NONFINITE_NAME, RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus,
                                  check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
                                  config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
@@ -88,12 +88,13 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=dataclasses.replace(c.run, seed=seeds[0]))
                                             != configs[0] for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
-    most = stackable(model)
+    most = stackable(model, configs[0], task)
     if most is not None and len(configs) > most:
-        state = state_size(model)[1]
-        raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {len(configs) * state / 2**30:.3g} GiB of "
-                         f"parameters and optimizer state, more than the {memory_bytes() / 2**30:.3g} GiB of memory "
-                         f"here; train at most {most} together")
+        held = held_bytes(model, configs[0], task, len(configs))
+        raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {held / 2**30:.3g} GiB "
+                         f"(their parameters and optimizer state, and the logits and layer inputs of the runs a step "
+                         f"computes side by side, run.seeds_at_once), more than the {memory_bytes() / 2**30:.3g} GiB "
+                         f"of memory here; train at most {most} together")
     given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
     workdirs = [pathlib.Path(w).absolute() for w in workdirs]
     deadline = None if time_limit is None else time.time() + time_limit
@@ -161,7 +162,7 @@ def validate_config(config: TrainConfig, task: Task | None = None) -> tuple[Task
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
     run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
     model = build_model(config.model, task.vocab_size, longest)
-    check_model_fits(model)
+    check_model_fits(model, config, task)
     return task, model
 
 
@@ -202,26 +203,59 @@ def state_size(model: TransformerLM) -> tuple[int, int]:
     return count, 3 * size
 
 
-def check_model_fits(model: TransformerLM) -> None:
-    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) exceed
-    memory_bytes(): such a model would abort XLA or exhaust the host before the first step rather than fail in
-    words. Not in a multi-process run, whose state (with run.fsdp) spreads over other hosts' memory too."""
+def step_bytes(model: TransformerLM, config: TrainConfig, task: Task) -> tuple[int, int]:
+    """(logits, layer inputs): bytes that one run's step holds beside its state, at least, from the shapes alone.
+
+    Training: the float32 logits of a micro-batch [b, L, V] (b = optim.batch_size / optim.grad_accum, L the task's
+    training length, V the vocabulary) and their gradient, with each layer's input [b, L, d_model] in the compute
+    dtype, which the backward keeps whatever model.remat; evaluation: the float32 logits of an evaluation batch
+    [run.eval_batch_size, longest length, V], where that is more. A lower bound: attention scores, MLP activations and
+    the workspace XLA adds are not counted."""
+    c = model.config
+    rows = config.optim.batch_size // config.optim.grad_accum * task.seq_len
+    logits = max(2 * rows * c.vocab_size * 4, config.run.eval_batch_size * longest_length(task) * c.vocab_size * 4)
+    return logits, c.num_layers * rows * c.d_model * c.compute_dtype.itemsize
+
+
+def held_bytes(model: TransformerLM, config: TrainConfig, task: Task, runs: int = 1) -> int:
+    """Bytes `runs` runs of `model` stacked as one program hold at least: each run's parameters and Adam's moments
+    (state_size), and the step's activations (step_bytes) of the runs a step computes side by side
+    (trainer.members_at_once)."""
+    at_once = members_at_once(config.run.seeds_at_once, runs, jax.local_devices()[0].platform)
+    return runs * state_size(model)[1] + at_once * sum(step_bytes(model, config, task))
+
+
+def check_model_fits(model: TransformerLM, config: TrainConfig, task: Task) -> None:
+    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) and what
+    a step holds beside them (step_bytes: the logits and their gradient, the layer inputs) exceed memory_bytes():
+    such a run would abort XLA or exhaust the host at its first step rather than fail in words. Not in a
+    multi-process run, whose state (with run.fsdp) and batch spread over other hosts' memory too."""
     if jax.process_count() > 1:
         return
-    (count, state), memory = state_size(model), memory_bytes()
-    if state > memory:
-        raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
-                         f"more than the {memory / 2**30:.3g} GiB of memory here; lower model.d_model, "
-                         "model.num_layers, model.mlp_dim or model.max_len")
+    (count, state), (logits, layers), memory = state_size(model), step_bytes(model, config, task), memory_bytes()
+    if state + logits + layers > memory:
+        c, gib = model.config, 2**30
+        raise ValueError(f"the model has {count:.3g} parameters, {state / gib:.3g} GiB with the optimizer's state, and "
+                         f"a training or evaluation step holds at least {logits / gib:.3g} GiB of logits (float32 "
+                         f"[batch, length, model.vocab_size={c.vocab_size}], with their gradient in training) and "
+                         f"{layers / gib:.3g} GiB of layer inputs: {(state + logits + layers) / gib:.3g} GiB, more "
+                         f"than the {memory / gib:.3g} GiB of memory here; lower model.d_model, model.num_layers, "
+                         "model.mlp_dim or model.max_len, or optim.batch_size (or raise optim.grad_accum), "
+                         "run.eval_batch_size or the task's length")
 
 
-def stackable(model: Any) -> int | None:
-    """How many runs of `model` fit in memory stacked as one program: memory_bytes() over one run's parameters and
-    Adam's moments (state_size), at least 1. None: no bound known (a model other than a TransformerLM, or a
-    multi-process run, whose state spreads over other hosts' memory too: check_model_fits)."""
+def stackable(model: Any, config: TrainConfig, task: Task) -> int | None:
+    """How many runs of `model` fit in memory stacked as one program: the most whose held_bytes fit in
+    memory_bytes(), at least 1. None: no bound known (a model other than a TransformerLM, or a multi-process run,
+    whose state spreads over other hosts' memory too: check_model_fits)."""
     if jax.process_count() > 1 or not isinstance(model, TransformerLM):
         return None
-    return max(1, memory_bytes() // state_size(model)[1])
+    memory = memory_bytes()
+    low, high = 1, max(1, memory // state_size(model)[1])
+    while low < high:  # held_bytes grows with the runs: the largest count that fits, by bisection
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if held_bytes(model, config, task, middle) <= memory else (low, middle - 1)
+    return low
 
 
 def check_tokens(task: Task, batch_size: int) -> None:
@@ -582,7 +616,7 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
     if seeds_together:  # as they resume, in programs of as many as fit in memory
         groups = {(key[0], i): part for key, group in groups.items()
                   for i, part in enumerate(_fitting(_resumable_together(group, [g[1] for g in group]),
-                                                    stackable(group[0][3])))}
+                                                    stackable(group[0][3], group[0][0], group[0][2])))}
     # runs stopped by a NaN/inf loss before go last: their failure again stops the comparison after the others
     finished_step = None  # the last step of the runs trained last
     for group in sorted(groups.values(), key=lambda group: any((g[1] / NONFINITE_NAME).is_file() for g in group)):
