@@ -45,7 +45,7 @@ def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-c", f"import jax\n{docs_block()}\n{check}"], env=env,
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1].split() == ["1", "0"]  # one device; the mesh over all of them (0)
+    assert done.stdout.splitlines()[-1].split() == ["1", "1"]  # one device, the count the run is read on
     assert done.stdout.startswith("def main(")  # the decoded prompt and what the model generated after it
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, rtol=1e-5, atol=1e-5)
     # jaxpe-eval shows its progress on stderr: a bar over the sequences of every split, with --progress even though
@@ -58,6 +58,50 @@ def test_a_two_device_run_restores_in_a_one_device_process(tmp_path, capsys):
     assert "eval: 100%" in bar and f"{total}/{total}" in bar
     assert eval_main(["--workdir", str(workdir)]) == 0
     assert "eval:" not in capsys.readouterr().err
+
+
+READ_BACK = """
+import sys
+import types
+import jax
+from jaxpe.train.cli import eval_main
+from jaxpe.train.experiments import restore_run
+
+
+class Accelerators(list):
+    \"\"\"The host's devices as a host of accelerators lists them to distributed.make_mesh, whose rule for
+    run.num_devices=0 on a CPU (the devices that divide the batches) then does not apply.\"\"\"
+
+    def __getitem__(self, index):
+        return types.SimpleNamespace(platform="gpu") if index == 0 else super().__getitem__(index)
+
+
+if sys.argv[2] == "gpu":
+    jax.devices = lambda devices=jax.devices: Accelerators(devices())
+run = restore_run(sys.argv[1])
+print(jax.device_count(), run.trainer.mesh.size, run.config.run.num_devices)
+sys.exit(eval_main(["--workdir", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("trained_on, platform", [(0, "cpu"), (0, "gpu"), (4, "gpu")])
+def test_a_run_is_read_on_the_devices_that_split_its_batches(trained_on, platform, tmp_path):
+    """A run of batch 4 trained on all devices (run.num_devices=0: here 4 of the suite's 8) or on 4 of them, read in
+    a process of 3 devices: restore_run and jaxpe-eval take the most of them that split its batches, 2, and
+    Run.config says so, on a CPU and on a host of accelerators (its devices listed as a GPU's). Before,
+    run.num_devices stayed 0 ("all"), which on accelerators takes all 3 and refused batch 4 ("optim.batch_size=4
+    must be a multiple of the 3 devices"); only a CPU mesh of 0 took the devices that divide it."""
+    config = tiny("optim.batch_size=4", "run.eval_batch_size=4", f"run.num_devices={trained_on}", "run.steps=2",
+                  "run.checkpoint_every=2", "run.async_checkpoints=false")
+    workdir = tmp_path / "run"
+    train_and_evaluate(config, workdir)
+    env = cli_env(XLA_FLAGS=xla_flags(3), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", READ_BACK, str(workdir), platform], env=env, capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0].split() == ["3", "2", "2"]
+    evaluated = json.loads((workdir / "eval.json").read_text(encoding="utf-8"))
+    assert evaluated["step"] == 2 and evaluated["splits"].keys() == {"valid", "ood_sparse", "ood_dense"}
 
 
 def test_saved_configs_hold_the_resolved_values_and_still_match(tmp_path):

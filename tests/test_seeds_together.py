@@ -270,14 +270,22 @@ def test_the_fixed_training_set_holds_the_batches():
 
 
 def test_compare_cli_time_limit_exits_3_and_resumes(tmp_path, capsys):
-    argv = ["--task", "counting", "--pe", "none", "--seeds", "0,1", "--workdir", str(tmp_path),
-            *[o for o in TINY if not o.startswith(("task.", "model.max_len", "run.eval_batch_size"))], *COUNTING,
-            "optim.batch_size=8", "run.steps=4", "run.log_every=2", "run.checkpoint_every=2"]
+    """Stopped at step 1, between two records (log_every=2), the stacked seeds keep their sums of that step in their
+    checkpoints, not in an extra record: the resumed comparison logs each seed's records as an uninterrupted one."""
+    settings = [*[o for o in TINY if not o.startswith(("task.", "model.max_len", "run.eval_batch_size"))], *COUNTING,
+                "optim.batch_size=8", "run.steps=4", "run.log_every=2", "run.checkpoint_every=2"]
+    flags = ["--task", "counting", "--pe", "none", "--seeds", "0,1"]
+    argv = [*flags, "--workdir", str(tmp_path / "cut"), *settings]
     assert compare_main([*argv, "--time-limit", "1e-9"]) == 3
     assert "time limit reached: stopped at step 1 with a checkpoint" in capsys.readouterr().err  # one step a dispatch
     assert compare_main(argv) == 0
-    assert [json.loads((tmp_path / "none" / f"seed{s}" / "result.json").read_text(encoding="utf-8"))["resumed_from"]
-            for s in (0, 1)] == [1, 1]
+    runs = [tmp_path / "cut" / "none" / f"seed{s}" for s in (0, 1)]
+    assert [json.loads((run / "result.json").read_text(encoding="utf-8"))["resumed_from"] for run in runs] == [1, 1]
+    assert compare_main([*flags, "--workdir", str(tmp_path / "whole"), *settings]) == 0
+    for seed, run in enumerate(runs):
+        ours, theirs = train_records(run), train_records(tmp_path / "whole" / "none" / f"seed{seed}")
+        assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [2, 4]
+        np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-6)
     with pytest.raises(SystemExit) as usage:
         compare_main([*argv, "--time-limit", "0"])
     assert usage.value.code == 2 and "'0' must be > 0 seconds" in capsys.readouterr().err

@@ -3,6 +3,7 @@ one's own files, resuming, hostile config values; each a case that once failed."
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import logging
 import pathlib
@@ -166,14 +167,18 @@ def test_a_broken_link_in_the_corpus_is_a_usage_error(tmp_path, capsys):
     assert status == 2 and "link(s) to no file, e.g. " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override", [f"optim.batch_size={10**20}", f"task.n_eval={10**20}",
-                                      f"model.vocab_size={10**20}"])
-def test_a_size_too_large_to_store_is_one_line(override, tmp_path, capsys):
+@pytest.mark.parametrize("override, message", [
+    (f"task.n_eval={10**20}", "jaxpe-train: error: a setting too large to store as an integer ("),
+    (f"model.vocab_size={10**20}", "jaxpe-train: error: a setting too large to store as an integer ("),
+    # its logits are counted (in Python's integers) before NumPy sees it
+    (f"optim.batch_size={10**20}", "GiB of memory here; lower model.d_model"),
+])
+def test_a_size_too_large_to_store_is_one_line(override, message, tmp_path, capsys):
     """A size of 21 digits passes every bound and then overflowed NumPy or jax: an OverflowError traceback."""
     status = exit_status(cli.train_main, ["--task", "flipflop", "--workdir", str(tmp_path / "run"), *TINY, override])
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err
-    assert "jaxpe-train: error: a setting too large to store as an integer (" in err and "optim.batch_size" in err
+    assert message in err and "optim.batch_size" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -291,6 +296,51 @@ def test_a_model_past_its_control_groups_memory_is_refused(own, limited, tmp_pat
                                           *TINY, "model.d_model=256"])
     assert status == 2 and "GiB of memory here; lower model.d_model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+BIG_VOCAB = ["model.vocab_size=50000", "run.eval_batch_size=8"]  # TINY: d_model 16, 1 layer, batch 16, length 16
+
+
+def test_a_run_whose_logits_do_not_fit_is_refused_before_its_first_step(tmp_path, monkeypatch, capsys):
+    """A 50000-token vocabulary at d_model 16: 0.8M parameters, 9.6 MB with Adam's moments, but the training logits
+    [16, 16, 50000] float32 and their gradient take 102 MB. The check counted the parameters and optimizer state
+    only: under 64 MiB of memory the run passed it and would be killed at its first step (exit 137, no word). Now it
+    is refused before anything is written, naming the sizes; the cpu-small preset fits in the same memory."""
+    monkeypatch.setattr(experiments, "memory_bytes", lambda: 64 * 2**20)
+    logits = 2 * 16 * 16 * 50000 * 4  # [B, L, V] float32, with the gradient
+    layers = 1 * 16 * 16 * 16 * 4  # one layer's input [B, L, d_model] float32
+    state = 3 * 4 * (50000 * 16 + 16 * 16 * 12 + 16 * 13)  # the parameters (the embedding dominates), Adam's moments
+    status = exit_status(cli.train_main, ["--task", "flipflop", "--pe", "rope", "--workdir", str(tmp_path / "run"),
+                                          *TINY, *BIG_VOCAB])
+    err = capsys.readouterr().err
+    assert status == 2 and not (tmp_path / "run").exists()
+    assert f"{logits / 2**30:.3g} GiB of logits (float32 [batch, length, model.vocab_size=50000]" in err
+    assert f"{layers / 2**30:.3g} GiB of layer inputs" in err and "more than the 0.0625 GiB of memory here" in err
+    task, model = experiments.validate_config(tiny(pe="rope"))  # the model alone fits: the logits make the difference
+    assert experiments.state_size(model)[1] < 64 * 2**20 and state < 64 * 2**20 < state + logits
+    assert experiments.step_bytes(model, tiny(pe="rope"), task) == (2 * 16 * 16 * task.vocab_size * 4, layers)
+    experiments.validate_config(build_config(preset="cpu-small", pe="cope"))
+
+
+@pytest.mark.parametrize("at_once", [1, 3])
+def test_stacked_seeds_count_the_logits_of_each_run_computed_side_by_side(at_once, tmp_path, monkeypatch):
+    """Seeds stacked as one program: S runs' parameters and optimizer state, and the logits of the run.seeds_at_once
+    of them a step computes side by side (vmap), each its own [B, L, V]. Memory for 3 runs' state and 2 runs' step:
+    all 3 side by side do not fit (at most 2 together), one at a time more than 3 do. Stacked runs counted only the
+    state before, and 3 side by side passed where their logits did not fit."""
+    config = tiny("model.vocab_size=50000", f"run.seeds_at_once={at_once}")
+    task, model = experiments.validate_config(config)
+    state, step = experiments.state_size(model)[1], sum(experiments.step_bytes(model, config, task))
+    assert experiments.held_bytes(model, config, task, 3) == 3 * state + at_once * step
+    memory = 3 * state + 2 * step
+    monkeypatch.setattr(experiments, "memory_bytes", lambda: memory)
+    # side by side, S runs hold S (state + step); one at a time, S state + one step
+    assert experiments.stackable(model, config, task) == (2 if at_once == 3 else (memory - step) // state)
+    configs = [dataclasses.replace(config, run=dataclasses.replace(config.run, seed=s)) for s in (0, 1, 2)]
+    if at_once == 3:
+        with pytest.raises(ValueError, match=r"seeds \[0, 1, 2\]: 3 runs stacked hold .* train at most 2 together"):
+            experiments.train_seeds(configs, [tmp_path / str(s) for s in (0, 1, 2)], task=task, model=model)
+        assert not any(tmp_path.iterdir())
+
 
 def test_compare_reuses_a_finished_run_that_differs_in_display_and_cadence_only(tmp_path, capsys):
     """A rerun with run.progress or the log cadence changed retrained every finished run (from scratch where it kept no

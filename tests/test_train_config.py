@@ -2,6 +2,7 @@
 the paper preset's model by eval_shape."""
 import dataclasses
 import json
+import math
 import pathlib
 import re
 
@@ -308,6 +309,32 @@ def test_committed_run_configs_load_and_keep_every_saved_value(path):
 def test_configs_built_in_python_name_a_field_of_the_wrong_type(cls, field, value, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         cls(**{field: value})
+
+
+@pytest.mark.parametrize("text", ["1e39", "-3.5e38", "inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", ["learning_rate", "weight_decay", "eps", "clip_norm", "b1", "min_lr_ratio"])
+def test_float_settings_outside_float32_are_refused_where_the_config_is_made(key, text):
+    """Every optimizer float is computed in float32 on the device: 1e39 passed the checks and the run stopped on
+    NaN parameters at its first step. Refused by OptimConfig itself and through a key=value override alike, naming
+    the key; the largest float32 still passes."""
+    value = float(text)
+    message = (f"optim.{key}={value!r} must be a finite number" if not math.isfinite(value)
+               else f"optim.{key}={value!r} is past float32's range (|x| <= 3.403e+38)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OptimConfig(**{key: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_config(overrides=[f"optim.{key}={text}"])
+    largest = float(np.finfo(np.float32).max)
+    assert build_config(overrides=["optim.learning_rate=3.4028234663852886e38"]).optim.learning_rate == largest
+
+
+@pytest.mark.parametrize("key, text", [("optim.eps", "1e-46"), ("optim.learning_rate", "1e-300"),
+                                       ("model.dropout", "1e-50"), ("model.pe_options.theta", "1e39")])
+def test_model_and_encoding_floats_outside_float32_are_refused_by_the_train_config(key, text):
+    """A nonzero value that float32 rounds to 0 (eps, checked > 0, would divide by sqrt(v) + 0), and the model's
+    and its encoding's floats (RoPE's base theta) past float32's range, are refused too."""
+    with pytest.raises(ValueError, match=re.escape(f"{key}={float(text)!r} ")):
+        build_config(pe="rope", overrides=[f"{key}={text}"])
 
 
 @pytest.mark.parametrize("seed, message", [

@@ -19,7 +19,7 @@ from jaxpe.train.cli import compare_main, eval_main
 from jaxpe.train.config import OptimConfig, build_model, build_task, to_dict
 from jaxpe.train.evaluate import compute_metrics, metrics_from_sums
 from jaxpe.train.experiments import check_same_run, cpu_name, train_and_evaluate
-from jaxpe.train.loop import NonFiniteLossError
+from jaxpe.train.loop import NonFiniteLossError, TimeLimitReached
 from jaxpe.train.step import TrainState, make_optimizer, make_train_step, weighted_loss
 from jaxpe.train.trainer import Trainer
 
@@ -185,16 +185,42 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the rate cast to float32
 def test_an_update_that_overflows_stops_before_its_state_is_saved(tmp_path):
-    """A learning rate past float32's range (1e39, no warmup) turns the parameters NaN in the first update while that
-    step's loss and gradient are finite: the NaN/inf check of that step stops the run there, with no checkpoint
-    (the step's NaN state was saved at step 1 and named the last good checkpoint, found only by step 2's loss)."""
+    """A learning rate near float32's largest (3e38, no warmup) times a weight decay of 10 overflows the first update
+    (lr · (adam + 10 · param) > 3.4e38 for |param| > 0.1) while that step's loss and gradient are finite: the NaN/inf
+    check of that step stops the run there, with no checkpoint (the step's inf state was saved at step 1 and named
+    the last good checkpoint, found only by step 2's loss). A rate past float32's range is refused by the config."""
     config = tiny("run.steps=4", "run.checkpoint_every=1", "run.async_checkpoints=false",
-                  "optim.learning_rate=1e39", "optim.warmup_steps=0")
+                  "optim.learning_rate=3e38", "optim.weight_decay=10", "optim.warmup_steps=0")
     with pytest.raises(NonFiniteLossError, match=r"parameters became NaN/inf by step 1 .*Last good checkpoint: none"):
         train_and_evaluate(config, tmp_path)
     assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_run_stopped_by_its_time_limit_between_records_resumes_to_the_uninterrupted_records(tmp_path):
+    """A time limit that has passed stops each call after one step (one step a dispatch) with a checkpoint there.
+    The stop wrote a train record of its own at steps 1, 2, 4, 5 (log_every=3), and the resumed run's next record
+    averaged only the steps after it: the log differed from the uninterrupted run's. Now the sums since the last
+    record go into the checkpoint, and the run cut five times logs the uninterrupted run's records."""
+    config = tiny("run.steps=6", "run.log_every=3", "run.checkpoint_every=6", "run.async_checkpoints=false")
+    whole = train_and_evaluate(config, tmp_path / "whole")
+    stops = []
+    for _ in range(5):
+        with pytest.raises(TimeLimitReached) as stop:
+            train_and_evaluate(config, tmp_path / "cut", time_limit=1e-9)
+        stops.append(stop.value.step)
+    assert stops == [1, 2, 3, 4, 5]
+    cut = train_and_evaluate(config, tmp_path / "cut")
+    assert cut["resumed_from"] == 5
+
+    def train_records(workdir: pathlib.Path) -> list[tuple[int, float, float]]:
+        lines = (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        return [(r["step"], r["loss"], r["accuracy"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+    assert [r[0] for r in train_records(tmp_path / "cut")] == [r[0] for r in train_records(tmp_path / "whole")] == [3, 6]
+    np.testing.assert_allclose(train_records(tmp_path / "cut"), train_records(tmp_path / "whole"), rtol=1e-6)
+    for split, metrics in whole["splits"].items():
+        assert cut["splits"][split] == pytest.approx(metrics, rel=1e-6), split
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):

@@ -140,6 +140,11 @@ def test_a_run_that_failed_before_its_first_step_does_not_hold_its_workdir(tmp_p
     (cli.train_main, ["optim.learning_rate=nan"], "optim.learning_rate=nan must be a finite number"),
     (cli.train_main, ["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
     (cli.train_main, ["optim.learning_rate=-1"], "optim.learning_rate=-1.0 must be >= 0"),
+    # past float32's range (training stopped on NaN parameters at its first step), or rounded to 0 by it
+    (cli.train_main, ["optim.learning_rate=1e39"], "optim.learning_rate=1e+39 is past float32's range"),
+    (cli.train_main, ["optim.clip_norm=1e39"], "optim.clip_norm=1e+39 is past float32's range"),
+    (cli.train_main, ["optim.eps=1e-46"], "optim.eps=1e-46 rounds to 0 in float32"),
+    (cli.train_main, ["model.pe_options.theta=1e39"], "model.pe_options.theta=1e+39 is past float32's range"),
     (cli.train_main, ["optim.batch_size=0"], "optim.batch_size=0 must be >= 1"),
     (cli.train_main, ["optim.grad_accum=3"], "optim.batch_size=16 must be a multiple of optim.grad_accum=3"),
     (cli.train_main, ["optim.clip_norm=0"], "optim.clip_norm=0.0 must be > 0"),

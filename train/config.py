@@ -35,6 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from importlib.resources.abc import Traversable
 from typing import Any
 
+import numpy as np
+
 from jaxpe.model import ModelConfig, TransformerLM
 from jaxpe.registry import pe_config, pe_names
 from jaxpe.train.tasks import TASK_NAMES, Task, make_task, task_config_class
@@ -51,16 +53,46 @@ class TaskConfig:
 
 def _check_at_least(config: object, section: str, names: Sequence[str], minimum: int | None, *,
                     integer: bool) -> None:
-    """TypeError unless each field `names` of `config` is an int (`integer`) or a finite real number (a bool is
-    neither), ValueError unless it is >= `minimum` (None: any); each error names `section`.field and its value."""
+    """TypeError unless each field `names` of `config` is an int (`integer`) or a real number that float32 holds
+    (a bool is neither; check_float32), ValueError unless it is >= `minimum` (None: any); each error names
+    `section`.field and its value."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
             raise TypeError(f"{section}.{name}={value!r} must be {'an int' if integer else 'a number'}")
-        if not math.isfinite(value):
-            raise ValueError(f"{section}.{name}={value!r} must be a finite number")
+        if not integer:
+            check_float32(f"{section}.{name}", value)
         if minimum is not None and value < minimum:
             raise ValueError(f"{section}.{name}={value!r} must be >= {minimum}")
+
+
+FLOAT32 = np.finfo(np.float32)  # the dtype the device computes the float settings in
+
+
+def check_float32(key: str, value: float) -> None:
+    """ValueError naming `key` unless the real number `value` is finite and float32, in which the device computes
+    with it, keeps it: within float32's range (|value| <= 3.4e38, else it becomes inf) and, when nonzero, not
+    rounded to 0 (|value| >= 1.4e-45)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} must be a finite number")
+    with np.errstate(over="ignore", under="ignore"):
+        single = np.float32(value)
+    if not np.isfinite(single):
+        raise ValueError(f"{key}={value!r} is past float32's range (|x| <= {FLOAT32.max:.4g}), in which the device "
+                         "computes with it: it would be inf")
+    if value and not single:
+        raise ValueError(f"{key}={value!r} rounds to 0 in float32, in which the device computes with it; use 0 or "
+                         f"a value of magnitude >= {FLOAT32.smallest_subnormal:.2g}")
+
+
+def _check_float32_fields(node: Any, prefix: str) -> None:
+    """check_float32 on every field of the dataclass `node` annotated float that holds a number (a bool, None or a
+    string is none), each named prefix + field."""
+    hints = typing.get_type_hints(type(node))
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if float in _options(hints[field.name]) and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            check_float32(f"{prefix}{field.name}", value)
 
 
 MAX_SEED = 2**31 - 1  # the largest run.seed: int32, as the seeds a program stacks are
@@ -164,6 +196,9 @@ class TrainConfig:
                 raise TypeError(f"TrainConfig's {name}={getattr(self, name)!r} must be a {section.__name__}; a config "
                                 "from nested dicts is jaxpe.train.config.from_dict({...}), or build_config(overrides="
                                 f"['{name}.<field>=<value>'])")
+        # the model's float fields and its encoding's options (the optimizer's are OptimConfig's own check)
+        _check_float32_fields(self.model, "model.")
+        _check_float32_fields(self.model.pe_config, "model.pe_options.")
         if not self.model.causal:
             raise ValueError("model.causal=False: every task trains next-token prediction, which bidirectional "
                              "attention would answer by reading the target; keep model.causal=true (encoder "

@@ -162,6 +162,11 @@ def split_host_cpu() -> int | None:
     return count
 
 
+def dividing_count(devices: int, divides: Sequence[int]) -> int:
+    """The most of `devices` devices (at least 1) that split every size in `divides` evenly."""
+    return max(n for n in range(1, devices + 1) if all(size % n == 0 for size in divides))
+
+
 def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = (), what: str = "num_devices") -> Mesh:
     """A 1-D ("data",) mesh over the first `num_devices` devices (0 = all, of every process).
 
@@ -173,7 +178,7 @@ def make_mesh(num_devices: int = 0, *, divides: Sequence[int] = (), what: str = 
     if num_devices == 0:
         num_devices = len(devices)
         if devices[0].platform == "cpu" and jax.process_count() == 1:
-            num_devices = max(n for n in range(1, num_devices + 1) if all(size % n == 0 for size in divides))
+            num_devices = dividing_count(num_devices, divides)
     if not 1 <= num_devices <= len(devices):
         raise ValueError(f"{what}={num_devices} must be in [1, {len(devices)}] (the devices present)")
     if num_devices != len(devices) and jax.process_count() > 1:

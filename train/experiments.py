@@ -29,13 +29,13 @@ from jaxpe.train import distributed, plots
 from jaxpe.train.checkpoint import Checkpoints
 from jaxpe.train.config import (TaskConfig, TrainConfig, build_model, build_task, from_dict, load_config,
                                 longest_length, resolve_config, to_dict)
-from jaxpe.train.loop import (Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TimeLimitReached, TrainLog,
-                              progress_bar, train_loop)
+from jaxpe.train.loop import (UNLOGGED, Checkpointing, Evaluation, MetricsLog, NonFiniteLossError, TimeLimitReached,
+                              TrainLog, progress_bar, train_loop)
 from jaxpe.train.tables import comparison_heading, results_markdown, summarize_seeds
 from jaxpe.train.step import TrainState
 from jaxpe.train.tasks import Task
 from jaxpe.train.tasks.base import host_memory_bytes
-from jaxpe.train.trainer import Trainer, run_mesh
+from jaxpe.train.trainer import Trainer, batch_sizes, members_at_once, run_mesh
 from jaxpe.train.workdir import (NONFINITE_NAME, RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus,
                                  check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
                                  config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
@@ -90,12 +90,13 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     if len(set(seeds)) != len(seeds) or any(dataclasses.replace(c, run=dataclasses.replace(c.run, seed=seeds[0]))
                                             != configs[0] for c in configs):
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
-    most = stackable(model)
+    most = stackable(model, configs[0], task)
     if most is not None and len(configs) > most:
-        state = state_size(model)[1]
-        raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {len(configs) * state / 2**30:.3g} GiB of "
-                         f"parameters and optimizer state, more than the {memory_bytes() / 2**30:.3g} GiB of memory "
-                         f"here; train at most {most} together")
+        held = held_bytes(model, configs[0], task, len(configs))
+        raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {held / 2**30:.3g} GiB "
+                         f"(their parameters and optimizer state, and the logits and layer inputs of the runs a step "
+                         f"computes side by side, run.seeds_at_once), more than the {memory_bytes() / 2**30:.3g} GiB "
+                         f"of memory here; train at most {most} together")
     given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
     workdirs = [pathlib.Path(w).absolute() for w in workdirs]
     deadline = None if time_limit is None else time.time() + time_limit
@@ -171,7 +172,7 @@ def validate_config(config: TrainConfig, task: Task | None = None) -> tuple[Task
                          f"{config.model.pe!r}'s position table must hold; leave it unset (none) to take the task's")
     run_mesh(config)  # the devices and batch sizes, as the Trainer will make its mesh
     model = build_model(config.model, task.vocab_size, longest)
-    check_model_fits(model)
+    check_model_fits(model, config, task)
     return task, model
 
 
@@ -212,26 +213,59 @@ def state_size(model: TransformerLM) -> tuple[int, int]:
     return count, 3 * size
 
 
-def check_model_fits(model: TransformerLM) -> None:
-    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) exceed
-    memory_bytes(): such a model would abort XLA or exhaust the host before the first step rather than fail in
-    words. Not in a multi-process run, whose state (with run.fsdp) spreads over other hosts' memory too."""
+def step_bytes(model: TransformerLM, config: TrainConfig, task: Task) -> tuple[int, int]:
+    """(logits, layer inputs): bytes that one run's step holds beside its state, at least, from the shapes alone.
+
+    Training: the float32 logits of a micro-batch [b, L, V] (b = optim.batch_size / optim.grad_accum, L the task's
+    training length, V the vocabulary) and their gradient, with each layer's input [b, L, d_model] in the compute
+    dtype, which the backward keeps whatever model.remat; evaluation: the float32 logits of an evaluation batch
+    [run.eval_batch_size, longest length, V], where that is more. A lower bound: attention scores, MLP activations and
+    the workspace XLA adds are not counted."""
+    c = model.config
+    rows = config.optim.batch_size // config.optim.grad_accum * task.seq_len
+    logits = max(2 * rows * c.vocab_size * 4, config.run.eval_batch_size * longest_length(task) * c.vocab_size * 4)
+    return logits, c.num_layers * rows * c.d_model * c.compute_dtype.itemsize
+
+
+def held_bytes(model: TransformerLM, config: TrainConfig, task: Task, runs: int = 1) -> int:
+    """Bytes `runs` runs of `model` stacked as one program hold at least: each run's parameters and Adam's moments
+    (state_size), and the step's activations (step_bytes) of the runs a step computes side by side
+    (trainer.members_at_once)."""
+    at_once = members_at_once(config.run.seeds_at_once, runs, jax.local_devices()[0].platform)
+    return runs * state_size(model)[1] + at_once * sum(step_bytes(model, config, task))
+
+
+def check_model_fits(model: TransformerLM, config: TrainConfig, task: Task) -> None:
+    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) and what
+    a step holds beside them (step_bytes: the logits and their gradient, the layer inputs) exceed memory_bytes():
+    such a run would abort XLA or exhaust the host at its first step rather than fail in words. Not in a
+    multi-process run, whose state (with run.fsdp) and batch spread over other hosts' memory too."""
     if jax.process_count() > 1:
         return
-    (count, state), memory = state_size(model), memory_bytes()
-    if state > memory:
-        raise ValueError(f"the model has {count:.3g} parameters, {state / 2**30:.3g} GiB with the optimizer's state: "
-                         f"more than the {memory / 2**30:.3g} GiB of memory here; lower model.d_model, "
-                         "model.num_layers, model.mlp_dim or model.max_len")
+    (count, state), (logits, layers), memory = state_size(model), step_bytes(model, config, task), memory_bytes()
+    if state + logits + layers > memory:
+        c, gib = model.config, 2**30
+        raise ValueError(f"the model has {count:.3g} parameters, {state / gib:.3g} GiB with the optimizer's state, and "
+                         f"a training or evaluation step holds at least {logits / gib:.3g} GiB of logits (float32 "
+                         f"[batch, length, model.vocab_size={c.vocab_size}], with their gradient in training) and "
+                         f"{layers / gib:.3g} GiB of layer inputs: {(state + logits + layers) / gib:.3g} GiB, more "
+                         f"than the {memory / gib:.3g} GiB of memory here; lower model.d_model, model.num_layers, "
+                         "model.mlp_dim or model.max_len, or optim.batch_size (or raise optim.grad_accum), "
+                         "run.eval_batch_size or the task's length")
 
 
-def stackable(model: Any) -> int | None:
-    """How many runs of `model` fit in memory stacked as one program: memory_bytes() over one run's parameters and
-    Adam's moments (state_size), at least 1. None: no bound known (a model other than a TransformerLM, or a
-    multi-process run, whose state spreads over other hosts' memory too: check_model_fits)."""
+def stackable(model: Any, config: TrainConfig, task: Task) -> int | None:
+    """How many runs of `model` fit in memory stacked as one program: the most whose held_bytes fit in
+    memory_bytes(), at least 1. None: no bound known (a model other than a TransformerLM, or a multi-process run,
+    whose state spreads over other hosts' memory too: check_model_fits)."""
     if jax.process_count() > 1 or not isinstance(model, TransformerLM):
         return None
-    return max(1, memory_bytes() // state_size(model)[1])
+    memory = memory_bytes()
+    low, high = 1, max(1, memory // state_size(model)[1])
+    while low < high:  # held_bytes grows with the runs: the largest count that fits, by bisection
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if held_bytes(model, config, task, middle) <= memory else (low, middle - 1)
+    return low
 
 
 def check_tokens(task: Task, batch_size: int) -> None:
@@ -258,13 +292,12 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
     splits = task.eval_splits()
     best_split = "valid" if "valid" in splits else next(iter(splits))
 
-    checkpoints, states, problems = [], [], [[] for _ in configs]
+    checkpoints, problems = [], [[] for _ in configs]
+    resumed, metas = None, []
     if run.checkpoint_every:
         checkpoints = [Checkpoints(workdir / "checkpoints", keep=run.keep, best_metric=f"{best_split}/{task.metric}",
                                    async_save=run.async_checkpoints) for workdir in workdirs]
-        resumed = _restore_members(trainer, configs, task, checkpoints, problems)
-    else:
-        resumed = None
+        resumed, metas = _restore_members(trainer, configs, task, checkpoints, problems)
     resumed_from = None if resumed is None else int(distributed.to_host(resumed.step).max())
     if resumed_from is not None and resumed_from > run.steps:  # check_same_run saw the directories; this, the state
         for c in checkpoints:
@@ -289,7 +322,8 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
         configs=[to_dict(c) for c in configs])
     train_log = TrainLog(trainer, metrics_logs, periods=(run.log_every, run.checkpoint_every),
                          tokens_per_step=trainer.config.optim.batch_size * task.seq_len, start=start,
-                         checkpointing=checkpointing, progress=progress)
+                         checkpointing=checkpointing, progress=progress,
+                         unlogged=[meta.get(UNLOGGED) for meta in metas])
     hooks = [train_log, evaluation, *([checkpointing] if checkpointing is not None else [])]
     try:
         state = train_loop(trainer, task, state, start=start, train_log=train_log, hooks=hooks, progress=progress,
@@ -326,38 +360,41 @@ def _train_members(trainer: Trainer, configs: Sequence[TrainConfig], workdirs: S
 
 
 def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Task,
-                     checkpoints: Sequence[Checkpoints], problems: list[list[dict[str, Any]]]) -> TrainState | None:
-    """The members' newest common checkpoint, stacked as the trainer holds its state, or None (start afresh).
+                     checkpoints: Sequence[Checkpoints], problems: list[list[dict[str, Any]]]
+                     ) -> tuple[TrainState | None, list[dict[str, Any]]]:
+    """The members' newest common checkpoint, stacked as the trainer holds its state, with each member's meta; or
+    (None, []): start afresh.
 
     Each member's newest readable checkpoint is read (unreadable ones are quarantined and noted in its `problems`);
     when they stand at different steps (a save cut between members), every member is read again at the oldest of
     them, and a member without a checkpoint there sends all back to the start. A member's checkpoints past the step
     all resume from are deleted: the members train those steps again and save them anew."""
     abstract = trainer.abstract_state()
-    found = []
+    found, metas = [], []
     for member, (config, ckpt) in enumerate(zip(configs, checkpoints, strict=True)):
         state, meta, member_problems = ckpt.restore_latest(abstract)
         problems[member] += member_problems
         if state is not None:
             _check_checkpoint_config(meta, config, task, ckpt.directory, lambda: [c.close() for c in checkpoints])
         found.append(state)
+        metas.append(meta)
     if any(state is None for state in found):
         _rewind(checkpoints, 0)
-        return None
+        return None, []
     steps = [int(distributed.to_host(state.step)) for state in found]
     if len(set(steps)) > 1:
         common = min(steps)
         log.warning("the members' checkpoints stand at steps %s; resuming all from step %d", steps, common)
         for member, ckpt in enumerate(checkpoints):
             if steps[member] != common:
-                state, _, member_problems = ckpt.restore_latest(abstract, max_step=common)
+                state, metas[member], member_problems = ckpt.restore_latest(abstract, max_step=common)
                 problems[member] += member_problems
                 if state is None or int(distributed.to_host(state.step)) != common:
                     _rewind(checkpoints, 0)
-                    return None
+                    return None, []
                 found[member] = state
         _rewind(checkpoints, common)
-    return trainer.stack(found)
+    return trainer.stack(found), metas
 
 
 def _rewind(checkpoints: Sequence[Checkpoints], step: int) -> None:
@@ -435,8 +472,11 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     previous one used, as training does, but left in place), or at checkpoint `step`.
 
     The state is restored onto this process's devices, whatever device count trained it: `num_devices` devices
-    (None: the run's run.num_devices where this process has that many, else all of them, as run.num_devices=0
-    chooses). Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in), so
+    (None: the run's run.num_devices where this process has that many, else the most of this process's devices
+    that split the run's batches evenly, on any platform: a run of batch 4 on a host of 3 accelerators is read on 2
+    of them, where run.num_devices=0 would take all 3 and refuse the batch; a multi-process run, all of them).
+    Run.config is the saved config resolved with the task (model.vocab_size and max_len filled in) and
+    run.num_devices set to the count used, so
     `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits. A ValueError when the
     run's corpus changed since it began (jaxpe.train.workdir.check_same_corpus): Run.task would be other data.
     """
@@ -451,7 +491,9 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         raise ValueError(f"{str(workdir)!r} holds no config.json; {hint}")
     config = load_config(config_path)
     if num_devices is None:
-        num_devices = config.run.num_devices if config.run.num_devices <= jax.device_count() else 0
+        saved = config.run.num_devices
+        num_devices = (saved if 0 < saved <= jax.device_count() else 0 if jax.process_count() > 1
+                       else distributed.dividing_count(jax.device_count(), tuple(batch_sizes(config).values())))
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, num_devices=num_devices))
     task, model = validate_config(config)
     check_same_corpus(workdir, task)  # the task rebuilt on a changed corpus is other data than the run's
@@ -585,7 +627,7 @@ def _compare(configs: Sequence[TrainConfig], seeds: Sequence[int], workdir: path
     if seeds_together:  # as they resume, in programs of as many as fit in memory
         groups = {(key[0], i): part for key, group in groups.items()
                   for i, part in enumerate(_fitting(_resumable_together(group, [g[1] for g in group]),
-                                                    stackable(group[0][3])))}
+                                                    stackable(group[0][3], group[0][0], group[0][2])))}
     # runs stopped by a NaN/inf loss before go last: their failure again stops the comparison after the others
     finished_step = None  # the last step of the runs trained last
     for group in sorted(groups.values(), key=lambda group: any((g[1] / NONFINITE_NAME).is_file() for g in group)):

@@ -33,6 +33,10 @@ from jaxpe.train.workdir import write_atomically
 
 log = logging.getLogger(__name__)
 
+# the checkpoint meta key of each member's train metric sums not yet recorded at the step it saves (a run stopped by
+# its time limit between two records), for the resumed run's next record
+UNLOGGED = "unlogged_train_sums"
+
 
 class NonFiniteLossError(FloatingPointError):
     """The loss, the gradient norm or the updated parameters became NaN/inf; the run stopped. `seeds`: the run.seed
@@ -174,11 +178,15 @@ class Checkpointing(Hook):
         self.trainer, self.checkpoints, self.evaluation = trainer, checkpoints, evaluation
         self.periods, self.last_saved, self.configs = (every,), last_saved, configs
 
-    def __call__(self, step: int, state: TrainState) -> None:
+    def __call__(self, step: int, state: TrainState, unlogged: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Saves `step`; `unlogged`: each member's train metric sums since its last record (TrainLog.check), kept in
+        the meta (UNLOGGED) for the resumed run's first record."""
         states = self.trainer.unstack(state)
         for member, (checkpoints, member_state) in enumerate(zip(self.checkpoints, states, strict=True)):
             meta = {"step": step, "data_position": step,
-                    **({"config": self.configs[member]} if self.configs is not None else {})}
+                    **({"config": self.configs[member]} if self.configs is not None else {}),
+                    **({UNLOGGED: {name: np.asarray(value).item() for name, value in unlogged[member].items()}}
+                       if unlogged is not None else {})}
             checkpoints.save(step, member_state, meta, self.evaluation.best_metric(step, member))
         self.last_saved = step
 
@@ -200,10 +208,18 @@ class TrainLog(Hook):
     """
 
     def __init__(self, trainer: Trainer, metrics_logs: Sequence[MetricsLog], *, periods: tuple[int, ...],
-                 tokens_per_step: int = 0, start: int, checkpointing: Checkpointing | None, progress: Any):
+                 tokens_per_step: int = 0, start: int, checkpointing: Checkpointing | None, progress: Any,
+                 unlogged: Sequence[Mapping[str, Any] | None] = ()):
+        """`unlogged`: each member's sums since its last record as the checkpoint resumed from holds them (its meta's
+        UNLOGGED: a run stopped by its time limit between records), None for none; the next record counts them."""
         self.trainer, self.metrics_logs, self.periods = trainer, metrics_logs, periods
         self.tokens_per_step, self.checkpointing, self.progress = tokens_per_step, checkpointing, progress
-        self.pending: Metrics | None = None  # device-side sums since the last record
+        self.pending: Metrics | None = None  # sums since the last record: on device, or carried over from a checkpoint
+        given = next((sums for sums in unlogged if sums), None)
+        if given is not None:  # dtypes as the step's: the counts int32 (JSON ints), the sums float32
+            members = [{name: np.asarray((sums or {}).get(name, 0), np.int32 if isinstance(value, int) else np.float32)
+                        for name, value in given.items()} for sums in unlogged]
+            self.pending = members[0] if trainer.seeds is None else jax.tree.map(lambda *x: np.stack(x), *members)
         self.restart_clock(start)
 
     def add(self, metrics: Metrics, *, tokens: int | None = None, real_tokens: int | None = None,
@@ -219,8 +235,10 @@ class TrainLog(Hook):
         """tokens/s counts from here: it measures training only, not the hooks' time."""
         self.clock, self.clock_step, self.tokens, self.real_tokens = time.perf_counter(), step, 0, 0
 
-    def __call__(self, step: int, state: TrainState) -> None:
-        members, self.pending = self.trainer.unstack(distributed.to_host(self.pending)), None
+    def check(self, step: int) -> list[dict[str, np.ndarray]]:
+        """Each member's metric sums since the last record (on the host), without recording them; NonFiniteLossError
+        when a member's loss, gradient or parameters became NaN/inf (its state must not be saved)."""
+        members = self.trainer.unstack(distributed.to_host(self.pending))
         bad = [self.trainer.seed(i) for i, sums in enumerate(members) if sums["nonfinite"]]
         if bad:
             last_good = "none" if self.checkpointing is None else self.checkpointing.last_good()
@@ -228,6 +246,10 @@ class TrainLog(Hook):
             raise NonFiniteLossError(f"loss, gradient or parameters became NaN/inf by step {step} (seed "
                                      f"{', '.join(map(str, bad))}; loss sum {losses}); stopped. Last good checkpoint: "
                                      f"{last_good}", seeds=bad)
+        return members
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        members, self.pending = self.check(step), None
         seconds = max(time.perf_counter() - self.clock, 1e-9)
         records = []
         for metrics_log, sums in zip(self.metrics_logs, members, strict=True):
@@ -298,7 +320,8 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
     train_log collects every step's metrics (it is one of the hooks too); progress is a tqdm bar or None.
     Ctrl-C stops the loop at the end of the dispatch (a second one at once): TrainingInterrupted with the last step
     completed. Past `deadline` (a time.time() value) the loop checkpoints the step it reached (when a Checkpointing
-    hook is among `hooks`) and raises TimeLimitReached.
+    hook is among `hooks`), the train sums since the last record in its meta rather than in a record (TrainLog.check),
+    and raises TimeLimitReached.
     """
     last_step, batch_size = trainer.config.run.steps, trainer.config.optim.batch_size
     serial = distributed.one_program_at_a_time(trainer.mesh)  # then the next batch is built while a step runs
@@ -325,13 +348,18 @@ def train_loop(trainer: Trainer, task: Task, state: TrainState, *, start: int, t
                 train_log.add(metrics, tokens=tokens, real_tokens=real_tokens, steps=end - done)
                 due = [hook for hook in hooks if hook.due(end, last_step)]
                 out_of_time = deadline is not None and time.time() > deadline and end < last_step
-                if out_of_time:
-                    due += [hook for hook in hooks if isinstance(hook, (TrainLog, Checkpointing)) and hook not in due]
-                    due.sort(key=list(hooks).index)
-                if due:
+                if due or out_of_time:
                     jax.block_until_ready(running)  # hooks run programs too (evaluation)
+                    # past the deadline the step is checkpointed, due or not, and the train sums not yet recorded
+                    # go into the checkpoint (the NaN check first), not into a record of their own: the resumed
+                    # run's next record counts them, as the uninterrupted run's does
+                    unlogged = train_log.check(end) if out_of_time and train_log not in due else None
+                    saves = [hook for hook in hooks if isinstance(hook, Checkpointing)] if out_of_time else []
                     for hook in due:
-                        hook(end, state)
+                        if hook not in saves:
+                            hook(end, state)
+                    for hook in saves:
+                        hook(end, state, unlogged)
                     train_log.restart_clock(end)
                 if progress is not None:
                     progress.update(end - done)

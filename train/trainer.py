@@ -42,15 +42,21 @@ def positions_depend_on_length(model: Any) -> bool:
     return scaling is not None and dict(scaling).get("rope_type") == "dynamic"
 
 
+def batch_sizes(config: TrainConfig) -> dict[str, int]:
+    """{what: size} of every batch config's steps split over the mesh's devices (the global batch, a micro-batch,
+    an evaluation batch)."""
+    optim = config.optim
+    return {"optim.batch_size": optim.batch_size,
+            "optim.batch_size / optim.grad_accum": optim.batch_size // optim.grad_accum,
+            "run.eval_batch_size": config.run.eval_batch_size}
+
+
 def run_mesh(config: TrainConfig) -> jax.sharding.Mesh:
     """The data-parallel mesh of run.num_devices devices (0: as distributed.make_mesh chooses) for config's batches;
     a ValueError naming the key when there are not that many devices or a batch does not split over them evenly."""
-    optim, run = config.optim, config.run
-    batch_sizes = {"optim.batch_size": optim.batch_size,
-                   "optim.batch_size / optim.grad_accum": optim.batch_size // optim.grad_accum,
-                   "run.eval_batch_size": run.eval_batch_size}
-    mesh = distributed.make_mesh(run.num_devices, divides=tuple(batch_sizes.values()), what="run.num_devices")
-    for what, size in batch_sizes.items():
+    sizes = batch_sizes(config)
+    mesh = distributed.make_mesh(config.run.num_devices, divides=tuple(sizes.values()), what="run.num_devices")
+    for what, size in sizes.items():
         distributed.check_batch_size(size, mesh, what)
     return mesh
 
