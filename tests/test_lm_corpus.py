@@ -163,6 +163,27 @@ def test_files_left_out_by_max_bytes_are_warned_about(tmp_path, caplog):
     assert "more than task.max_bytes" not in caplog.text
 
 
+def test_hidden_files_of_a_directory_are_skipped_as_hidden_directories_are(tmp_path):
+    """An editor's swap file and a .DS_Store beside the texts, or a hidden file of a taken ending, were read as
+    documents while hidden directories were skipped; a hidden file named as task.source itself is read."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".git").mkdir(parents=True)
+    (corpus / "a.txt").write_bytes(document("a", 400))
+    (corpus / "b.txt").write_bytes(document("b", 400))
+    for hidden in (".a.txt.swp", ".DS_Store", ".notes.txt", ".git/HEAD.txt"):
+        (corpus / hidden).write_bytes(document("h", 400))
+    files = {"corpus/a.txt": corpus / "a.txt", "corpus/b.txt": corpus / "b.txt"}
+    for suffixes in ((".txt",), ()):
+        task = make_task("lm", source=str(corpus), suffixes=suffixes, **SMALL)
+        assert task.fingerprint == blake2b_of(files)
+        assert b"h" not in b"".join(task.streams[split].tobytes() for split in ("train", "valid", "test"))
+    assert make_task("lm", source=str(corpus / ".notes.txt"), **SMALL).fingerprint == blake2b_of(
+        {".notes.txt": corpus / ".notes.txt"})
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).unlink()
+    with pytest.raises(ValueError, match=re.escape(f"source={str(corpus)!r} holds no files (hidden files and folders")):
+        make_task("lm", source=str(corpus), suffixes=(), **SMALL)
+
 def test_links_to_directories_are_followed_once(tmp_path):
     """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
     up the walked path (to the corpus or to itself) is not walked again; two links to one directory name its files

@@ -5,7 +5,8 @@ Tokens are bytes (vocab 256). Sources (`source` option):
   `.py` files (site-packages, test directories and caches left out);
 - local files or directories (a path or a tuple of paths; directories are
   walked for files ending in one of `suffixes`, `()` for every file, links to
-  directories followed);
+  directories followed, hidden files and directories (".name": an editor's
+  swap file, .git/) skipped);
 - `"hf:<name>[:<config>]"`: a Hugging Face dataset (`pip install datasets`),
   either a directory written by `save_to_disk` or a hub name; its `text_field`
   column holds the documents (one a row).
@@ -176,7 +177,8 @@ def stdlib_files() -> tuple[Path, list[str]]:
 
 
 def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) -> list[str]:
-    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted.
+    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted; hidden
+    files and directories (".name") and SKIPPED_DIRS left out.
     follow_links: descend into links to directories too, but not into one that leads back to a directory on the path
     walked to it (a loop)."""
     names, above = [], {str(root): {root.resolve()}}  # directory walked -> the real directories on the path to it
@@ -186,7 +188,8 @@ def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) ->
                              and real[d] not in above[dirpath])
         above |= {os.path.join(dirpath, d): above[dirpath] | {real[d]} for d in dirnames}
         rel = Path(dirpath).relative_to(root)
-        names += [(rel / f).as_posix() for f in filenames if not suffixes or f.endswith(tuple(suffixes))]
+        names += [(rel / f).as_posix() for f in filenames
+                  if not f.startswith(".") and (not suffixes or f.endswith(tuple(suffixes)))]
     return sorted(names)
 
 
@@ -229,7 +232,8 @@ def _no_suffix_match(setting: str, directory: Path, suffixes: Sequence[str]) -> 
     setting that takes its files."""
     others = _walk(directory, (), follow_links=True)
     if not others:
-        return f"{setting} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
+        return (f"{setting} holds no files (hidden files and folders, and folders {', '.join(sorted(SKIPPED_DIRS))}, "
+                "skipped)")
     endings = sorted({Path(name).suffix for name in others})
     suffix_setting = f"task.suffixes={','.join(endings)}" if all(endings) else "task.suffixes=[] (every file)"
     return (f"{setting} holds no file ending in {', '.join(suffixes)} (task.suffixes) but {len(others)} other "
