@@ -184,6 +184,23 @@ def test_hidden_files_of_a_directory_are_skipped_as_hidden_directories_are(tmp_p
     with pytest.raises(ValueError, match=re.escape(f"source={str(corpus)!r} holds no files (hidden files and folders")):
         make_task("lm", source=str(corpus), suffixes=(), **SMALL)
 
+def test_a_hub_dataset_cut_by_max_bytes_is_warned_about_as_a_directory_is(fake_hub, caplog):
+    """A dataset of more bytes than task.max_bytes in a split was cut without a word, where a directory warns; each
+    split cut now says how many rows it holds and how many the corpus takes."""
+    rows = [f"row {k:02d} ".encode() * 10 for k in range(30)]  # 70 bytes each
+    fake_hub["wiki"] = FakeDatasetDict(train=FakeDataset([{"text": row.decode()} for row in rows]),
+                                       validation=FakeDataset([{"text": row.decode()} for row in rows[:3]]),
+                                       test=FakeDataset([{"text": row.decode()} for row in rows[3:6]]))
+    task = make_task("lm", source="hf:wiki", max_bytes=1000, seq_len=16, eval_bytes=64)
+    assert task.streams["train"].tobytes() == b"".join(rows[:14])  # 14 · 70 = 980 bytes fit in 1000
+    assert task.streams["test"].tobytes() == b"".join(rows[3:6])
+    warned = [record.getMessage() for record in caplog.records if "more than task.max_bytes" in record.getMessage()]
+    assert warned == ["task lm: task.source='hf:wiki' holds 30 rows in its train split, more than task.max_bytes=1000: "
+                      "the corpus takes 980 bytes, its first 14 rows; raise task.max_bytes to take them all"]
+    caplog.clear()
+    make_task("lm", source="hf:wiki", max_bytes=2100, seq_len=16, eval_bytes=64)  # 30 · 70 bytes: every row fits
+    assert "more than task.max_bytes" not in caplog.text
+
 def test_links_to_directories_are_followed_once(tmp_path):
     """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
     up the walked path (to the corpus or to itself) is not walked again; two links to one directory name its files

@@ -261,10 +261,16 @@ def _file_documents(config: LMConfig) -> list[Document]:
     if total == 0:
         raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
     if config.source != "stdlib" and len(chosen) < len(files):  # the standard library is a sample by design
-        log.warning("task lm: task.source=%r holds %d bytes in %d files, more than task.max_bytes=%d: the corpus "
-                    "takes %d bytes, %d whole files; raise task.max_bytes to take them all", config.source,
-                    sum(sizes.values()), len(files), config.max_bytes, total, len(chosen))
+        _warn_left_out(config, f"{sum(sizes.values())} bytes in {len(files)} files", total,
+                       f"{len(chosen)} whole files")
     return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
+
+
+def _warn_left_out(config: LMConfig, held: str, taken_bytes: int, taken: str) -> None:
+    """Warns that config.source holds more than task.max_bytes takes: `held` says what it holds ("1500 bytes in 3
+    files", "20 rows in its train split"), `taken` which of its documents the corpus takes, `taken_bytes` in all."""
+    log.warning("task lm: task.source=%r holds %s, more than task.max_bytes=%d: the corpus takes %d bytes, %s; raise "
+                "task.max_bytes to take them all", config.source, held, config.max_bytes, taken_bytes, taken)
 
 
 def _read(path: Path, size: int) -> bytes:
@@ -312,6 +318,7 @@ def _hf_documents(config: LMConfig) -> Documents | list[Document]:
                 row += 1
             else:
                 continue
+            _warn_left_out(config, f"{len(dataset)} rows in its {part} split", total, f"its first {row} rows")
             break
     return docs if own_splits else docs["train"]
 
