@@ -10,12 +10,15 @@ import platform
 import re
 import shutil
 import struct
+import sys
+import types
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from jaxpe.train import cli
-from jaxpe.train.config import build_config
+from jaxpe.train.config import build_config, build_task
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
 from jaxpe.train.tasks import make_task
 from jaxpe.train.tasks.counting import write_jsonl
@@ -27,6 +30,33 @@ SMALL = dict(seq_len=16, eval_bytes=64, valid_fraction=0.1, test_fraction=0.1)
 def document(letter: str, size: int) -> bytes:
     """`size` bytes of one letter: a window's bytes say which document they came from."""
     return letter.encode() * size
+
+
+class FakeDataset:
+    """What the lm task reads of a `datasets.Dataset`: its column names, its number of rows, its rows in batches."""
+
+    def __init__(self, rows: list[dict[str, object]]):
+        self.rows, self.column_names = rows, list(rows[0])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[object]]]:
+        for start in range(0, len(self.rows), batch_size):
+            yield {column: [row[column] for row in self.rows[start:start + batch_size]] for column in self.column_names}
+
+
+class FakeDatasetDict(dict):
+    """A `datasets.DatasetDict`: FakeDatasets by split name."""
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeDatasetDict]:
+    """The hub, not reachable from tests: a `datasets` module whose load_dataset(name, config) gives hub[name]."""
+    hub: dict[str, FakeDatasetDict] = {}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        DatasetDict=FakeDatasetDict, load_dataset=lambda name, subset: hub[name]))
+    return hub
 
 
 def test_one_file_is_cut_into_contiguous_byte_ranges(tmp_path):
@@ -125,13 +155,51 @@ def test_files_left_out_by_max_bytes_are_warned_about(tmp_path, caplog):
     task = make_task("lm", source=str(tmp_path), max_bytes=1000, **SMALL)
     taken = sum(task.streams[split].size for split in ("train", "valid", "test"))
     assert taken in (900, 1000)  # two of the three files, whichever the pseudo-random order takes
-    assert (f"source holds 1500 bytes in 3 files, more than task.max_bytes=1000: the corpus takes {taken} bytes, 2 "
-            "whole files; raise task.max_bytes") in caplog.text
+    assert (f"task.source={str(tmp_path)!r} holds 1500 bytes in 3 files, more than task.max_bytes=1000: the corpus "
+            f"takes {taken} bytes, 2 whole files; raise task.max_bytes") in caplog.text
     caplog.clear()
     make_task("lm", source=str(tmp_path), max_bytes=1500, **SMALL)
     make_task("lm", source="stdlib", max_bytes=400_000, **SMALL)
     assert "more than task.max_bytes" not in caplog.text
 
+
+def test_hidden_files_of_a_directory_are_skipped_as_hidden_directories_are(tmp_path):
+    """An editor's swap file and a .DS_Store beside the texts, or a hidden file of a taken ending, were read as
+    documents while hidden directories were skipped; a hidden file named as task.source itself is read."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".git").mkdir(parents=True)
+    (corpus / "a.txt").write_bytes(document("a", 400))
+    (corpus / "b.txt").write_bytes(document("b", 400))
+    for hidden in (".a.txt.swp", ".DS_Store", ".notes.txt", ".git/HEAD.txt"):
+        (corpus / hidden).write_bytes(document("h", 400))
+    files = {"corpus/a.txt": corpus / "a.txt", "corpus/b.txt": corpus / "b.txt"}
+    for suffixes in ((".txt",), ()):
+        task = make_task("lm", source=str(corpus), suffixes=suffixes, **SMALL)
+        assert task.fingerprint == blake2b_of(files)
+        assert b"h" not in b"".join(task.streams[split].tobytes() for split in ("train", "valid", "test"))
+    assert make_task("lm", source=str(corpus / ".notes.txt"), **SMALL).fingerprint == blake2b_of(
+        {".notes.txt": corpus / ".notes.txt"})
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).unlink()
+    with pytest.raises(ValueError, match=re.escape(f"source={str(corpus)!r} holds no files (hidden files and folders")):
+        make_task("lm", source=str(corpus), suffixes=(), **SMALL)
+
+def test_a_hub_dataset_cut_by_max_bytes_is_warned_about_as_a_directory_is(fake_hub, caplog):
+    """A dataset of more bytes than task.max_bytes in a split was cut without a word, where a directory warns; each
+    split cut now says how many rows it holds and how many the corpus takes."""
+    rows = [f"row {k:02d} ".encode() * 10 for k in range(30)]  # 70 bytes each
+    fake_hub["wiki"] = FakeDatasetDict(train=FakeDataset([{"text": row.decode()} for row in rows]),
+                                       validation=FakeDataset([{"text": row.decode()} for row in rows[:3]]),
+                                       test=FakeDataset([{"text": row.decode()} for row in rows[3:6]]))
+    task = make_task("lm", source="hf:wiki", max_bytes=1000, seq_len=16, eval_bytes=64)
+    assert task.streams["train"].tobytes() == b"".join(rows[:14])  # 14 · 70 = 980 bytes fit in 1000
+    assert task.streams["test"].tobytes() == b"".join(rows[3:6])
+    warned = [record.getMessage() for record in caplog.records if "more than task.max_bytes" in record.getMessage()]
+    assert warned == ["task lm: task.source='hf:wiki' holds 30 rows in its train split, more than task.max_bytes=1000: "
+                      "the corpus takes 980 bytes, its first 14 rows; raise task.max_bytes to take them all"]
+    caplog.clear()
+    make_task("lm", source="hf:wiki", max_bytes=2100, seq_len=16, eval_bytes=64)  # 30 · 70 bytes: every row fits
+    assert "more than task.max_bytes" not in caplog.text
 
 def test_links_to_directories_are_followed_once(tmp_path):
     """A directory linked into the corpus (corpus/books -> library/) gives its files as the corpus' own; a link back
@@ -153,8 +221,8 @@ def test_links_to_directories_are_followed_once(tmp_path):
     assert b"".join(task.streams[split].tobytes() for split in ("train", "valid", "test")) == b"".join(
         files[name].read_bytes() for name in sorted(files))  # split by bytes, files in name order
     (corpus / "again").symlink_to(library, target_is_directory=True)
-    with pytest.raises(ValueError, match=r"source names the file .*a\.txt' twice \(as 'corpus/again/a\.txt' and "
-                                         r"'corpus/books/a\.txt'\); give it once"):
+    with pytest.raises(ValueError, match=r"source='\S*corpus' names the file .*a\.txt' twice \(as "
+                                         r"'corpus/again/a\.txt' and 'corpus/books/a\.txt'\); give it once"):
         make_task("lm", source=str(corpus), **SMALL)
 
 
@@ -175,13 +243,48 @@ def test_a_pipe_is_refused_not_read(tmp_path):
     as no regular file: reading it would wait for a writer, and a resumed run could not read it again."""
     (tmp_path / "text.txt").write_bytes(document("t", 400))
     os.mkfifo(tmp_path / "pipe.txt")
-    refused = (r"source holds 1 path\(s\) that are no regular file \(a pipe, a socket or a device\), "
+    refused = (r"source='\S*' holds 1 path\(s\) that are no regular file \(a pipe, a socket or a device\), "
                r"e\.g\. '\S*pipe\.txt': a run reads its corpus again to resume; save the text to a file")
     with pytest.raises(ValueError, match=refused):
         make_task("lm", source=str(tmp_path / "pipe.txt"), **SMALL)
     with pytest.raises(ValueError, match=refused):
         make_task("lm", source=str(tmp_path), **SMALL)
 
+
+def test_every_corpus_error_names_its_config_key_and_value(tmp_path, fake_hub, monkeypatch):
+    """Each refusal of a corpus names the key a user sets and its value, as every config error does: task.source='...'
+    (task.source[i]='...' for one path of several) where it said "source path ...", "source directory ..." or "source
+    holds ...", and the key of a missing package too."""
+    for name in ("empty", "binary", "texts", "other", "links"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "binary" / "a.bin").write_bytes(document("b", 100))
+    (tmp_path / "texts" / "a.txt").write_bytes(document("a", 300))
+    (tmp_path / "other" / "a.txt").write_bytes(document("o", 300))
+    (tmp_path / "links" / "b.txt").symlink_to(tmp_path / "gone.txt")
+    os.mkfifo(tmp_path / "pipe.txt")
+    fake_hub["wiki"] = FakeDatasetDict(train=FakeDataset([{"text": "a row of text"}, {"text": 5}]))
+    path = {name: str(tmp_path / name) for name in ("missing", "empty", "binary", "texts", "links", "pipe.txt")}
+    a, other_a = str(tmp_path / "texts" / "a.txt"), str(tmp_path / "other" / "a.txt")
+    cases = [
+        ([f"task.source={path['missing']}"], f"task.source={path['missing']!r} does not exist"),
+        ([f'task.source=["{a}","{path["missing"]}"]'], f"task.source[1]={path['missing']!r} does not exist"),
+        ([f"task.source={path['empty']}"], f"task.source={path['empty']!r} holds no files"),
+        ([f"task.source={path['binary']}"], f"task.source={path['binary']!r} holds no file ending in .py"),
+        ([f'task.source=["{a}","{other_a}"]'], f"task.source={(a, other_a)!r} holds two files named 'a.txt'"),
+        ([f"task.source={path['links']}"], f"task.source={path['links']!r} holds 1 link(s) to no file"),
+        ([f"task.source={path['pipe.txt']}"], f"task.source={path['pipe.txt']!r} holds 1 path(s) that are no regular"),
+        ([f'task.source=["{path["texts"]}","{a}"]'], f"task.source={(path['texts'], a)!r} names the file {a!r} twice"),
+        (["task.source=hf:wiki", "task.text_field=body"], "task.text_field='body' is not a column of "
+                                                          "task.source='hf:wiki' (columns: ['text'])"),
+        (["task.source=hf:wiki"], "task.source='hf:wiki' (train split), row 1: task.text_field='text' holds int, "
+                                  "not a string"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            build_task(build_config(task="lm", overrides=overrides))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: its import raises ImportError
+    with pytest.raises(ImportError, match="^" + re.escape("task.source='hf:wiki' needs the Hugging Face `datasets`")):
+        build_task(build_config(task="lm", overrides=["task.source=hf:wiki"]))
 
 def test_a_data_path_from_the_home_directory(tmp_path, monkeypatch):
     """`task.source=~/texts` and `task.data_dir=~/data`, words a shell leaves as they are (no variable assignment),

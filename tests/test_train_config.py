@@ -15,7 +15,8 @@ from jaxpe.train.config import (ModelConfig, OptimConfig, RunConfig, TaskConfig,
                                 apply_overrides, build_config, build_model, build_task, field_comments, format_config,
                                 from_dict, load_config, load_preset, longest_length, preset_names, resolve_task,
                                 to_dict)
-from jaxpe.train.experiments import compare_encodings, train_and_evaluate
+from jaxpe.train.experiments import (compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate,
+                                     train_seeds)
 from jaxpe.train.tasks import make_task
 from jaxpe.train.trainer import Trainer
 
@@ -369,4 +370,23 @@ def test_configs_built_from_dicts_in_python_are_refused_with_the_way_to_build_th
         train_and_evaluate({"run": {"steps": 5}}, tmp_path / "run")
     with pytest.raises(TypeError, match="configs: " + no_config):
         compare_encodings([{"run": {"steps": 5}}], [0], tmp_path / "cmp")
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_a_workdir_that_is_no_path_is_a_type_error_naming_it(tmp_path, monkeypatch):
+    """train_and_evaluate(config, None) and the other entry points that take a workdir raised Python's own "expected
+    str, bytes or os.PathLike object"; each names its argument and the value, before anything is built or written."""
+    monkeypatch.chdir(tmp_path)
+    config = build_config(task="flipflop", overrides=["run.steps=1"])
+    calls = {"workdir": [lambda w: train_and_evaluate(config, w), restore_run, evaluate_checkpoint,
+                         lambda w: compare_encodings([config], [0], w)],
+             "workdirs[0]": [lambda w: train_seeds([config], [w], task=None, model=None)]}
+    for bad in (None, 3, ["runs/a"]):
+        for argument, entry_points in calls.items():
+            for call in entry_points:
+                with pytest.raises(TypeError, match=f"^{re.escape(f'{argument}={bad!r}')} must be a path"):
+                    call(bad)
+    for call in calls["workdir"]:
+        with pytest.raises(ValueError, match=re.escape("workdir='' names no directory; give a path ('.' for the")):
+            call("")
     assert not any(tmp_path.iterdir())  # refused before anything is written

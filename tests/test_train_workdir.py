@@ -194,7 +194,7 @@ def test_a_deep_models_size_is_counted_from_a_few_layers(overrides):
                                                        "current directory)"),
     (cli.compare_main, ["--task", "lm", "task.source=[]"], "task.source=() must be 'stdlib', 'hf:<name>', a path"),
     (cli.train_main, ["--task", "lm", "task.source=hf:"], "task.source='hf:' must be 'hf:<name>' or"),
-    (cli.train_main, ["--task", "lm", "task.source=hf:wikitext"], "source='hf:wikitext' needs the Hugging Face "
+    (cli.train_main, ["--task", "lm", "task.source=hf:wikitext"], "task.source='hf:wikitext' needs the Hugging Face "
                                                                   "`datasets` package: pip install 'jaxpe[hf]'"),
     (cli.train_main, ["--task", "counting", "task.data_dir="], "task.data_dir='' names no directory"),
     (cli.train_main, ["--preset", "{tmp}/preset.json"], "preset '{tmp}/preset.json': 'tasks' must map names to "

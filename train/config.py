@@ -362,16 +362,17 @@ def _model_keys(model: ModelConfig, changes: Mapping[str, Any], prefix: str) -> 
 
 @contextlib.contextmanager
 def _named_as(keys: Mapping[str, str]) -> Iterator[None]:
-    """Re-raises a ValueError or TypeError of the block with each `name=` or `name[` of `keys` written as keys[name]
-    (d_model=64 -> model.d_model=64); a name after a dot or inside a word is left as it is."""
+    """Re-raises a ValueError, TypeError or ImportError (an option that needs a package not installed, lm's
+    source='hf:...') of the block with each `name=` or `name[` of `keys` written as keys[name] (d_model=64 ->
+    model.d_model=64); a name after a dot or inside a word is left as it is."""
     try:
         yield
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, ImportError) as error:
         if not keys:
             raise
         names = "|".join(map(re.escape, sorted(keys, key=len, reverse=True)))
         text = re.sub(rf"(?<![\w.])({names})(?=[=\[])", lambda match: keys[match.group(1)], str(error))
-        raise (TypeError if isinstance(error, TypeError) else ValueError)(text) from error
+        raise next(kind for kind in (TypeError, ImportError, ValueError) if isinstance(error, kind))(text) from error
 
 
 def longest_length(task: Task) -> int:

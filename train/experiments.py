@@ -38,7 +38,8 @@ from jaxpe.train.tasks.base import host_memory_bytes
 from jaxpe.train.trainer import Trainer, batch_sizes, members_at_once, run_mesh
 from jaxpe.train.workdir import (NONFINITE_NAME, RESUMABLE_MODEL_FIELDS, REUSABLE_RESULT_FIELDS, check_same_corpus,
                                  check_same_run, check_workdir, check_workdir_kind, checkpoint_steps,
-                                 config_differences, locked_workdir, resolved_pair, write_corpus, write_json)
+                                 config_differences, locked_workdir, resolved_pair, workdir_path, write_corpus,
+                                 write_json)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def train_and_evaluate(
     last good one).
     """
     check_configs([config], "config")
+    workdir = workdir_path(workdir)
     if task is None:
         task, built = validate_config(config)
         model = built if model is None else model
@@ -84,6 +86,7 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     compare_encodings trains it apart, after the others."""
     check_time_limit(time_limit)
     check_configs(configs, "configs")
+    workdirs = [workdir_path(workdir, f"workdirs[{index}]") for index, workdir in enumerate(workdirs)]
     if len(configs) != len(workdirs) or not configs:
         raise ValueError(f"configs ({len(configs)}) and workdirs ({len(workdirs)}) must pair up, at least one each")
     seeds = [c.run.seed for c in configs]
@@ -98,7 +101,6 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
                          f"computes side by side, run.seeds_at_once), more than the {memory_bytes() / 2**30:.3g} GiB "
                          f"of memory here; train at most {most} together")
     given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
-    workdirs = [pathlib.Path(w).absolute() for w in workdirs]
     deadline = None if time_limit is None else time.time() + time_limit
     try:
         return _train_seeds_locked(configs, workdirs, task, model, deadline)
@@ -480,7 +482,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
     `Run.model.apply({"params": Run.state.params}, tokens)` gives the trained model's logits. A ValueError when the
     run's corpus changed since it began (jaxpe.train.workdir.check_same_corpus): Run.task would be other data.
     """
-    workdir = pathlib.Path(workdir).absolute()
+    workdir = workdir_path(workdir)
     check_workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
@@ -528,7 +530,7 @@ def evaluate_checkpoint(workdir: str | pathlib.Path, *, step: int | None = None,
 
     `progress`: a tqdm bar (stderr, process 0) over the evaluated sequences; None: as the run's run.progress.
     The result's "unwritten" is None, or a line saying what could not be written (e.g. a read-only workdir)."""
-    workdir = pathlib.Path(workdir).absolute()
+    workdir = workdir_path(workdir)
     run = restore_run(workdir, step)  # on the run's own corpus (check_same_corpus), so eval.json scores its data
     eval_splits = run.task.eval_splits()
     show = run.config.run.progress if progress is None else progress
@@ -574,6 +576,7 @@ def compare_encodings(
     """
     check_time_limit(time_limit)
     check_configs(configs, "configs")
+    workdir = workdir_path(workdir)
     if not configs or not seeds:
         raise ValueError(f"configs ({len(configs)}) and {seeds=} must both be non-empty")
     if any(c.task != configs[0].task for c in configs):
@@ -583,7 +586,6 @@ def compare_encodings(
         repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
         if repeated:
             raise ValueError(f"{what} repeat {repeated}: each must appear once")
-    workdir = pathlib.Path(workdir).absolute()
     check_workdir(workdir)
     check_workdir_kind(workdir, comparison=True)
     # Every run checked before any trains: its config (once per encoding: the seed changes nothing checked there)

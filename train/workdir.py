@@ -61,7 +61,7 @@ class WorkdirLock:
     """An exclusive lock on `workdir` for one run (a context manager); WorkdirBusyError names the holder's pid."""
 
     def __init__(self, workdir: str | os.PathLike):
-        self.workdir = pathlib.Path(workdir).absolute()
+        self.workdir = workdir_path(workdir)
         self.path = self.workdir / LOCK_NAME
         self._fd: int | None = None
 
@@ -210,6 +210,17 @@ def holds_run_state(workdir: pathlib.Path) -> bool:
     metrics = workdir / "metrics.jsonl"
     return bool(checkpoint_steps(workdir) or (workdir / "result.json").exists()
                 or metrics.is_file() and metrics.stat().st_size)
+
+
+def workdir_path(workdir: str | os.PathLike, argument: str = "workdir") -> pathlib.Path:
+    """`workdir`, a Python entry point's `argument`, as an absolute path: a TypeError naming the argument when it is
+    no path (None, a number, a list), a ValueError when it is '' (it would be the current directory, as --workdir ''
+    would, which the command line refuses)."""
+    if not isinstance(workdir, (str, os.PathLike)):
+        raise TypeError(f"{argument}={workdir!r:.80} must be a path (a str or a pathlib.Path)")
+    if workdir == "":
+        raise ValueError(f"{argument}='' names no directory; give a path ('.' for the current directory)")
+    return pathlib.Path(workdir).absolute()
 
 
 def check_workdir(workdir: pathlib.Path) -> None:

@@ -5,7 +5,8 @@ Tokens are bytes (vocab 256). Sources (`source` option):
   `.py` files (site-packages, test directories and caches left out);
 - local files or directories (a path or a tuple of paths; directories are
   walked for files ending in one of `suffixes`, `()` for every file, links to
-  directories followed);
+  directories followed, hidden files and directories (".name": an editor's
+  swap file, .git/) skipped);
 - `"hf:<name>[:<config>]"`: a Hugging Face dataset (`pip install datasets`),
   either a directory written by `save_to_disk` or a hub name; its `text_field`
   column holds the documents (one a row).
@@ -176,7 +177,8 @@ def stdlib_files() -> tuple[Path, list[str]]:
 
 
 def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) -> list[str]:
-    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted.
+    """The files under `root` ending in one of `suffixes` (every file for ()), relative posix paths, sorted; hidden
+    files and directories (".name") and SKIPPED_DIRS left out.
     follow_links: descend into links to directories too, but not into one that leads back to a directory on the path
     walked to it (a loop)."""
     names, above = [], {str(root): {root.resolve()}}  # directory walked -> the real directories on the path to it
@@ -186,47 +188,56 @@ def _walk(root: Path, suffixes: Sequence[str], *, follow_links: bool = False) ->
                              and real[d] not in above[dirpath])
         above |= {os.path.join(dirpath, d): above[dirpath] | {real[d]} for d in dirnames}
         rel = Path(dirpath).relative_to(root)
-        names += [(rel / f).as_posix() for f in filenames if not suffixes or f.endswith(tuple(suffixes))]
+        names += [(rel / f).as_posix() for f in filenames
+                  if not f.startswith(".") and (not suffixes or f.endswith(tuple(suffixes)))]
     return sorted(names)
 
 
 def _local_files(config: LMConfig) -> dict[str, Path]:
     """{document name: path} of the local paths in config.source (directories walked for config.suffixes)."""
-    paths = (config.source,) if isinstance(config.source, (str, os.PathLike)) else config.source
+    single = isinstance(config.source, (str, os.PathLike))
+    paths = (config.source,) if single else config.source
     files: dict[str, Path] = {}
-    for path in map(Path, paths):
+    for index, path in enumerate(map(Path, paths)):
+        setting = f"source={str(path)!r}" if single else f"source[{index}]={str(path)!r}"  # the option and its value
         if path.is_dir():
             found = {f"{path.name}/{rel}": path / rel for rel in _walk(path, config.suffixes, follow_links=True)}
             if not found:
-                raise ValueError(_no_suffix_match(path, config.suffixes))
+                raise ValueError(_no_suffix_match(setting, path, config.suffixes))
         elif path.exists():
             found = {path.name: path}  # a file (one that is no regular file is refused below)
         else:
-            raise ValueError(f"source path {str(path)!r} does not exist")
+            raise ValueError(f"{setting} does not exist")
         if clash := sorted(found.keys() & files.keys()):
-            raise ValueError(f"two source files have the same name {clash[0]!r}; pass their common parent instead")
+            raise ValueError(f"source={config.source!r} holds two files named {clash[0]!r}; pass their common parent "
+                             "instead")
         files.update(found)
     if broken := sorted(str(path) for path in files.values() if not path.exists()):
-        raise ValueError(f"source holds {len(broken)} link(s) to no file, e.g. {broken[0]!r}: mend or remove them")
+        raise ValueError(f"source={config.source!r} holds {len(broken)} link(s) to no file, e.g. {broken[0]!r}: mend "
+                         "or remove them")
     if odd := sorted(str(path) for path in files.values() if not path.is_file()):  # reading a pipe waits for a writer
-        raise ValueError(f"source holds {len(odd)} path(s) that are no regular file (a pipe, a socket or a device), "
-                         f"e.g. {odd[0]!r}: a run reads its corpus again to resume; save the text to a file")
+        raise ValueError(f"source={config.source!r} holds {len(odd)} path(s) that are no regular file (a pipe, a "
+                         f"socket or a device), e.g. {odd[0]!r}: a run reads its corpus again to resume; save the text "
+                         "to a file")
     seen: dict[Path, str] = {}
     for name, path in files.items():  # a file and a directory holding it: one text twice, perhaps in two splits
         if (other := seen.setdefault(path.resolve(), name)) != name:
-            raise ValueError(f"source names the file {str(path)!r} twice (as {other!r} and {name!r}); give it once")
+            raise ValueError(f"source={config.source!r} names the file {str(path)!r} twice (as {other!r} and "
+                             f"{name!r}); give it once")
     return files
 
 
-def _no_suffix_match(directory: Path, suffixes: Sequence[str]) -> str:
-    """Why a walked directory gave no document, and the setting that takes its files."""
+def _no_suffix_match(setting: str, directory: Path, suffixes: Sequence[str]) -> str:
+    """Why the walked directory that `setting` ("source=..." or "source[i]=...") names gave no document, and the
+    setting that takes its files."""
     others = _walk(directory, (), follow_links=True)
     if not others:
-        return f"source directory {str(directory)!r} holds no files (folders {', '.join(sorted(SKIPPED_DIRS))} skipped)"
+        return (f"{setting} holds no files (hidden files and folders, and folders {', '.join(sorted(SKIPPED_DIRS))}, "
+                "skipped)")
     endings = sorted({Path(name).suffix for name in others})
-    setting = f"task.suffixes={','.join(endings)}" if all(endings) else "task.suffixes=[] (every file)"
-    return (f"source directory {str(directory)!r} holds no file ending in {', '.join(suffixes)} (task.suffixes) but "
-            f"{len(others)} other file(s), e.g. {others[0]!r}; set {setting} to take them")
+    suffix_setting = f"task.suffixes={','.join(endings)}" if all(endings) else "task.suffixes=[] (every file)"
+    return (f"{setting} holds no file ending in {', '.join(suffixes)} (task.suffixes) but {len(others)} other "
+            f"file(s), e.g. {others[0]!r}; set {suffix_setting} to take them")
 
 
 def _file_documents(config: LMConfig) -> list[Document]:
@@ -250,10 +261,16 @@ def _file_documents(config: LMConfig) -> list[Document]:
     if total == 0:
         raise ValueError(f"source={config.source!r} holds no bytes: its {len(chosen)} file(s) are empty")
     if config.source != "stdlib" and len(chosen) < len(files):  # the standard library is a sample by design
-        log.warning("task lm: source holds %d bytes in %d files, more than task.max_bytes=%d: the corpus takes %d "
-                    "bytes, %d whole files; raise task.max_bytes to take them all", sum(sizes.values()), len(files),
-                    config.max_bytes, total, len(chosen))
+        _warn_left_out(config, f"{sum(sizes.values())} bytes in {len(files)} files", total,
+                       f"{len(chosen)} whole files")
     return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
+
+
+def _warn_left_out(config: LMConfig, held: str, taken_bytes: int, taken: str) -> None:
+    """Warns that config.source holds more than task.max_bytes takes: `held` says what it holds ("1500 bytes in 3
+    files", "20 rows in its train split"), `taken` which of its documents the corpus takes, `taken_bytes` in all."""
+    log.warning("task lm: task.source=%r holds %s, more than task.max_bytes=%d: the corpus takes %d bytes, %s; raise "
+                "task.max_bytes to take them all", config.source, held, config.max_bytes, taken_bytes, taken)
 
 
 def _read(path: Path, size: int) -> bytes:
@@ -285,14 +302,14 @@ def _hf_documents(config: LMConfig) -> Documents | list[Document]:
         if part not in renamed:
             continue
         if config.text_field not in dataset.column_names:
-            raise ValueError(f"text_field={config.text_field!r} is not a column of {config.source!r} "
+            raise ValueError(f"text_field={config.text_field!r} is not a column of source={config.source!r} "
                              f"(columns: {dataset.column_names})")
         total, row = 0, 0
         for batch in dataset.iter(batch_size=1024):
             for text in batch[config.text_field]:
                 if not isinstance(text, str):
-                    raise ValueError(f"{config.source} ({part} split), row {row}: text_field={config.text_field!r} "
-                                     f"holds {type(text).__name__}, not a string")
+                    raise ValueError(f"source={config.source!r} ({part} split), row {row}: "
+                                     f"text_field={config.text_field!r} holds {type(text).__name__}, not a string")
                 content = text.encode("utf-8")
                 if total + len(content) > config.max_bytes:
                     break
@@ -301,6 +318,7 @@ def _hf_documents(config: LMConfig) -> Documents | list[Document]:
                 row += 1
             else:
                 continue
+            _warn_left_out(config, f"{len(dataset)} rows in its {part} split", total, f"its first {row} rows")
             break
     return docs if own_splits else docs["train"]
 
