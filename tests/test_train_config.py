@@ -390,3 +390,16 @@ def test_a_workdir_that_is_no_path_is_a_type_error_naming_it(tmp_path, monkeypat
         with pytest.raises(ValueError, match=re.escape("workdir='' names no directory; give a path ('.' for the")):
             call("")
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_train_seeds_given_one_run_instead_of_lists_names_the_argument(tmp_path, monkeypatch):
+    """train_seeds(configs, "runs/x"): a string is a sequence too, of one-character workdirs, which then failed to
+    pair up with the configs ("configs (1) and workdirs (6) must pair up"); one config instead of a list raised
+    "'TrainConfig' object is not iterable". Each is a TypeError naming the argument."""
+    monkeypatch.chdir(tmp_path)
+    config = build_config(task="flipflop", overrides=["run.steps=1"])
+    for configs, workdirs, argument in (([config], "runs/x", "workdirs"), ([config], pathlib.Path("runs/x"),
+                                        "workdirs"), (config, ["runs/x"], "configs")):
+        with pytest.raises(TypeError, match=f"^{argument}=.* must be a list, an entry per run"):
+            train_seeds(configs, workdirs, task=None, model=None)
+    assert not any(tmp_path.iterdir())

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import pathlib
 import platform
 import time
@@ -85,6 +86,10 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
     raised after; the failed run's workdir keeps a note of it (NONFINITE_NAME, until it finishes), so that
     compare_encodings trains it apart, after the others."""
     check_time_limit(time_limit)
+    for argument, given in (("configs", configs), ("workdirs", workdirs)):
+        if isinstance(given, (str, os.PathLike, TrainConfig)) or not isinstance(given, Sequence):
+            raise TypeError(f"{argument}={given!r:.80} must be a list, an entry per run (train_and_evaluate trains "
+                            "one run)")
     check_configs(configs, "configs")
     workdirs = [workdir_path(workdir, f"workdirs[{index}]") for index, workdir in enumerate(workdirs)]
     if len(configs) != len(workdirs) or not configs:
