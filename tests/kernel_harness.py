@@ -100,6 +100,19 @@ def assert_matches(got: Sequence[jax.Array], want: Sequence[jax.Array], *, names
         chex.assert_trees_all_close(x, y, atol=tol * scale, rtol=0.0, custom_message=f"{name} of {context}")
 
 
+def assert_half_precision_matches(attention: Callable[..., jax.Array], reference: Callable[..., jax.Array],
+                                  args: Sequence[jax.Array], cotangent: jax.Array, *, names: Sequence[str],
+                                  context: str) -> None:
+    """`attention` on 16-bit `args` (all one dtype): output and gradients in that dtype, close to `reference` on the
+    same rounded inputs in float32 (float16 within 1e-2 / 3e-2, bfloat16 within 3e-2 / 1e-1, as assert_matches)."""
+    dtype = args[0].dtype
+    got = outputs_and_grads(attention, args, cotangent)
+    want = outputs_and_grads(reference, tuple(x.astype(jnp.float32) for x in args), cotangent.astype(jnp.float32))
+    assert [x.dtype for x in got] == [dtype] * len(got)
+    tolerance = (1e-2, 3e-2) if dtype == jnp.float16 else (3e-2, 1e-1)
+    assert_matches([x.astype(jnp.float32) for x in got], want, names=names, tolerance=tolerance, context=context)
+
+
 def equations(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
     """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters (scan/while/cond bodies,
     custom VJPs, Pallas kernels)."""

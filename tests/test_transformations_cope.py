@@ -15,7 +15,7 @@ import numpy_reference as npr
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from kernel_harness import assert_matches, outputs_and_grads
+from kernel_harness import assert_half_precision_matches, assert_matches, outputs_and_grads
 from transformation_harness import bidirectional_visibility, float64, float64_values, softmax_average
 
 import jaxpe
@@ -114,13 +114,8 @@ def test_half_precision(impl, dtype, length):
     """float16 and bfloat16 at every length (blocks of 128: 511, 512 and 1000 = 7·128 + 104): outputs and gradients
     in the input dtype, close to the float32 reference on the same (rounded) inputs."""
     q, k, v, pos_emb, cotangent = inputs(1, length, (2, 1), dtype)
-    got = outputs_and_grads(attention(impl), (q, k, v, pos_emb), cotangent)
-    want = outputs_and_grads(attention("reference"), tuple(x.astype(jnp.float32) for x in (q, k, v, pos_emb)),
-                             cotangent.astype(jnp.float32))
-    assert [x.dtype for x in got] == [dtype] * 5
-    tolerance = (1e-2, 3e-2) if dtype == jnp.float16 else (3e-2, 1e-1)
-    assert_matches([x.astype(jnp.float32) for x in got], want, names=NAMES, tolerance=tolerance,
-                   context=f"{impl} {jnp.dtype(dtype).name} L{length}")
+    assert_half_precision_matches(attention(impl), attention("reference"), (q, k, v, pos_emb), cotangent, names=NAMES,
+                                  context=f"{impl} {jnp.dtype(dtype).name} L{length}")
 
 
 # --- jax.export with symbolic batch and length ---------------------------------------------------------------------

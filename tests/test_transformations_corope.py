@@ -16,7 +16,7 @@ import numpy_reference as npr
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from kernel_harness import FAST_COMPILE, assert_matches, outputs_and_grads
+from kernel_harness import FAST_COMPILE, assert_half_precision_matches, assert_matches, outputs_and_grads
 from transformation_harness import bidirectional_visibility, float64, float64_values, softmax_average
 
 import jaxpe
@@ -117,13 +117,8 @@ def test_half_precision(impl, dtype, length):
     until its kernels took what the native ones take): outputs and gradients in the input dtype, close to the float32
     reference on the same rounded inputs (every path computes in float32)."""
     q, k, v, cotangent = inputs(1, length, (2, 1), dtype)
-    got = outputs_and_grads(attention(impl), (q, k, v), cotangent)
-    want = outputs_and_grads(attention("reference"), tuple(x.astype(jnp.float32) for x in (q, k, v)),
-                             cotangent.astype(jnp.float32))
-    assert [x.dtype for x in got] == [dtype] * 4
-    tolerance = (1e-2, 3e-2) if dtype == jnp.float16 else (3e-2, 1e-1)
-    assert_matches([x.astype(jnp.float32) for x in got], want, names=NAMES, tolerance=tolerance,
-                   context=f"{impl} {jnp.dtype(dtype).name} L{length}")
+    assert_half_precision_matches(attention(impl), attention("reference"), (q, k, v), cotangent, names=NAMES,
+                                  context=f"{impl} {jnp.dtype(dtype).name} L{length}")
 
 
 # --- jax.export with symbolic batch and length ---------------------------------------------------------------------
