@@ -155,7 +155,7 @@ def test_seeds_past_the_memory_train_in_programs_that_fit(whole, tmp_path, monke
     config = counting(*CUTTABLE)
     task, model = experiments.validate_config(config)
     one = experiments.held_bytes(model, config, task)  # one run's state and step; a second run's state does not fit
-    monkeypatch.setattr(experiments, "memory_bytes", lambda: one + experiments.state_size(model)[1] // 2)
+    monkeypatch.setattr(experiments, "memory_bytes", lambda devices=None: one + experiments.state_size(model)[1] // 2)
     with pytest.raises(ValueError, match=r"seeds \[0, 1\]: 2 runs stacked hold .* train at most 1 together"):
         experiments.train_seeds([config, seeded(config, 1)], [tmp_path / "a", tmp_path / "b"], task=task, model=model)
     assert not (tmp_path / "a").exists()

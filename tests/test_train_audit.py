@@ -307,7 +307,7 @@ def test_a_run_whose_logits_do_not_fit_is_refused_before_its_first_step(tmp_path
     [16, 16, 50000] float32 and their gradient take 102 MB. The check counted the parameters and optimizer state
     only: under 64 MiB of memory the run passed it and would be killed at its first step (exit 137, no word). Now it
     is refused before anything is written, naming the sizes; the cpu-small preset fits in the same memory."""
-    monkeypatch.setattr(experiments, "memory_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(experiments, "memory_bytes", lambda devices=None: 64 * 2**20)
     logits = 2 * 16 * 16 * 50000 * 4  # [B, L, V] float32, with the gradient
     layers = 1 * 16 * 16 * 16 * 4  # one layer's input [B, L, d_model] float32
     state = 3 * 4 * (50000 * 16 + 16 * 16 * 12 + 16 * 13)  # the parameters (the embedding dominates), Adam's moments
@@ -334,7 +334,7 @@ def test_stacked_seeds_count_the_logits_of_each_run_computed_side_by_side(at_onc
     state, step = experiments.state_size(model)[1], sum(experiments.step_bytes(model, config, task))
     assert experiments.held_bytes(model, config, task, 3) == 3 * state + at_once * step
     memory = 3 * state + 2 * step
-    monkeypatch.setattr(experiments, "memory_bytes", lambda: memory)
+    monkeypatch.setattr(experiments, "memory_bytes", lambda devices=None: memory)
     # side by side, S runs hold S (state + step); one at a time, S state + one step
     assert experiments.stackable(model, config, task) == (2 if at_once == 3 else (memory - step) // state)
     configs = [dataclasses.replace(config, run=dataclasses.replace(config.run, seed=s)) for s in (0, 1, 2)]
@@ -342,6 +342,51 @@ def test_stacked_seeds_count_the_logits_of_each_run_computed_side_by_side(at_onc
         with pytest.raises(ValueError, match=r"seeds \[0, 1, 2\]: 3 runs stacked hold .* train at most 2 together"):
             experiments.train_seeds(configs, [tmp_path / str(s) for s in (0, 1, 2)], task=task, model=model)
         assert not any(tmp_path.iterdir())
+
+
+def test_a_replicated_state_counts_once_on_each_device_of_the_mesh(monkeypatch):
+    """Without run.fsdp every device of a data-parallel mesh holds the parameters and Adam's moments whole (the CPU
+    devices of one host too, each in its own buffers), while a step's batch is split over them. The check counted the
+    state once: 4 devices' copies passed in memory for one. Memory for 2 copies and a step: 4 devices are refused,
+    naming the devices and run.fsdp; 2 devices, or 4 with run.fsdp, fit, and stacked seeds count each run's copies."""
+    def held(*overrides: str) -> int:
+        config = tiny("model.vocab_size=5000", *overrides)
+        task, model = experiments.validate_config(config)
+        return experiments.held_bytes(model, config, task)
+
+    config = tiny("model.vocab_size=5000", "run.num_devices=4")
+    task, model = experiments.validate_config(config)
+    state, step = experiments.state_size(model)[1], sum(experiments.step_bytes(model, config, task))
+    assert held("run.num_devices=4") == 4 * state + step and held("run.num_devices=4", "run.fsdp=true") == state + step
+    assert held("run.num_devices=2") == 2 * state + step
+    monkeypatch.setattr(experiments, "memory_bytes", lambda devices=None: 2 * state + step)
+    with pytest.raises(ValueError, match=r"GiB with the optimizer's state on each of the run's 4 devices \(.* GiB; "
+                                         r"run.fsdp=true spreads one copy over them\)"):
+        experiments.validate_config(config)
+    experiments.validate_config(tiny("model.vocab_size=5000", "run.num_devices=2"))
+    experiments.validate_config(tiny("model.vocab_size=5000", "run.num_devices=4", "run.fsdp=true"))
+    # stacked seeds: two runs' state fit on one device, one run's two copies on two devices
+    assert experiments.stackable(model, tiny("model.vocab_size=5000", "run.num_devices=1"), task) == 2
+    assert experiments.stackable(model, tiny("model.vocab_size=5000", "run.num_devices=2"), task) == 1
+
+
+class _Device:
+    """A device that reports `limit` bytes as its memory (None: none, as a CPU)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return None if self.limit is None else {"bytes_limit": self.limit}
+
+
+def test_memory_bytes_gives_each_device_the_smallest_limit_or_the_host_memory(monkeypatch):
+    """A data-parallel step needs the same bytes on each device: two accelerators of 16 and 80 GiB give a run 32 GiB,
+    not 96; devices reporting no limit (CPUs, which share the host) give the host's memory."""
+    monkeypatch.setattr(experiments, "host_memory_bytes", lambda: 7)
+    assert experiments.memory_bytes([_Device(16 << 30), _Device(80 << 30)]) == 32 << 30
+    assert experiments.memory_bytes([_Device(None), _Device(None)]) == 7
+    assert experiments.memory_bytes() == 7  # this process's CPU devices
 
 
 def test_compare_reuses_a_finished_run_that_differs_in_display_and_cadence_only(tmp_path, capsys):

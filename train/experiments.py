@@ -100,10 +100,10 @@ def train_seeds(configs: Sequence[TrainConfig], workdirs: Sequence[str | pathlib
         raise ValueError(f"configs must differ in run.seed only, each seed once; got seeds {seeds}")
     most = stackable(model, configs[0], task)
     if most is not None and len(configs) > most:
-        held = held_bytes(model, configs[0], task, len(configs))
+        held, memory = held_bytes(model, configs[0], task, len(configs)), mesh_memory(configs[0])[1]
         raise ValueError(f"seeds {seeds}: {len(configs)} runs stacked hold {held / 2**30:.3g} GiB "
                          f"(their parameters and optimizer state, and the logits and layer inputs of the runs a step "
-                         f"computes side by side, run.seeds_at_once), more than the {memory_bytes() / 2**30:.3g} GiB "
+                         f"computes side by side, run.seeds_at_once), more than the {memory / 2**30:.3g} GiB "
                          f"of memory here; train at most {most} together")
     given, configs = configs, [resolve_config(c, task) for c in configs]  # saved resolved (config.json, checkpoints)
     deadline = None if time_limit is None else time.time() + time_limit
@@ -192,13 +192,23 @@ def warn_schedule(configs: Sequence[TrainConfig]) -> None:
                         warmup, steps)
 
 
-def memory_bytes() -> int:
-    """The memory the run's state can take: the local accelerators' bytes_limit together, or on a CPU (which reports
-    none) the host's physical memory."""
-    limits = [(device.memory_stats() or {}).get("bytes_limit") for device in jax.local_devices()]
+def memory_bytes(devices: Sequence[jax.Device] | None = None) -> int:
+    """The memory `devices` (default: the local ones) give a data-parallel run, which needs the same bytes on each: as
+    many times the smallest bytes_limit among them as there are devices; on CPUs, which report none and share the
+    host, the host's physical memory."""
+    devices = jax.local_devices() if devices is None else devices
+    limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
     if all(limits):
-        return int(sum(limits))
+        return len(limits) * int(min(limits))
     return host_memory_bytes()
+
+
+def mesh_memory(config: TrainConfig) -> tuple[int, int]:
+    """(copies, bytes): the copies of a run's parameters and optimizer state its mesh holds (run_mesh: one on each
+    device, the same host's CPU devices too; one spread over them with run.fsdp) and the memory of the mesh's devices
+    (memory_bytes)."""
+    devices = list(run_mesh(config).devices.flat)
+    return 1 if config.run.fsdp else len(devices), memory_bytes(devices)
 
 
 def state_size(model: TransformerLM) -> tuple[int, int]:
@@ -235,40 +245,45 @@ def step_bytes(model: TransformerLM, config: TrainConfig, task: Task) -> tuple[i
 
 
 def held_bytes(model: TransformerLM, config: TrainConfig, task: Task, runs: int = 1) -> int:
-    """Bytes `runs` runs of `model` stacked as one program hold at least: each run's parameters and Adam's moments
-    (state_size), and the step's activations (step_bytes) of the runs a step computes side by side
-    (trainer.members_at_once)."""
+    """Bytes `runs` runs of `model` stacked as one program hold at least, over the run's mesh: each run's parameters
+    and Adam's moments (state_size) in as many copies as the mesh holds (mesh_memory), and the step's activations
+    (step_bytes, split over the mesh) of the runs a step computes side by side (trainer.members_at_once)."""
     at_once = members_at_once(config.run.seeds_at_once, runs, jax.local_devices()[0].platform)
-    return runs * state_size(model)[1] + at_once * sum(step_bytes(model, config, task))
+    return runs * mesh_memory(config)[0] * state_size(model)[1] + at_once * sum(step_bytes(model, config, task))
 
 
 def check_model_fits(model: TransformerLM, config: TrainConfig, task: Task) -> None:
-    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size) and what
-    a step holds beside them (step_bytes: the logits and their gradient, the layer inputs) exceed memory_bytes():
-    such a run would abort XLA or exhaust the host at its first step rather than fail in words. Not in a
-    multi-process run, whose state (with run.fsdp) and batch spread over other hosts' memory too."""
+    """ValueError, naming the size keys, when the model's parameters with Adam's two moments (state_size), in as many
+    copies as the run's mesh holds, and what a step holds beside them (step_bytes: the logits and their gradient, the
+    layer inputs) exceed the mesh's memory (mesh_memory): such a run would abort XLA or exhaust the host at its first
+    step rather than fail in words. Not in a multi-process run, whose state (with run.fsdp) and batch spread over
+    other hosts' memory too."""
     if jax.process_count() > 1:
         return
-    (count, state), (logits, layers), memory = state_size(model), step_bytes(model, config, task), memory_bytes()
-    if state + logits + layers > memory:
+    (count, state), (logits, layers) = state_size(model), step_bytes(model, config, task)
+    copies, memory = mesh_memory(config)
+    held = copies * state + logits + layers
+    if held > memory:
         c, gib = model.config, 2**30
-        raise ValueError(f"the model has {count:.3g} parameters, {state / gib:.3g} GiB with the optimizer's state, and "
-                         f"a training or evaluation step holds at least {logits / gib:.3g} GiB of logits (float32 "
-                         f"[batch, length, model.vocab_size={c.vocab_size}], with their gradient in training) and "
-                         f"{layers / gib:.3g} GiB of layer inputs: {(state + logits + layers) / gib:.3g} GiB, more "
-                         f"than the {memory / gib:.3g} GiB of memory here; lower model.d_model, model.num_layers, "
-                         "model.mlp_dim or model.max_len, or optim.batch_size (or raise optim.grad_accum), "
-                         "run.eval_batch_size or the task's length")
+        each = "" if copies == 1 else (f" on each of the run's {copies} devices ({copies * state / gib:.3g} GiB; "
+                                       "run.fsdp=true spreads one copy over them)")
+        raise ValueError(f"the model has {count:.3g} parameters, {state / gib:.3g} GiB with the optimizer's state"
+                         f"{each}, and a training or evaluation step holds at least {logits / gib:.3g} GiB of logits "
+                         f"(float32 [batch, length, model.vocab_size={c.vocab_size}], with their gradient in training) "
+                         f"and {layers / gib:.3g} GiB of layer inputs: {held / gib:.3g} GiB, more than the "
+                         f"{memory / gib:.3g} GiB of memory here; lower model.d_model, model.num_layers, model.mlp_dim "
+                         "or model.max_len, or optim.batch_size (or raise optim.grad_accum), run.eval_batch_size or "
+                         "the task's length")
 
 
 def stackable(model: Any, config: TrainConfig, task: Task) -> int | None:
-    """How many runs of `model` fit in memory stacked as one program: the most whose held_bytes fit in
-    memory_bytes(), at least 1. None: no bound known (a model other than a TransformerLM, or a multi-process run,
-    whose state spreads over other hosts' memory too: check_model_fits)."""
+    """How many runs of `model` fit in memory stacked as one program: the most whose held_bytes fit in the mesh's
+    memory (mesh_memory), at least 1. None: no bound known (a model other than a TransformerLM, or a multi-process
+    run, whose state spreads over other hosts' memory too: check_model_fits)."""
     if jax.process_count() > 1 or not isinstance(model, TransformerLM):
         return None
-    memory = memory_bytes()
-    low, high = 1, max(1, memory // state_size(model)[1])
+    copies, memory = mesh_memory(config)
+    low, high = 1, max(1, memory // (copies * state_size(model)[1]))
     while low < high:  # held_bytes grows with the runs: the largest count that fits, by bisection
         middle = (low + high + 1) // 2
         low, high = (middle, high) if held_bytes(model, config, task, middle) <= memory else (low, middle - 1)
