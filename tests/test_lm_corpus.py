@@ -20,7 +20,7 @@ import pytest
 from jaxpe.train import cli
 from jaxpe.train.config import build_config, build_task
 from jaxpe.train.experiments import compare_encodings, evaluate_checkpoint, restore_run, train_and_evaluate
-from jaxpe.train.tasks import make_task
+from jaxpe.train.tasks import lm, make_task
 from jaxpe.train.tasks.counting import write_jsonl
 from jaxpe.train.workdir import check_same_corpus, write_corpus
 
@@ -251,6 +251,20 @@ def test_a_pipe_is_refused_not_read(tmp_path):
         make_task("lm", source=str(tmp_path), **SMALL)
 
 
+def test_a_file_that_cannot_be_read_is_refused_naming_the_source_and_the_file(tmp_path, monkeypatch):
+    """A corpus file that may not be read (its permissions, a network mount gone) raised a bare PermissionError,
+    naming the file but not the setting that chose it; it is now a ValueError naming task.source and the file, as
+    every corpus error does (root, which this runs as, may read any file: the error is raised by a stand-in open)."""
+    (tmp_path / "a.txt").write_bytes(document("a", 400))
+    (tmp_path / "b.txt").write_bytes(document("b", 400))
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(lm, "open", refuse, raising=False)  # the module's open, ahead of the builtin
+    with pytest.raises(ValueError, match=rf"task\.source='{re.escape(str(tmp_path))}': Permission denied for "
+                                         rf"'{re.escape(str(tmp_path))}/[ab]\.txt'; a run reads its corpus again"):
+        build_task(build_config(task="lm", pe="rope", overrides=[f"task.source={tmp_path}", "task.seq_len=16"]))
 def test_every_corpus_error_names_its_config_key_and_value(tmp_path, fake_hub, monkeypatch):
     """Each refusal of a corpus names the key a user sets and its value, as every config error does: task.source='...'
     (task.source[i]='...' for one path of several) where it said "source path ...", "source directory ..." or "source

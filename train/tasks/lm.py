@@ -47,6 +47,7 @@ own document (weights 1), padding left out (weights 0).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -54,7 +55,7 @@ import logging
 import os
 import platform
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -248,7 +249,8 @@ def _file_documents(config: LMConfig) -> list[Document]:
         files = {name: root / name for name in names}
     else:
         files = _local_files(config)
-    sizes = {name: path.stat().st_size for name, path in files.items()}
+    with _read_errors(config):
+        sizes = {name: path.stat().st_size for name, path in files.items()}
     chosen, total = [], 0
     for name in sorted(files, key=lambda n: _hash_fraction("order", n)):
         if total + sizes[name] <= config.max_bytes:
@@ -263,7 +265,19 @@ def _file_documents(config: LMConfig) -> list[Document]:
     if config.source != "stdlib" and len(chosen) < len(files):  # the standard library is a sample by design
         _warn_left_out(config, f"{sum(sizes.values())} bytes in {len(files)} files", total,
                        f"{len(chosen)} whole files")
-    return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
+    with _read_errors(config):
+        return [(name, _read(files[name], sizes[name])) for name in sorted(chosen)]
+
+
+@contextlib.contextmanager
+def _read_errors(config: LMConfig) -> Iterator[None]:
+    """An OSError of the block (a file that may not be read, or that went away) as a ValueError naming the source
+    and the file."""
+    try:
+        yield
+    except OSError as error:
+        raise ValueError(f"source={config.source!r}: {error.strerror or error} for {error.filename!r}; a run reads "
+                         "its corpus again to resume, so each of its files must stay readable") from error
 
 
 def _warn_left_out(config: LMConfig, held: str, taken_bytes: int, taken: str) -> None:
