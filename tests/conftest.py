@@ -17,10 +17,13 @@ runs of this suite:
   H100 and held to its budgets and cost model.
 - the wheel smoke, `make test-wheel`, runs no tests of this folder (.ci/wheel_smoke).
 Tests marked `gpu` run on a GPU only (`pytest -m gpu`)."""
+import atexit
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
 
@@ -56,10 +59,24 @@ if "XLA_FLAGS" not in os.environ:
             _flags += _codegen
     os.environ["XLA_FLAGS"] = " ".join(_flags)
 
+# Tests compile the same programs again and again (a tiny config trained by test after test, each through new jitted
+# functions): jax's persistent compilation cache, in a folder of this run's own that the first process makes (the
+# xdist workers inherit its name) and removes at exit, hands a repeated program back instead of compiling it (a
+# fifth of the CPU time of tests/test_train_workdir.py and tests/test_train_audit.py). A folder per process: jax writes
+# an entry without a lock unless it may evict, and a worker could read another's entry half written. Set in jax's
+# config, not its environment, so that the runs a test starts in a child process compile as a user's do.
+if "JAXPE_TEST_XLA_CACHE" not in os.environ:
+    os.environ["JAXPE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxpe-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXPE_TEST_XLA_CACHE"], ignore_errors=True)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(os.environ["JAXPE_TEST_XLA_CACHE"], os.environ.get("PYTEST_XDIST_WORKER", "main")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 ON_GPU = jax.default_backend() == "gpu"
 # Without a GPU the native Triton kernels (impl="triton") run in Triton's interpreter, which is chosen when triton is
