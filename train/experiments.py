@@ -248,8 +248,13 @@ def held_bytes(model: TransformerLM, config: TrainConfig, task: Task, runs: int 
     """Bytes `runs` runs of `model` stacked as one program hold at least, over the run's mesh: each run's parameters
     and Adam's moments (state_size) in as many copies as the mesh holds (mesh_memory), and the step's activations
     (step_bytes, split over the mesh) of the runs a step computes side by side (trainer.members_at_once)."""
-    at_once = members_at_once(config.run.seeds_at_once, runs, jax.local_devices()[0].platform)
-    return runs * mesh_memory(config)[0] * state_size(model)[1] + at_once * sum(step_bytes(model, config, task))
+    return _held(config, runs, mesh_memory(config)[0], state_size(model)[1], sum(step_bytes(model, config, task)))
+
+
+def _held(config: TrainConfig, runs: int, copies: int, state: int, step: int) -> int:
+    """held_bytes from its parts: `copies` of each run's `state` bytes, `step` bytes for each run computed at once."""
+    return runs * copies * state + members_at_once(config.run.seeds_at_once, runs,
+                                                   jax.local_devices()[0].platform) * step
 
 
 def check_model_fits(model: TransformerLM, config: TrainConfig, task: Task) -> None:
@@ -282,11 +287,11 @@ def stackable(model: Any, config: TrainConfig, task: Task) -> int | None:
     run, whose state spreads over other hosts' memory too: check_model_fits)."""
     if jax.process_count() > 1 or not isinstance(model, TransformerLM):
         return None
-    copies, memory = mesh_memory(config)
-    low, high = 1, max(1, memory // (copies * state_size(model)[1]))
+    (copies, memory), state, step = mesh_memory(config), state_size(model)[1], sum(step_bytes(model, config, task))
+    low, high = 1, max(1, memory // (copies * state))
     while low < high:  # held_bytes grows with the runs: the largest count that fits, by bisection
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if held_bytes(model, config, task, middle) <= memory else (low, middle - 1)
+        low, high = (middle, high) if _held(config, middle, copies, state, step) <= memory else (low, middle - 1)
     return low
 
 
