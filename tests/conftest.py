@@ -1,9 +1,9 @@
 """Shared test settings: 8 simulated CPU devices (XLA's CPU backend set to compile fast), strict rank promotion,
-Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once` and `--one-case-in` (samples of each
-test's parametrized cases, for the other jax versions' runs).
+a compilation cache of the run's own, Triton's interpreter without a GPU, a `key` fixture, and `--each-value-once`
+and `--one-case-in` (samples of each test's parametrized cases, for the other jax versions' runs).
 
-What each leg of CI (.ci/run: 20–22 minutes on 2 cores from a clean clone on 2026-11-30, hosts differing by up to a
-quarter; it prints each leg's time)
+What each leg of CI (.ci/run: 20–45 minutes on 2 cores from a clean clone, 2026-11-30 to 2026-12-01, the hosts
+differing more than two-fold; 36 minutes on 2026-12-01; it prints each leg's time)
 runs of this suite:
 - main, `make test`: every file, Python 3.11 with jax 0.10, two xdist workers; every parametrized case. The tests
   that need jax's CUDA plugin, ptxas or nvdisasm skip, saying why.
