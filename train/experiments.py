@@ -267,7 +267,7 @@ def check_model_fits(model: TransformerLM, config: TrainConfig, task: Task) -> N
         return
     (count, state), (logits, layers) = state_size(model), step_bytes(model, config, task)
     copies, memory = mesh_memory(config)
-    held = copies * state + logits + layers
+    held = _held(config, 1, copies, state, logits + layers)
     if held > memory:
         c, gib = model.config, 2**30
         each = "" if copies == 1 else (f" on each of the run's {copies} devices ({copies * state / gib:.3g} GiB; "

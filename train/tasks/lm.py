@@ -276,8 +276,9 @@ def _read_errors(config: LMConfig) -> Iterator[None]:
     try:
         yield
     except OSError as error:
-        raise ValueError(f"source={config.source!r}: {error.strerror or error} for {error.filename!r}; a run reads "
-                         "its corpus again to resume, so each of its files must stay readable") from error
+        where = f" for {error.filename!r}" if error.filename else ""  # a failed read() names no file
+        raise ValueError(f"source={config.source!r}: {error.strerror or error}{where}; a run reads its corpus again "
+                         "to resume, so each of its files must stay readable") from error
 
 
 def _warn_left_out(config: LMConfig, held: str, taken_bytes: int, taken: str) -> None:
