@@ -9,7 +9,14 @@ BIN := $(VENV)/bin
 .PHONY: demo test test-wheel test-newest test-compile compile-report bench clean ci-venvs
 
 # pip --no-compile, here and in .ci/: no byte-compiling of every installed file at install time (imports compile the
-# modules they load), a CPU minute or so of each CI run.
+# modules they load), a CPU minute or so of each CI run. The bytecode of what is imported is kept, in .pycache/ (outside
+# the source tree and the venvs' packages; `make clean` removes it), even where PYTHONDONTWRITEBYTECODE is set, as on
+# CI's hosts: each Python process the suites start (pytest's workers, the CLIs and training runs that tests start, the
+# compile report's workers) imports jax, flax, optax, orbax and triton, and compiled them all from source again, about
+# 3 CPU-seconds a process (tests/test_cli.py on the newest jax, 2 workers: 115 CPU-s without the cache, 92 with it cold).
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX ?= $(CURDIR)/.pycache
+
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile --upgrade pip
@@ -74,4 +81,4 @@ bench: .venv
 	$(BIN)/python benchmarks/attention.py --quick --out results/bench
 
 clean:
-	rm -rf $(VENV) .venv-newest $(COMPILE_VENV)
+	rm -rf $(VENV) .venv-newest $(COMPILE_VENV) .pycache
