@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpe.base import bidirectional_refusal, open_attention
+from jaxpe.base import bidirectional_refusal, check_corope_inputs, open_attention
 from jaxpe.kernels._common import check_head_dim
+from jaxpe.kernels.corope_blockwise import check_inv_freq
 
 # What every fused kernel (Pallas and native Triton) takes, as cuDNN's attention does: float32 and 16-bit inputs, which
 # they compute in float32. float64 (x64 mode) runs on the XLA paths, which compute in float64 for it.
@@ -60,3 +61,16 @@ def open_fused(q: jax.Array, refusal: Exception | None, *, block_sizes: object, 
     check_fused(q, refusal, block_sizes=block_sizes, blocks_type=blocks_type, num_warps=num_warps,
                 num_stages=num_stages)
     return open_attention(q, causal=causal, segment_ids=segment_ids, window=window)
+
+
+def open_corope_fused(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, theta: float,
+                      sm_scale: float | jax.Array | None, inv_freq: jax.Array | None, causal: bool,
+                      segment_ids: jax.Array | None, window: int | None, block_sizes: object, kind: type,
+                      num_warps: int | None, num_stages: int | None) -> tuple[bool, jax.Array | None, int | None]:
+    """The opening of Co-RoPE's fused entries (impl "pallas" or "triton", block_sizes None or a `kind`): q [B, L, Hq,
+    D], k/v [B, L, Hkv, D] and inv_freq [D/2] checked, then `open_fused`'s (empty, segment_ids, window)."""
+    check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
+    check_inv_freq(inv_freq, q.shape[3])
+    return open_fused(q, fused_refusal(q, impl=impl, causal=causal), block_sizes=block_sizes, blocks_type=kind,
+                      num_warps=num_warps, num_stages=num_stages, causal=causal, segment_ids=segment_ids,
+                      window=window)

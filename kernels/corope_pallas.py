@@ -59,12 +59,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpe.base import check_corope_inputs, rotary_frequencies
-from jaxpe.kernels._checks import fused_refusal, open_fused
+from jaxpe.base import rotary_frequencies
+from jaxpe.kernels._checks import open_corope_fused
 from jaxpe.kernels._common import (MASK_VALUE, check_block_sizes, dot, filled, first_order_only, fold_scale,
                                    output_struct, fori_loop32, resolve_interpret, sincos, tile_extent,
                                    triton_compiler_params, vary_alike)
-from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
+from jaxpe.kernels.corope_blockwise import caller_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,12 +482,9 @@ def corope_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     the kernels (gates and scores depend on q and sm_scale only through sm_scale·q). causal=False, other dtypes and
     symbolic shapes raise (`fused_refusal`); x64 mode changes nothing (the kernels index in int32).
     """
-    check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl="pallas", causal=causal),
-                                            block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
-                                            num_stages=num_stages, causal=causal, segment_ids=segment_ids,
-                                            window=window)
+    empty, segment_ids, window = open_corope_fused(
+        q, k, v, impl="pallas", theta=theta, sm_scale=sm_scale, inv_freq=inv_freq, causal=causal, window=window,
+        segment_ids=segment_ids, block_sizes=block_sizes, kind=BlockSizes, num_warps=num_warps, num_stages=num_stages)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     q, sm_scale = fold_scale(q, sm_scale)

@@ -58,14 +58,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jaxpe.base import check_corope_inputs, rotary_frequencies, scale_or_default
-from jaxpe.kernels._checks import fused_refusal, open_fused
+from jaxpe.base import rotary_frequencies, scale_or_default
+from jaxpe.kernels._checks import open_corope_fused
 from jaxpe.kernels._common import (MASK_VALUE, _COS_COEFFS, _PIO2_1, _PIO2_2, _PIO2_3, _SIN_COEFFS, _TWO_OVER_PI,
                                    check_block_sizes, filled, first_order_only, next_power_of_two, output_struct,
                                    tile_extent, vary_alike)
 from jaxpe.kernels._triton_launch import interpreted, launch, require
 from jaxpe.kernels._triton_memory import scatter_add, scatter_in_place
-from jaxpe.kernels.corope_blockwise import caller_frequencies, check_inv_freq
+from jaxpe.kernels.corope_blockwise import caller_frequencies
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -586,12 +586,9 @@ def corope_attention_triton(q: jax.Array, k: jax.Array, v: jax.Array, *, theta: 
     tune the compiled kernels; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1 before triton is
     imported). causal=False, other dtypes and symbolic shapes raise (`fused_refusal`).
     """
-    check_corope_inputs(q, k, v, theta=theta, sm_scale=sm_scale)
-    check_inv_freq(inv_freq, q.shape[3])
-    empty, segment_ids, window = open_fused(q, fused_refusal(q, impl="triton", causal=causal),
-                                            block_sizes=block_sizes, blocks_type=BlockSizes, num_warps=num_warps,
-                                            num_stages=num_stages, causal=causal, segment_ids=segment_ids,
-                                            window=window)
+    empty, segment_ids, window = open_corope_fused(
+        q, k, v, impl="triton", theta=theta, sm_scale=sm_scale, inv_freq=inv_freq, causal=causal, window=window,
+        segment_ids=segment_ids, block_sizes=block_sizes, kind=BlockSizes, num_warps=num_warps, num_stages=num_stages)
     if empty:
         return jnp.zeros(q.shape, q.dtype)
     require()
