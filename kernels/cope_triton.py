@@ -131,6 +131,25 @@ def _gate_logits(q, kg, q_hi, q_lo, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, 
 
 
 @triton.jit
+def _query_operands(Q, K, V, KG, QH, QL, KH, KL, q_head, kv_head, rows, dims, length, stride_ql,
+                    ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr):
+    """A program's operands: (q_ptr, k_ptr, v_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, q, q_hi, q_lo). Q, QH, QL
+    at the query head, K, V, KH, KL at the KV head; kg_ptr KG's KV head with HAS_GATE_K, else the keys'; q the query
+    block's tile [block_q, Dp]; q_hi, q_lo its TF32 parts read from QH, QL when GATE_CHUNK = Dp (`_gate_logits`),
+    else q."""
+    q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
+    kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
+    qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
+    q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q_hi, q_lo = q, q
+    if GATE_CHUNK == BLOCK_D:
+        q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+        q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    return q_ptr, k_ptr, v_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, q, q_hi, q_lo
+
+
+@triton.jit
 def _scores_and_gates(q, k, q_hi, q_lo, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, rows, cols, dims, mask, qk_scale,
                       length, stride_ql, stride_kl, ALIGN: tl.constexpr, EVEN_L: tl.constexpr, MASK_D: tl.constexpr,
                       BLOCK_D: tl.constexpr, HAS_GATE_K: tl.constexpr, GATE_CHUNK: tl.constexpr,
@@ -265,14 +284,9 @@ def _forward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, sm_scale, length, npos,
     masked."""
     b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
                                                                  GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
-    q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
-    kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
-    qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
-    q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    q_hi, q_lo = q, q
-    if GATE_CHUNK == BLOCK_D:
-        q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q_ptr, k_ptr, v_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, q, q_hi, q_lo = _query_operands(
+        Q, K, V, KG, QH, QL, KH, KL, q_head, kv_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D, BLOCK_D,
+        HAS_GATE_K, GATE_CHUNK)
     z_rows = Z + b * stride_zb + h * stride_zh + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's
     seg_ptr, seg_rows = document_rows(SEG, b, stride_segb, rows, live, HAS_SEGMENTS)
     sm_scale = tl.cast(sm_scale, tl.float32)  # jax-triton passes Python floats as float64
@@ -337,14 +351,9 @@ def _backward_kernel(Q, K, V, KG, SEG, Z, QH, QL, KH, KL, DO, LSE, DELTA, R, E, 
     into zeros; DKG written only with HAS_GATE_K)."""
     b, h, row0, rows, dims, live, q_head, kv_head = program_rows(length, stride_qb, stride_qh, stride_kb, stride_kh,
                                                                  GROUPS, BLOCK_Q, BLOCK_D, ALIGN)
-    q_ptr, k_ptr, v_ptr = Q + q_head, K + kv_head, V + kv_head
-    kg_ptr = KG + kv_head if HAS_GATE_K else k_ptr
-    qh_ptr, ql_ptr, kh_ptr, kl_ptr = QH + q_head, QL + q_head, KH + kv_head, KL + kv_head
-    q = load_rows(q_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-    q_hi, q_lo = q, q
-    if GATE_CHUNK == BLOCK_D:
-        q_hi = load_rows(qh_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
-        q_lo = load_rows(ql_ptr, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
+    q_ptr, k_ptr, v_ptr, kg_ptr, qh_ptr, ql_ptr, kh_ptr, kl_ptr, q, q_hi, q_lo = _query_operands(
+        Q, K, V, KG, QH, QL, KH, KL, q_head, kv_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D, BLOCK_D,
+        HAS_GATE_K, GATE_CHUNK)
     do = load_rows(DO + q_head, rows, dims, length, stride_ql, ALIGN, EVEN_L, MASK_D)
     z_head = b * stride_zb + h * stride_zh
     z_rows = Z + z_head + tl.minimum(rows, length - 1) * stride_zl  # rows past L read L − 1's

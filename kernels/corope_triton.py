@@ -346,25 +346,32 @@ def _key_blocks(qb, window, BQ: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _program_block(length, num_heads, D: tl.constexpr, BQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr):
+    """This program's place: (qb, b, head0, kv_head, stride_q, stride_k, q_at, k_at, rows, rows_s, heads_s). Query
+    block qb (the longest walks start first) of batch b, query heads head0 .. head0 + H − 1 of KV head kv_head; the
+    row strides of q and k; q_at, k_at: the offsets of batch b's q rows and of its k/v rows at kv_head; rows [BQ] the
+    block's query rows; rows_s, heads_s [H·BQ]: the query row and head of each of the heads' stacked rows."""
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head0 = tl.program_id(2) * H
+    kv_head = head0 // G
+    stride_q, stride_k = num_heads * D, (num_heads // G) * D
+    stacked = tl.arange(0, H * BQ)
+    return (qb, b, head0, kv_head, stride_q, stride_k, b * length * stride_q, b * length * stride_k + kv_head * D,
+            qb * BQ + tl.arange(0, BQ), qb * BQ + stacked % BQ, head0 + stacked // BQ)
+
+
+@triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, window, num_heads, o_ptr, lse_ptr,
                     D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                     H: tl.constexpr, G: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
                     FAST: tl.constexpr):
     """q [B, L, Hq, D], k/v [B, L, Hkv, D], ω [Dh] float32, segment ids [B, L] int32 (read with HAS_SEG), sm_scale
     [1] float32 -> o [B, L, Hq, D], lse·log2 e [B, Hq, L] float32. window = L when there is none."""
-    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest walks start first
-    b = tl.program_id(1).to(tl.int64)
-    head0 = tl.program_id(2) * H
-    kv_head = head0 // G
-    stride_q, stride_k = num_heads * D, (num_heads // G) * D
-    q_base = q_ptr + b * length * stride_q
-    k_base = k_ptr + b * length * stride_k + kv_head * D
-    v_base = v_ptr + b * length * stride_k + kv_head * D
-    seg_base = seg_ptr + b * length
+    qb, b, head0, kv_head, stride_q, stride_k, q_at, k_at, rows, rows_s, heads_s = _program_block(
+        length, num_heads, D, BQ, H, G)
+    q_base, k_base, v_base, seg_base = q_ptr + q_at, k_ptr + k_at, v_ptr + k_at, seg_ptr + b * length
     sm_scale = tl.load(scale_ptr)
-    rows = qb * BQ + tl.arange(0, BQ)
-    stacked = tl.arange(0, H * BQ)
-    rows_s, heads_s = qb * BQ + stacked % BQ, head0 + stacked // BQ  # the stacked rows' query rows and heads
     d = tl.arange(0, DP)
     lead = tl.load(q_base + rows[:, None] * stride_q + kv_head * G * D + d[None, :],
                    mask=(rows < length)[:, None] & (d < D)[None, :], other=0.0)
@@ -393,7 +400,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, freq_ptr, seg_ptr, scale_ptr, length, w
         z_suffix += tl.sum(z, 1)
     l = tl.where(l > 0.0, l, 1.0)  # padding rows (>= L) see no key
     real = rows_s < length
-    tl.store(o_ptr + b * length * stride_q + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
+    tl.store(o_ptr + q_at + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
              (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=real[:, None] & (d < D)[None, :])
     tl.store(lse_ptr + (b * num_heads + heads_s) * length + rows_s, m + tl.log2(l), mask=real)
 
@@ -405,29 +412,18 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, row_dot_ptr, freq_ptr
                      PRECISION: tl.constexpr, MMA_SUMS: tl.constexpr, FAST: tl.constexpr):
     """q/do [B, L, Hq, D], k/v [B, L, Hkv, D], lse·log2 e and row_dot = Σ_d dO·O [B, Hq, L] float32, ω, segment ids,
     sm_scale as in the forward -> dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] float32 (zeros in, added to)."""
-    qb = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    head0 = tl.program_id(2) * H
-    kv_head = head0 // G
-    stride_q, stride_k = num_heads * D, (num_heads // G) * D
-    q_base = q_ptr + b * length * stride_q
-    dq_base = dq_ptr + b * length * stride_q
-    k_base = k_ptr + b * length * stride_k + kv_head * D
-    v_base = v_ptr + b * length * stride_k + kv_head * D
-    dk_base = dk_ptr + b * length * stride_k + kv_head * D
-    dv_base = dv_ptr + b * length * stride_k + kv_head * D
-    seg_base = seg_ptr + b * length
+    qb, b, head0, kv_head, stride_q, stride_k, q_at, k_at, rows, rows_s, heads_s = _program_block(
+        length, num_heads, D, BQ, H, G)
+    q_base, dq_base, k_base, v_base = q_ptr + q_at, dq_ptr + q_at, k_ptr + k_at, v_ptr + k_at
+    dk_base, dv_base, seg_base = dk_ptr + k_at, dv_ptr + k_at, seg_ptr + b * length
     sm_scale = tl.load(scale_ptr)
-    rows = qb * BQ + tl.arange(0, BQ)
-    stacked = tl.arange(0, H * BQ)
-    rows_s, heads_s = qb * BQ + stacked % BQ, head0 + stacked // BQ
     d = tl.arange(0, DP)
     columns = (d < D)[None, :]
     lead = tl.load(q_base + rows[:, None] * stride_q + kv_head * G * D + d[None, :],
                    mask=(rows < length)[:, None] & columns, other=0.0)
     lead32 = lead.to(tl.float32)
     real = rows_s < length
-    do = tl.load(do_ptr + b * length * stride_q + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
+    do = tl.load(do_ptr + q_at + rows_s[:, None] * stride_q + heads_s[:, None] * D + d[None, :],
                  mask=real[:, None] & columns, other=0.0)
     stats = (b * num_heads + heads_s) * length + rows_s
     lse = tl.load(lse_ptr + stats, mask=real, other=0.0)
