@@ -3,8 +3,8 @@ a compilation cache of the run's own, Triton's interpreter without a GPU, a `key
 and `--one-case-in` (samples of each test's parametrized cases, for the other jax versions' runs).
 
 What each leg of CI (.ci/run: 20–45 minutes on 2 cores from a clean clone, 2026-11-30 to 2026-12-02, the hosts
-differing more than two-fold; 25–30 minutes on 2026-12-02, both cores busy 95 % of it: main suite 1011–1203 s, then
-the newest jax 469–576 s beside compile 453–516 s; it prints each leg's time) runs of this suite:
+differing more than two-fold; 19–30 minutes on 2026-12-02, both cores busy 95 % of it: main suite 751–1203 s, then
+the newest jax 357–576 s beside compile 338–516 s; it prints each leg's time) runs of this suite:
 - main, `make test`: every file, Python 3.11 with jax 0.10, two xdist workers; every parametrized case. The tests
   that need jax's CUDA plugin, ptxas or nvdisasm skip, saying why.
 - newest jax, `make test-newest` (.ci/newest_jax): Python 3.12 with the newest jax and flax; the files of the public
