@@ -77,7 +77,7 @@ class Attention(nn.Module):
         if self.deterministic is not None:
             check_bool("deterministic", self.deterministic)
         self.pe.check_causal(self.causal)
-        self.pe.check_layer(head_dim=self.head_dim, impl=self.impl)
+        self.pe.check_layer(head_dim=self.head_dim, impl=self.impl, causal=self.causal)
         super().__post_init__()
 
     @nn.compact

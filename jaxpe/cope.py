@@ -493,7 +493,8 @@ class CoPEConfig(PEConfig):
                              "get no positions; use 'none' or an encoding that acts in attention")
         check_positive_number("soft_onehot_temp", self.soft_onehot_temp)
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
+        check_impl(impl, causal=causal)
         if self.soft_onehot or self.talking_heads:
             check_dense_impl(impl)
 

@@ -128,7 +128,7 @@ class GatedCoPERoPEConfig(GatedCoPEConfig):
         super().__post_init__()
         check_positive_number("theta", self.theta)
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
         check_even_head_dim(head_dim)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:

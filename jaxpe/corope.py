@@ -40,7 +40,7 @@ from jaxpe.registry import PEConfig, register
 from jaxpe.rope_scaling import check_rotary_dim, rope_frequencies, rope_scaling_dict
 from jaxpe.softmax_attention import (fold_padding, masked_softmax_attention, qk_logits, resolve_sm_scale,
                                      reverse_cumsum, visibility_mask, warn_dense_logits)
-from jaxpe.validation import (as_bool, check_attention_mask, check_corope_inputs, check_even_head_dim,
+from jaxpe.validation import (as_bool, check_attention_mask, check_corope_inputs, check_even_head_dim, check_impl,
                               check_padding_mask, check_positive_number, check_qkv, check_queries_last,
                               check_sm_scale, open_attention)
 
@@ -284,7 +284,8 @@ class CoRoPEConfig(PEConfig):
                              "attention factor would also scale the gates")
         object.__setattr__(self, "scaling", None if spec is None else tuple(sorted(spec.items())))
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
+        check_impl(impl, causal=causal)
         check_even_head_dim(head_dim)
         if self.rotary_dim is not None:
             check_rotary_dim(self.rotary_dim, head_dim)

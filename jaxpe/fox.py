@@ -191,8 +191,8 @@ class FoXCore(nn.Module):
 class FoXConfig(PEConfig):
     """Forgetting attention: a per-head forget gate σ(w·x + b) from the layer input (no position tables)."""
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
-        resolve_unfused_impl(impl, 1, encoding="fox", batch_heads=1)  # refuses "triton"
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
+        resolve_unfused_impl(impl, 1, encoding="fox", batch_heads=1, causal=causal)  # refuses "triton"
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         self.check_layer(head_dim=head_dim, impl=impl)

@@ -117,7 +117,7 @@ class ModelConfig:
         self._check_pattern_attends()
         for config in layer_configs.values():
             config.check_causal(self.causal)
-            config.check_layer(head_dim=self.head_dim, impl=self.impl)
+            config.check_layer(head_dim=self.head_dim, impl=self.impl, causal=self.causal)
 
     def _check_layer_pe(self) -> None:
         """ValueError unless `layer_pe` is () or registered names including `pe`, given once (not also as `every`)."""

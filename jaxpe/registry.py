@@ -36,9 +36,9 @@ class PEConfig:
         """The module added to token embeddings, or None when the encoding acts in attention."""
         return None
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
-        """ValueError when this encoding cannot run in attention of head dim `head_dim` with implementation `impl`
-        (a layer checks at its construction; `core` checks again)."""
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
+        """ValueError when this encoding cannot run in attention of head dim `head_dim` with implementation `impl`, in
+        the direction `causal` (a layer checks at its construction; `core` checks again, causal)."""
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         """The attention core (an `AttentionCore`); plain softmax attention unless overridden."""

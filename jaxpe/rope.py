@@ -131,7 +131,7 @@ class RoPEConfig(PEConfig):
         if spec is not None and spec["rope_type"] == "dynamic" and self.rotary_dim == 2:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be > 2 for dynamic NTK scaling")
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
         if self.rotary_dim is None:
             check_even_head_dim(head_dim)
         else:

@@ -190,8 +190,9 @@ class StickBreakingConfig(PEConfig):
     def __post_init__(self) -> None:
         check_bool("attend_current", self.attend_current)
 
-    def check_layer(self, *, head_dim: int, impl: str) -> None:
-        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1)  # refuses impls it has no path of
+    def check_layer(self, *, head_dim: int, impl: str, causal: bool = True) -> None:
+        # refuses impls it has no path of
+        resolve_unfused_impl(impl, 1, encoding="stickbreaking", batch_heads=1, causal=causal)
 
     def core(self, *, head_dim: int, max_len: int, impl: str) -> nn.Module:
         self.check_layer(head_dim=head_dim, impl=impl)

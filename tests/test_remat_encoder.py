@@ -169,10 +169,26 @@ def test_bidirectional_contextual_layer_is_its_pure_function(pe):
 @pytest.mark.parametrize("pe, impl", [("cope", "pallas"), ("cope", "triton"), ("corope", "pallas"),
                                       ("corope", "triton"), ("fox", "pallas")])
 def test_bidirectional_layer_refuses_the_causal_kernels(pe, impl):
-    """A layer asked for a fused (causal) kernel and causal=False says so, rather than attending causally."""
-    layer = jaxpe.Attention(pe=pe, causal=False, impl=impl, **LAYER)
-    with pytest.raises(ValueError, match=f"causal=False is not supported by impl='{impl}'"):
-        layer.init(jax.random.key(0), _x())
+    """A layer or model asked for a fused (causal) kernel and causal=False says so when it is built, rather than at
+    its first call (or attending causally)."""
+    refusal = f"causal=False is not supported by impl='{impl}'"
+    with pytest.raises(ValueError, match=refusal):
+        jaxpe.Attention(pe=pe, causal=False, impl=impl, **LAYER)
+    with pytest.raises(ValueError, match=refusal):
+        jaxpe.ModelConfig(vocab_size=8, d_model=16, num_layers=1, num_heads=2, pe=pe, impl=impl, causal=False)
+    with pytest.raises(ValueError, match=refusal):
+        jnnx.Attention(16, pe=pe, num_heads=2, num_kv_heads=1, head_dim=8, causal=False, impl=impl, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+def test_bidirectional_layer_without_kernels_ignores_impl(impl):
+    """impl chooses the contextual encodings' kernels only: a RoPE encoder layer given a fused impl attends both ways
+    (the last query sees the first key's value change)."""
+    layer = jaxpe.Attention(pe="rope", causal=False, impl=impl, **LAYER)
+    x = _x()
+    params = layer.init(jax.random.key(0), x)
+    moved = layer.apply(params, x.at[:, -1].add(1.0))
+    assert not np.allclose(layer.apply(params, x)[:, 0], moved[:, 0])
 
 
 @pytest.mark.parametrize("pe", CAUSAL_ONLY)
