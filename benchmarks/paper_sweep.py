@@ -42,7 +42,7 @@ import jax
 import jax.monitoring
 
 from jaxpe.train import TimeLimitReached, build_config, compare_encodings
-from jaxpe.train.cli import int_list, pe_list, seconds, seed_list
+from jaxpe.train.cli import int_list, pe_list, refuse_seed_override, seconds, seed_list
 from jaxpe.train.config import MAX_SEED, TrainConfig, build_task, resolve_task
 from jaxpe.train.tasks.base import Task, json_object
 from jaxpe.train.experiments import finished_result, latest_checkpoint_step, seed_config
@@ -123,6 +123,22 @@ def estimate_s(cell: Cell, from_step: int, measured: dict[str, Any], dry_run: bo
     return setup + per_step * (cell.config.run.steps - from_step)
 
 
+def seconds_per_step(cell: Cell, seeds: tuple[int, ...], *, since: int) -> float | None:
+    """Seconds per step of the cell's seeds trained as one program past step `since` (this call's training), from
+    their metrics.jsonl: each train record covers the steps since the one before it, in its tokens over its
+    tokens_per_s; the first record past `since` is left out (its interval holds the compilation). None with fewer
+    than two such records."""
+    tokens_per_step = cell.config.optim.batch_size * cell.config.task.options.get("seq_len", 512)
+    seconds, steps = 0.0, 0
+    for run_dir in cell.run_dirs(seeds):
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        records = [r for r in map(json.loads, lines) if r["split"] == "train" and r["step"] > since]
+        for before, record in zip(records, records[1:]):
+            seconds += tokens_per_step * (record["step"] - before["step"]) / record["tokens_per_s"]
+            steps += record["step"] - before["step"]
+    return seconds / steps if steps else None
+
+
 def compile_seconds() -> list[float]:
     """A running total of XLA compile seconds in this process (jax.monitoring's backend-compile events)."""
     total = [0.0]
@@ -156,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     nvars, seeds = tuple(args.nvars), tuple(args.seeds)
     dest, given = _dest_and_overrides(parser, [args.dest, *args.overrides])
+    refuse_seed_override(parser, given)
     if dest.exists() and not dest.is_dir():
         parser.error(f"DEST {str(dest)!r} exists and is not a directory")
     overrides = [*(DRY_RUN if args.dry_run else PAPER), *given]
@@ -210,11 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         took, compile_s = time.time() - began, compiled[0] - compile_before
         steps_run = cell.config.run.steps - step
-        rates = [r["tokens_per_s"] for d in cell.run_dirs(seeds)
-                 for r in map(json.loads, (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
-                 if r["split"] == "train" and r["step"] > step]
-        tokens_per_step = cell.config.optim.batch_size * cell.config.task.options.get("seq_len", 512)
-        s_per_step = tokens_per_step / (sum(rates) / len(rates)) if rates else took / max(steps_run, 1)
+        measured = seconds_per_step(cell, seeds, since=step)
+        s_per_step = measured if measured is not None else max(took - compile_s, 0.0) / max(steps_run, 1)
         record["cells"][cell.name] = {"seconds": round(took, 1), "compile_s": round(compile_s, 1),
                                       "steps": steps_run, "s_per_step_3_seeds": round(s_per_step, 5),
                                       "ms_per_model_step": round(1000 * s_per_step / len(seeds), 3)}

@@ -52,6 +52,25 @@ def test_the_dry_run_plans_is_cut_resumes_and_redoes_nothing(tmp_path):
 
 
 
+def test_seconds_per_step_leave_out_the_record_that_holds_the_compilation(tmp_path):
+    """A cell's speed is its steps' seconds over their count past the call's start, the first record after it (whose
+    interval holds the compilation) left out, and the records of an earlier call (at or before `since`) too."""
+    cell, = paper_sweep.cells(tmp_path, (1,), ("cope",), paper_sweep.DRY_RUN)
+    tokens = cell.config.optim.batch_size * cell.config.task.options["seq_len"]  # 8 x 24 a step
+    # (step, seconds since the record before): a first call to step 4, cut; this call from step 4 (compiling: 30 s)
+    for seed, intervals in ((0, [(2, 50.0), (4, 1.0), (6, 30.0), (8, 1.0), (12, 3.0)]),
+                            (1, [(2, 50.0), (4, 1.0), (6, 30.0), (8, 1.0), (12, 3.0)])):
+        run_dir = cell.run_dirs((0, 1))[seed]
+        run_dir.mkdir(parents=True)
+        steps = [0] + [step for step, _ in intervals]
+        lines = [json.dumps({"step": step, "split": "train", "tokens_per_s": tokens * (step - before) / seconds})
+                 for (step, seconds), before in zip(intervals, steps)]
+        lines.insert(2, json.dumps({"step": 4, "split": "valid", "loss": 1.0}))
+        (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert paper_sweep.seconds_per_step(cell, (0, 1), since=4) == pytest.approx((1.0 + 3.0) / 6)
+    assert paper_sweep.seconds_per_step(cell, (0, 1), since=8) is None  # one record: only compilation and steps
+
+
 def test_a_rerun_with_other_overrides_counts_no_run_of_the_old_config_as_done(tmp_path, capsys):
     """A finished cell is done only for the config that finished it: with another run.steps it is to do again (in
     the plan, under the time limit), not passed over and then trained whole by the closing comparison; with another
@@ -117,6 +136,8 @@ def test_an_override_before_dest_is_an_override_not_dest(tmp_path, capsys):
     (["--time-limit", "-5"], "argument --time-limit: '-5' must be > 0 seconds"),
     (["task.seed=abc"], "paper_sweep.py: error: task.seed='abc' must be an int"),
     (["run.steps=2147483648"], "paper_sweep.py: error: run.steps=2147483648 must be <= 2147483647"),
+    (["run.seed=5"], "paper_sweep.py: error: 'run.seed=5': paper_sweep.py trains the seeds of --seeds (each run's "
+                     "run.seed); give --seeds 5 instead"),
 ])
 def test_bad_options_are_usage_errors_naming_the_option(flags, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

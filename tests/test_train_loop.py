@@ -240,6 +240,18 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     # steps 4..6 replayed from step 3's state give the first run's result again
     for split, values in first["splits"].items():
         assert again["splits"][split] == pytest.approx(values)
+    # with no readable checkpoint left, the run says it trains from the start, and does
+    for step in (3, 6):
+        for path in (tmp_path / "run" / "checkpoints" / str(step) / "state").rglob("*"):
+            if path.is_file():
+                path.write_bytes(b"garbage")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxpe.train"):
+        restarted = train_and_evaluate(config, tmp_path / "run")
+    assert restarted["resumed_from"] is None
+    assert f"no readable checkpoint is left in {tmp_path / 'run' / 'checkpoints'}: training from step 0" in caplog.text
+    for split, values in first["splits"].items():
+        assert restarted["splits"][split] == pytest.approx(values)
     shutil.rmtree(tmp_path / "run")
 
 

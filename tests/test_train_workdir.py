@@ -328,6 +328,15 @@ def test_eval_falls_back_past_a_corrupt_checkpoint_and_reports_an_unwritable_wor
     assert "| flipflop | rope | 0 | 2 |" in out
     assert f"jaxpe-eval: could not write eval.json, eval.md in {tmp_path}: Permission denied" in err
     assert "Traceback" not in err
+    monkeypatch.undo()
+    # asked for that checkpoint by its step, the reader says which one is unreadable, in one line
+    (tmp_path / "checkpoints" / "2" / "meta" / "metadata").write_text("not json", encoding="utf-8")
+    for step in ("4", "2"):
+        assert cli.eval_main(["--workdir", str(tmp_path), "--step", step]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].startswith(f"jaxpe-eval: error: checkpoint at step {step} in "
+                                                       f"{tmp_path / 'checkpoints'} is unreadable ("), err
+        assert "Traceback" not in err
 
 
 # 5. Messages.

@@ -61,10 +61,13 @@ class Checkpoints:
         self.manager.save(step, args=args, metrics=dict(metrics) if metrics is not None else None, force=True)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        """(state, meta) of the checkpoint at `step`; raises if it is unreadable."""
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        )
+        """(state, meta) of the checkpoint at `step`; a ValueError naming it, and why, if it is unreadable."""
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        try:
+            restored = self.manager.restore(step, args=args)
+        except Exception as error:  # noqa: BLE001 -- any failure to read (orbax's, the file system's, JSON's)
+            raise ValueError(f"checkpoint at step {step} in {self.directory} is unreadable "
+                             f"({type(error).__name__}: {error})") from error
         return restored["state"], dict(restored["meta"])
 
     def restore_latest(self, abstract_state: Any, *, quarantine: bool = True, max_step: int | None = None
@@ -81,9 +84,8 @@ class Checkpoints:
         for step in sorted(steps, reverse=True):
             try:
                 return (*self.restore(step, abstract_state), problems)
-            except Exception as error:  # noqa: BLE001 -- any failure to read means "use the previous one"
-                message = (f"checkpoint at step {step} in {self.directory} is unreadable "
-                           f"({type(error).__name__}: {error})")
+            except ValueError as error:  # unreadable: use the previous one
+                message = str(error)
                 log.warning("%s; falling back to the previous checkpoint", message)
                 problems.append({"step": step, "error": message})
                 if quarantine:

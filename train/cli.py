@@ -347,6 +347,15 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     return _guarded(parser, args, body)
 
 
+def refuse_seed_override(parser: argparse.ArgumentParser, overrides: Sequence[str]) -> None:
+    """A usage error (exit 2) when `overrides` set run.seed: the runs of several seeds (--seeds) set each run's own,
+    and compare_encodings would drop the override unseen."""
+    given = [o for o in overrides if o.partition("=")[0].strip() == "run.seed"]
+    if given:
+        parser.error(f"{given[-1]!r}: {parser.prog} trains the seeds of --seeds (each run's run.seed); "
+                     f"give --seeds {given[-1].partition('=')[2].strip() or 'N'} instead")
+
+
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """jaxpe-compare: several encodings x seeds -> one table (JSON, Markdown, PNG)."""
     parser = _config_parser("jaxpe-compare", "Train several encodings and seeds on one task and compare them.")
@@ -361,10 +370,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         configs = _resolve(parser, args, args.pe)
-        seed_overrides = [o for o in args.overrides if o.partition("=")[0].strip() == "run.seed"]
-        if seed_overrides:  # compare_encodings sets run.seed from --seeds: the override would be dropped unseen
-            parser.error(f"{seed_overrides[-1]!r}: jaxpe-compare trains the seeds of --seeds (each run's run.seed); "
-                         f"give --seeds {seed_overrides[-1].partition('=')[2].strip() or 'N'} instead")
+        refuse_seed_override(parser, args.overrides)
         _start(args)
         comparison = experiments.compare_encodings(configs, args.seeds, args.workdir,
                                                    seeds_together=not args.separate_seeds, time_limit=args.time_limit)

@@ -401,6 +401,8 @@ def _restore_members(trainer: Trainer, configs: Sequence[TrainConfig], task: Tas
     for member, (config, ckpt) in enumerate(zip(configs, checkpoints, strict=True)):
         state, meta, member_problems = ckpt.restore_latest(abstract)
         problems[member] += member_problems
+        if state is None and member_problems:
+            log.warning("no readable checkpoint is left in %s: training from step 0", ckpt.directory)
         if state is not None:
             _check_checkpoint_config(meta, config, task, ckpt.directory, lambda: [c.close() for c in checkpoints])
         found.append(state)
@@ -537,7 +539,7 @@ def restore_run(workdir: str | pathlib.Path, step: int | None = None, *, num_dev
         if step is not None and step not in steps:
             raise ValueError(f"{step=}: no such checkpoint in {workdir / 'checkpoints'} (have {steps})")
         if step is not None:
-            state, meta = checkpoints.restore(step, trainer.abstract_state())
+            state, meta = checkpoints.restore(step, trainer.abstract_state())  # a ValueError naming it if unreadable
         else:
             state, meta, problems = checkpoints.restore_latest(trainer.abstract_state(), quarantine=False)
             if state is None:
