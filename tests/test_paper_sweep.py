@@ -58,14 +58,13 @@ def test_seconds_per_step_leave_out_the_record_that_holds_the_compilation(tmp_pa
     cell, = paper_sweep.cells(tmp_path, (1,), ("cope",), paper_sweep.DRY_RUN)
     tokens = cell.config.optim.batch_size * cell.config.task.options["seq_len"]  # 8 x 24 a step
     # (step, seconds since the record before): a first call to step 4, cut; this call from step 4 (compiling: 30 s)
-    for seed, intervals in ((0, [(2, 50.0), (4, 1.0), (6, 30.0), (8, 1.0), (12, 3.0)]),
-                            (1, [(2, 50.0), (4, 1.0), (6, 30.0), (8, 1.0), (12, 3.0)])):
-        run_dir = cell.run_dirs((0, 1))[seed]
+    intervals = [(2, 50.0), (4, 1.0), (6, 30.0), (8, 1.0), (12, 3.0)]
+    steps = [0] + [step for step, _ in intervals]
+    lines = [json.dumps({"step": step, "split": "train", "tokens_per_s": tokens * (step - before) / seconds})
+             for (step, seconds), before in zip(intervals, steps)]
+    lines.insert(2, json.dumps({"step": 4, "split": "valid", "loss": 1.0}))
+    for run_dir in cell.run_dirs((0, 1)):  # each seed's records: the stacked program's seconds
         run_dir.mkdir(parents=True)
-        steps = [0] + [step for step, _ in intervals]
-        lines = [json.dumps({"step": step, "split": "train", "tokens_per_s": tokens * (step - before) / seconds})
-                 for (step, seconds), before in zip(intervals, steps)]
-        lines.insert(2, json.dumps({"step": 4, "split": "valid", "loss": 1.0}))
         (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert paper_sweep.seconds_per_step(cell, (0, 1), since=4) == pytest.approx((1.0 + 3.0) / 6)
     assert paper_sweep.seconds_per_step(cell, (0, 1), since=8) is None  # one record: only compilation and steps
